@@ -1,0 +1,303 @@
+"""The training-loop API: save sharded state to ``ROOT/step-<N>``, commit atomically, keep the last K,
+and load the newest committed step into a model on any world size or mesh.
+
+    ckpt = Checkpointer("runs/exp1", keep_last=3)
+    res = ckpt.load(model, optimizer)          # None on a fresh start
+    start = res.step + 1 if res else 0
+    ...
+    ckpt.save(step, model, optimizer, extra={"data_seed": 7})
+
+Saves go through ``torch.distributed.checkpoint`` (no all-gather: each rank writes its own shards),
+so a step directory is a plain DCP checkpoint that ``torch.distributed.checkpoint.load`` reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from . import dist
+from .errors import CkptError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
+from .formats.dcp import SafeLoadPlanner, dcp_reader, dcp_writer, read_metadata
+from .index import unflatten
+from .steps import COMMIT_FILE, commit_record, list_root, retention_victims, step_name
+from .storage import Location, resolve, temp_sibling
+
+log = logging.getLogger("ckpttool")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What :meth:`Checkpointer.load` restored."""
+
+    step: int | None
+    extra: dict[str, Any]
+    path: str
+
+
+class Checkpointer:
+    """Save and resume training state under one root directory (a local path or an fsspec URL).
+
+    Every rank of the job creates one and calls the same methods in the same order; in a single
+    process without a process group it works as rank 0 of 1 (to inspect or load on a laptop).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ):
+        if keep_last is not None and keep_last < 1:
+            raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
+        if keep_every is not None and keep_every < 1:
+            raise UsageError(f"keep_every must be at least 1, got {keep_every}")
+        self.root: Location = resolve(root, storage_options)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.storage_options = storage_options or {}
+
+    # --- queries --------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first. Steps that never committed are not listed."""
+        self._check_root()
+        return list_root(self.root).committed
+
+    def incomplete(self) -> list[str]:
+        """Directory names under the root that never committed (a crash mid-save leaves these)."""
+        self._check_root()
+        return list_root(self.root).incomplete
+
+    def step_path(self, step: int) -> str:
+        return self.root.child(step_name(step)).url
+
+    # --- save ----------------------------------------------------------------------------------
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None) -> str:
+        """Write ``{"model", "optim", "extra"}`` of this step as DCP and commit it; returns its path.
+
+        Raises :class:`OutputExistsError` if the step is already committed, :class:`StorageError`
+        when the storage refuses the write (the previous steps are left as they were).
+        """
+        if not isinstance(step, int) or step < 0:
+            raise UsageError(f"step must be a non-negative int, got {step!r}")
+        state = _training_state(model, optimizer, extra)
+        final = self.root.child(step_name(step))
+        tmp = self._prepare_step_dir(step, final)
+        try:
+            dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options))
+        except Exception as exc:
+            raise _save_error(exc, tmp) from None
+        self._commit(step, tmp, final)
+        self._apply_retention()
+        return final.url
+
+    def _prepare_step_dir(self, step: int, final: Location) -> Location:
+        error: BaseException | None = None
+        tmp: Location | None = None
+        if dist.rank() == 0:
+            try:
+                self._check_root()
+                self.root.makedirs()
+                if final.exists():
+                    raise OutputExistsError(
+                        "step already exists", where=final.url, hint="save under a new step number or delete it first"
+                    )
+                tmp = temp_sibling(final)
+                tmp.makedirs()
+            except CkptError as exc:
+                error = exc
+        error = dist.first_error(error)
+        if error is not None:
+            raise error
+        return Location(self.root.fs, dist.broadcast(tmp.path if tmp else None))
+
+    def _commit(self, step: int, tmp: Location, final: Location) -> None:
+        dist.barrier("ckpttool.commit")
+        error: BaseException | None = None
+        if dist.rank() == 0:
+            try:
+                tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size()))
+                tmp.rename_to(final)
+            except CkptError as exc:
+                error = exc
+        error = dist.first_error(error)
+        if error is not None:
+            raise error
+
+    def _apply_retention(self) -> None:
+        if dist.rank() != 0 or self.keep_last is None:
+            return
+        for victim in retention_victims(self.steps(), self.keep_last, self.keep_every):
+            loc = self.root.child(step_name(victim))
+            try:
+                # Un-commit first, so a delete cut short leaves an incomplete step, not a bad one.
+                loc.child(COMMIT_FILE).remove()
+                loc.remove()
+            except CkptError as exc:
+                log.warning("retention: could not delete %s: %s", loc.url, exc)
+
+    def _check_root(self) -> None:
+        if self.root.isfile():
+            raise UsageError(
+                "checkpoint root is a file, not a directory", where=self.root.url, hint="pass the directory that holds step-<N>"
+            )
+
+    # --- load ----------------------------------------------------------------------------------
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> LoadResult | None:
+        """Load the newest (or the given) committed step into ``model`` (and ``optimizer``).
+
+        Works on any world size and mesh (DCP reshards while reading). Returns ``None`` when
+        ``step`` is None and nothing was committed yet. Raises :class:`NotFoundError` for a missing
+        step and :class:`MismatchError` when the checkpoint does not fit the model.
+        """
+        committed = self.steps()
+        if step is None:
+            if not committed:
+                return None
+            step = committed[-1]
+        elif step not in committed:
+            raise NotFoundError(
+                f"step {step} is not a committed checkpoint",
+                where=self.root.url,
+                hint=f"committed steps: {committed or 'none'}",
+            )
+        result = load(self.root.child(step_name(step)), model, optimizer, storage_options=self.storage_options)
+        return LoadResult(step=step, extra=result.extra, path=result.path)
+
+
+def _training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None) -> dict[str, Any]:
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": msd, "optim": osd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    if extra:
+        state["extra"] = dict(extra)
+    return state
+
+
+def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, storage_options: dict[str, Any] | None = None) -> LoadResult:
+    """Load one DCP checkpoint directory into ``model``/``optimizer`` on the current mesh.
+
+    Checks keys and shapes against the checkpoint first (a :class:`MismatchError` names the key and
+    both shapes), reads ``.metadata`` and every object through the allow-listed unpickler.
+    """
+    loc = resolve(path, storage_options)
+    metadata = read_metadata(loc)
+    state = _training_state(model, optimizer, None)
+    _check_fits(state, metadata, loc)
+    extra_template = _extra_template(metadata)
+    if extra_template:
+        state["extra"] = extra_template
+    try:
+        dcp.load(state, storage_reader=dcp_reader(loc, storage_options), planner=SafeLoadPlanner())
+    except CkptError:
+        raise
+    except Exception as exc:
+        raise _unwrap_dcp_error(exc, loc) from None
+    if optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    step = None
+    from .steps import parse_step, read_commit_record
+
+    record = read_commit_record(loc)
+    if record is not None:
+        step = record.get("step")
+    elif parse_step(loc.name) is not None:
+        step = parse_step(loc.name)
+    return LoadResult(step=step, extra=state.get("extra", {}), path=loc.url)
+
+
+def _check_fits(state: dict[str, Any], metadata: Any, loc: Location) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .index import flatten
+
+    flat, _ = flatten(state)
+    stored = metadata.state_dict_metadata
+    for key, value in flat.items():
+        if key not in stored:
+            raise MismatchError(
+                f"key {key!r} of the model is not in the checkpoint",
+                where=loc.url,
+                hint="was the checkpoint saved from a different model? `ckpttool inspect` lists its keys",
+            )
+        if isinstance(value, torch.Tensor):
+            md = stored[key]
+            if not isinstance(md, TensorStorageMetadata):
+                raise MismatchError(f"key {key!r} is a tensor in the model but an object in the checkpoint", where=loc.url)
+            if tuple(md.size) != tuple(value.shape):
+                raise MismatchError(
+                    f"shape mismatch for {key!r}: checkpoint has {tuple(md.size)}, model has {tuple(value.shape)}",
+                    where=loc.url,
+                    hint="build the model with the configuration it was saved with",
+                )
+
+
+def _extra_template(metadata: Any) -> dict[str, Any]:
+    """A dict shaped like the saved ``extra`` (DCP loads into a template), built from the metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    paths = metadata.planner_data or {}
+    flat: dict[str, Any] = {}
+    sub_paths = {}
+    for key, md in metadata.state_dict_metadata.items():
+        path = paths.get(key, tuple(key.split(".")))
+        if not path or path[0] != "extra":
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        else:
+            flat[key] = None
+        sub_paths[key] = path
+    return unflatten(flat, sub_paths).get("extra", {})
+
+
+def _save_error(exc: Exception, tmp: Location) -> CkptError:
+    text = str(exc)
+    if isinstance(exc, CkptError):
+        return exc
+    lowered = text.lower()
+    if "no space left" in lowered or "errno 28" in lowered:
+        return StorageError("no space left on the device while saving", where=tmp.url, hint="free space; earlier steps are intact")
+    if "permission denied" in lowered or "read-only file system" in lowered:
+        return StorageError("permission denied while saving", where=tmp.url, hint="check the directory's permissions; earlier steps are intact")
+    return StorageError(f"save failed: {text.strip().splitlines()[-1] if text.strip() else type(exc).__name__}", where=tmp.url)
+
+
+def _unwrap_dcp_error(exc: Exception, loc: Location) -> CkptError:
+    """DCP wraps per-rank failures in CheckpointException; find ours inside or say what failed."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for inner in failures.values():
+            if isinstance(inner, CkptError):
+                return inner
+            inner_exc = getattr(inner, "exc", inner)
+            if isinstance(inner_exc, CkptError):
+                return inner_exc
+    from .errors import CorruptCheckpointError
+
+    text = str(exc).strip().splitlines()
+    return CorruptCheckpointError(
+        f"load failed: {text[-1] if text else type(exc).__name__}",
+        where=loc.url,
+        hint="run `ckpttool verify` on it to find the damaged file",
+    )

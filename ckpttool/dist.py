@@ -1,0 +1,68 @@
+"""The only module that calls torch.distributed collectives; every call also works without a group.
+
+With no initialised process group the process is rank 0 of a world of 1, so the same library code
+serves a training job, a single-process tool and a test. Barriers carry a name for error messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def active(group: Any = None) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: Any = None) -> int:
+    return dist.get_rank(group) if active() else 0
+
+
+def world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if active() else 1
+
+
+def barrier(name: str, group: Any = None) -> None:
+    """Wait for every rank. ``name`` says which barrier in a hang or failure report."""
+    if not active():
+        return
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as exc:
+        raise RuntimeError(f"barrier {name!r} failed: {exc}") from exc
+
+
+def broadcast(obj: T, src: int = 0, group: Any = None) -> T:
+    """Rank ``src``'s picklable ``obj`` on every rank (our own values only, never checkpoint data)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather(obj: T, group: Any = None) -> list[T]:
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def first_error(error: BaseException | None, group: Any = None) -> BaseException | None:
+    """Agree on failure: every rank gets the lowest rank's error (or None when all succeeded).
+
+    Used after a step that may fail on some ranks only, so that all ranks raise together instead of
+    some waiting forever in the next collective.
+    """
+    errors = all_gather(None if error is None else (type(error).__name__, str(error)), group)
+    for r, item in enumerate(errors):
+        if item is not None:
+            if error is not None:
+                return error
+            name, text = item
+            return RuntimeError(f"rank {r} failed: {name}: {text}")
+    return None

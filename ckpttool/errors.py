@@ -1,0 +1,68 @@
+"""Typed errors that carry a hint; the CLI maps each to one message and an exit code.
+
+Every error says *what* is wrong, *where* (a path, a key) and *what to do*. Library code raises
+these instead of ``assert`` or bare ``RuntimeError`` so that callers can tell user errors from bugs.
+"""
+
+from __future__ import annotations
+
+#: Exit codes shared by every command (documented in README and docs/cli.md).
+EXIT_OK = 0
+EXIT_DIFFERENCE = 1
+EXIT_BAD_INPUT = 2
+
+
+class CkptError(Exception):
+    """Base class: a user-facing problem with a location and a hint."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, what: str, *, where: str | None = None, hint: str | None = None):
+        self.what = what
+        self.where = where
+        self.hint = hint
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        text = self.what
+        if self.where:
+            text = f"{self.where}: {text}"
+        if self.hint:
+            text = f"{text} ({self.hint})"
+        return text
+
+
+class NotFoundError(CkptError):
+    """A path, step or key that the caller named does not exist."""
+
+
+class NotACheckpointError(CkptError):
+    """The path exists but is not a checkpoint in any format we know."""
+
+
+class FormatError(CkptError):
+    """An unknown format name, or a format that cannot do what was asked."""
+
+
+class CorruptCheckpointError(CkptError):
+    """The checkpoint's files contradict themselves or their metadata."""
+
+
+class UnsafePickleError(CkptError):
+    """A pickle asked for a global that is not on the allow-list; nothing from it ran."""
+
+
+class MismatchError(CkptError):
+    """Checkpoint and target disagree on keys, shapes or dtypes."""
+
+
+class OutputExistsError(CkptError):
+    """The output already exists and ``force`` was not given."""
+
+
+class UsageError(CkptError):
+    """Bad arguments (a negative world size, an unknown dtype, ...)."""
+
+
+class StorageError(CkptError):
+    """A filesystem or object-store operation failed (permission, disk full, backend missing)."""

@@ -1,0 +1,131 @@
+"""What every format implements: a Source (index + region reads) and a Sink (streamed writes).
+
+Sources answer ``index()`` and ``read_tensor(key, box)`` for any box of a tensor, reading only the
+bytes that box needs, so callers control memory. Sinks are told up front what will be written
+(``begin``), then pull each tensor through a ``read(box)`` callback in slabs no bigger than the
+memory budget, and ``finalize()`` commits the output (written under a temporary name until then).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..index import Index, ObjPath, TensorEntry, dtype_size
+from ..layout import Box, slabs, whole
+from ..storage import Location, temp_sibling
+
+ReadFn = Callable[[Box], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor the sink will receive: its key, nesting path, global shape and (output) dtype."""
+
+    key: str
+    path: ObjPath
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    key: str
+    path: ObjPath
+    value: Any
+
+
+class Source(ABC):
+    """A checkpoint opened for reading. Cheap to open; ``index()`` reads only metadata."""
+
+    format: str = ""
+
+    def __init__(self, location: Location):
+        self.location = location
+
+    @abstractmethod
+    def index(self) -> Index: ...
+
+    @abstractmethod
+    def read_tensor(self, key: str, box: Box | None = None) -> torch.Tensor:
+        """The values of ``box`` (default: all) of tensor ``key`` as a new contiguous CPU tensor."""
+
+    @abstractmethod
+    def read_object(self, key: str) -> Any: ...
+
+    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+        """The name of the file that holds a chunk (for inspect and error messages)."""
+        return self.location.name
+
+    def files(self) -> list[str]:
+        """Names of the data files this checkpoint consists of."""
+        return [self.location.name]
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Sink(ABC):
+    """An output being written under a temporary name; nothing at the destination until finalize."""
+
+    format: str = ""
+
+    def __init__(self, location: Location):
+        self.location = location
+        self.tmp = temp_sibling(location)
+        self.dropped: list[str] = []  # object keys the format could not hold
+
+    def order(self, tensors: list[TensorSpec]) -> list[TensorSpec]:
+        """The order tensors will be written in (a format may need its own, e.g. for alignment)."""
+        return tensors
+
+    @abstractmethod
+    def begin(self, tensors: list[TensorSpec], objects: list[ObjectSpec]) -> None: ...
+
+    @abstractmethod
+    def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
+        """Write one tensor (tensors arrive in ``begin``'s order), pulling slabs of <= budget bytes."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Flush and close what is open under ``self.tmp``."""
+
+    def finalize(self) -> None:
+        """Commit: the output appears at its destination whole, or not at all."""
+        self._close()
+        if self.location.exists():
+            self.location.remove()  # only reached with force; checked before writing began
+        self.tmp.rename_to(self.location)
+
+    def abort(self) -> None:
+        """Remove the temporary output after a failure or interrupt."""
+        try:
+            self._close()
+        except Exception:  # noqa: BLE001 - already failing; removing the temp output matters more
+            pass
+        try:
+            self.tmp.remove()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def stream_tensor(write: Callable[[torch.Tensor], None], spec: TensorSpec, read: ReadFn, budget: int, box: Box | None = None) -> None:
+    """Feed the C-order slabs of ``box`` (default whole) of a tensor to ``write``, one at a time."""
+    itemsize = dtype_size(spec.dtype)
+    for slab in slabs(spec.shape, itemsize, budget, box if box is not None else whole(spec.shape)):
+        write(read(slab))

@@ -1,0 +1,356 @@
+"""The ``torch.save`` zip archive, read and written in place, one storage record at a time.
+
+``torch.save`` writes an uncompressed zip: ``<name>/data.pkl`` (the pickled structure, tensors as
+persistent ids) and one ``<name>/data/<key>`` record per storage holding the raw bytes. A whole
+``.pt`` file is one archive; a DCP ``.distcp`` file is many archives back to back, one per chunk.
+Reading the zip directory lets us fetch any byte range of a tensor without loading the rest, and
+writing it ourselves lets a tensor stream into the archive slab by slab.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+
+from ..errors import CorruptCheckpointError, FormatError
+from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
+from ..storage import RangeReader
+
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. extra length (30 bytes)
+_SMALL_ARCHIVE = 1 << 20  # read archives up to this size in one request
+ALIGN = 64  # torch aligns storage records to 64 bytes so they can be mmap'ed
+
+
+@dataclass(frozen=True)
+class StoredStorage:
+    """Where one storage's raw bytes lie in the file, with the zip's CRC-32 of them."""
+
+    offset: int  # absolute offset in the file
+    nbytes: int
+    crc32: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A parsed ``torch.save`` archive: the unpickled structure (tensors as TensorRef) and storages."""
+
+    obj: Any
+    storages: dict[str, StoredStorage]
+    byteorder: str
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``[start, start+length)`` of a file, for ``zipfile``."""
+
+    def __init__(self, reader: RangeReader, start: int, length: int, prefetched: bytes | None = None):
+        self._r = reader
+        self._start = start
+        self._len = length
+        self._pos = 0
+        self._buf = prefetched
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
+        if end <= self._pos:
+            return b""
+        if self._buf is not None:
+            data = self._buf[self._pos : end]
+        else:
+            data = self._r.read(self._start + self._pos, end - self._pos)
+        self._pos = end
+        return data
+
+
+def read_archive(reader: RangeReader, start: int = 0, length: int | None = None, where: str = "") -> Archive:
+    """Parse the archive at ``[start, start+length)``: its pickle (allow-listed) and its storages."""
+    where = where or reader.loc.url
+    if length is None:
+        length = reader.loc.size() - start
+    prefetched = reader.read(start, length) if length <= _SMALL_ARCHIVE else None
+    window = _Window(reader, start, length, prefetched)
+    try:
+        zf = zipfile.ZipFile(window)
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"not a torch.save archive ({exc})", where=where, hint="the file is damaged or in another format"
+        ) from None
+    pkl_name = next((n for n in zf.namelist() if n.endswith("data.pkl")), None)
+    if pkl_name is None:
+        raise CorruptCheckpointError("archive has no data.pkl", where=where)
+    prefix = pkl_name[: -len("data.pkl")]
+    storages: dict[str, StoredStorage] = {}
+    for info in zf.infolist():
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise FormatError(f"compressed record {info.filename!r}", where=where, hint="ckpttool reads uncompressed torch.save archives only")
+        if info.filename.startswith(prefix + "data/"):
+            key = info.filename[len(prefix + "data/") :]
+            window.seek(info.header_offset)
+            header = window.read(_LOCAL_HEADER.size)
+            if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+                raise CorruptCheckpointError(f"bad zip local header for {info.filename!r}", where=where)
+            fields = _LOCAL_HEADER.unpack(header)
+            data_start = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+            if data_start + info.file_size > length:
+                raise CorruptCheckpointError(f"record {info.filename!r} runs past the end of its archive", where=where)
+            storages[key] = StoredStorage(start + data_start, info.file_size, info.CRC, info.filename)
+    try:
+        pkl = zf.read(pkl_name)
+        byteorder = zf.read(prefix + "byteorder").decode() if (prefix + "byteorder") in zf.namelist() else "little"
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise CorruptCheckpointError(f"cannot read the archive's pickle ({exc})", where=where) from None
+    if byteorder != "little":
+        raise FormatError(f"byte order {byteorder!r}", where=where, hint="only little-endian checkpoints are supported")
+    obj = load_torch_pickle(pkl, where)
+    return Archive(obj, storages, byteorder)
+
+
+def tensor_buffer(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (any dtype, no numpy)."""
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    array = (ctypes.c_char * n).from_address(t.data_ptr())
+    array.owner = t  # the view keeps the array alive, the array keeps the tensor alive
+    return memoryview(array).cast("B")
+
+
+def read_tensor_rows(
+    reader: RangeReader, ref: TensorRef, storage: StoredStorage, row0: int, row1: int, where: str
+) -> torch.Tensor:
+    """Rows ``row0:row1`` (dim 0) of the tensor ``ref`` describes, reading only their bytes."""
+    item = torch.empty((), dtype=ref.dtype).element_size()
+    shape = ref.shape
+    if ref.storage_offset * item + _span_bytes(ref, item) > storage.nbytes:
+        raise CorruptCheckpointError(
+            f"tensor needs more bytes than its record holds ({storage.nbytes})", where=where
+        )
+    if len(shape) == 0:
+        out = torch.empty((), dtype=ref.dtype)
+        reader.readinto(storage.offset + ref.storage_offset * item, tensor_buffer(out))
+        return out
+    if ref.is_contiguous():
+        row_elems = 1
+        for s in shape[1:]:
+            row_elems *= s
+        out = torch.empty((row1 - row0, *shape[1:]), dtype=ref.dtype)
+        start = storage.offset + (ref.storage_offset + row0 * row_elems) * item
+        reader.readinto(start, tensor_buffer(out))
+        return out
+    # Rare: a strided tensor (saved from a view). Read its whole storage, then view it.
+    raw = torch.empty(storage.nbytes, dtype=torch.uint8)
+    reader.readinto(storage.offset, tensor_buffer(raw))
+    full = raw.view(ref.dtype).as_strided(ref.shape, ref.stride, ref.storage_offset)
+    return full[row0:row1].contiguous()
+
+
+def _span_bytes(ref: TensorRef, item: int) -> int:
+    if any(s == 0 for s in ref.shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))) * item
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+
+class _Placeholder:
+    """Stands for a tensor in the pickle written by :class:`ArchiveWriter`."""
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.key, self.dtype, self.shape = key, dtype, tuple(shape)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _rebuild_args(p: _Placeholder):
+    numel = 1
+    for s in p.shape:
+        numel *= s
+    return (p.key, p.dtype, numel)
+
+
+class _ArchivePickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _Placeholder):
+            storage = _StorageToken(*_rebuild_args(obj))
+            return (
+                torch._utils._rebuild_tensor_v2,
+                (storage, 0, torch.Size(obj.shape), _contiguous_stride(obj.shape), False, OrderedDict()),
+            )
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageToken):
+            return ("storage", _legacy_storage_type(obj.dtype), obj.key, "cpu", obj.numel)
+        return None
+
+
+class _StorageToken:
+    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+def _legacy_storage_type(dtype: torch.dtype) -> Any:
+    mapping = torch.storage._dtype_to_storage_type_map()
+    if dtype not in mapping:
+        raise FormatError(f"dtype {dtype} cannot be written to a torch.save archive by ckpttool")
+    return getattr(torch, mapping[dtype])
+
+
+class ArchiveWriter:
+    """Write one ``torch.save``-compatible archive into ``stream``, storages first, pickle last.
+
+    The archive starts at the stream's current position (DCP packs many into one file). Storage
+    records are 64-byte aligned from the archive start, as torch writes them, so ``torch.load(...,
+    mmap=True)`` works on our files.
+    """
+
+    def __init__(self, stream: IO[bytes], name: str = "archive"):
+        self._stream = stream
+        self._start = stream.tell() if stream.seekable() else 0
+        self._out = _Tell(stream, self._start)
+        self._zip = zipfile.ZipFile(self._out, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        self._name = name
+        self._next_key = 0
+        self._crc: dict[str, int] = {}
+
+    def new_tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_Placeholder, IO[bytes]]:
+        """Open the record for a new tensor; write its C-order bytes into the returned stream, close it,
+        and put the placeholder where the tensor goes in the object passed to :meth:`finish`."""
+        key = str(self._next_key)
+        self._next_key += 1
+        p = _Placeholder(key, dtype, shape)
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        for s in shape:
+            nbytes *= s
+        return p, self._open_record(f"data/{key}", nbytes)
+
+    def _open_record(self, name: str, nbytes: int) -> IO[bytes]:
+        info = zipfile.ZipInfo(f"{self._name}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type = zipfile.ZIP_STORED
+        info.file_size = nbytes
+        zip64 = nbytes * 1.05 > zipfile.ZIP64_LIMIT
+        pos = self._out.tell()
+        header = 30 + len(info.filename.encode()) + (20 if zip64 else 0)
+        pad = (-(pos + header + 4)) % ALIGN
+        info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # 'FB': torch's own padding id
+        return self._zip.open(info, mode="w", force_zip64=zip64)
+
+    def write_bytes_record(self, name: str, data: bytes) -> None:
+        with self._open_record(name, len(data)) as f:
+            f.write(data)
+
+    def finish(self, obj: Any) -> int:
+        """Write the pickle of ``obj`` and the zip directory; returns the archive's length in bytes."""
+        buf = io.BytesIO()
+        _ArchivePickler(buf, protocol=2).dump(obj)
+        self.write_bytes_record("data.pkl", buf.getvalue())
+        self.write_bytes_record("byteorder", b"little")
+        self.write_bytes_record("version", b"3\n")
+        self._zip.close()
+        return self._out.tell()
+
+
+class _Tell(io.RawIOBase):
+    """Positions relative to the archive's start, so archives can follow each other in one file."""
+
+    def __init__(self, stream: IO[bytes], start: int):
+        self._s = stream
+        self._start = start
+        self._pos = 0
+        self._seekable = stream.seekable()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self._seekable
+
+    def write(self, b) -> int:
+        n = self._s.write(b)
+        n = len(b) if n is None else n
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if not self._seekable:
+            raise io.UnsupportedOperation("seek")
+        if whence == 0:
+            self._s.seek(self._start + pos)
+            self._pos = pos
+        elif whence == 1:
+            return self.seek(self._pos + pos)
+        else:
+            end = self._s.seek(0, 2)
+            self._pos = end - self._start + pos
+            self._s.seek(self._start + self._pos)
+        return self._pos
+
+    def flush(self) -> None:
+        self._s.flush()
+
+
+def write_small_tensor_archive(stream: IO[bytes], tensor: torch.Tensor) -> int:
+    """One tensor as a complete archive (what DCP stores per chunk); returns the length written."""
+    w = ArchiveWriter(stream)
+    t = tensor.contiguous()
+    p, f = w.new_tensor(t.dtype, tuple(t.shape))
+    with f:
+        f.write(tensor_buffer(t))
+    return w.finish(p)
+
+
+def object_archive(obj: Any) -> bytes:
+    """``torch.save(obj)`` bytes for a non-tensor object (DCP's BYTE_IO records)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def placeholder_type() -> type:
+    return _Placeholder
+
+
+__all__ = [
+    "Archive",
+    "ArchiveWriter",
+    "StorageRef",
+    "StoredStorage",
+    "TensorRef",
+    "read_archive",
+    "read_tensor_rows",
+    "tensor_buffer",
+]

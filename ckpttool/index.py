@@ -1,0 +1,220 @@
+"""The one model of a checkpoint every format maps onto: Index, TensorEntry, ObjectEntry, Chunk.
+
+Keys are DCP's flattened names (nested dicts joined with ``.``, list items by position). The nesting
+is kept beside the keys as a path tuple per key, so a nested ``torch.save`` dict and a flat DCP or
+safetensors file map onto each other both ways. Pure code: no I/O, no ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CorruptCheckpointError
+
+PathItem = str | int
+ObjPath = tuple[PathItem, ...]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored box of a tensor: ``offsets``/``sizes`` in the global shape, and where its bytes are.
+
+    ``location`` is format-specific and opaque above the format layer (a DCP record, a safetensors
+    file and byte range, ...).
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    location: Any = field(default=None, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor: global shape, dtype and the chunks that store it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """Any non-tensor value (step counters, param_groups, strings). Read through the Source."""
+
+    key: str
+    location: Any = field(default=None, compare=False)
+
+
+Entry = TensorEntry | ObjectEntry
+
+
+class Index:
+    """An ordered map key -> entry, with the nesting path of each key."""
+
+    def __init__(self, entries: list[Entry] | None = None, paths: Mapping[str, ObjPath] | None = None):
+        self._entries: dict[str, Entry] = {}
+        self._paths: dict[str, ObjPath] = {}
+        for entry in entries or []:
+            self.add(entry, (paths or {}).get(entry.key))
+
+    def add(self, entry: Entry, path: ObjPath | None = None) -> None:
+        if entry.key in self._entries:
+            raise CorruptCheckpointError(f"key {entry.key!r} appears twice")
+        self._entries[entry.key] = entry
+        self._paths[entry.key] = tuple(path) if path else (entry.key,)
+
+    def __getitem__(self, key: str) -> Entry:
+        return self._entries[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self):
+        return self._entries.keys()
+
+    def entries(self) -> Iterator[Entry]:
+        return iter(self._entries.values())
+
+    def tensors(self) -> Iterator[TensorEntry]:
+        return (e for e in self._entries.values() if isinstance(e, TensorEntry))
+
+    def objects(self) -> Iterator[ObjectEntry]:
+        return (e for e in self._entries.values() if isinstance(e, ObjectEntry))
+
+    def path(self, key: str) -> ObjPath:
+        return self._paths[key]
+
+    @property
+    def paths(self) -> dict[str, ObjPath]:
+        return dict(self._paths)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(e.nbytes for e in self.tensors())
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element (bool is one byte, as every format stores it)."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# --- key flattening, mirroring DCP's traversal so our keys equal plain torch's -------------------
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _is_leaf(value: Any, is_tensor=_is_tensor) -> bool:
+    """DCP's rule: mappings are traversed; a list only if something inside it must be (a tensor, or
+    a container that is itself traversed); everything else (tuples included) is a leaf."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for item in value:
+        if is_tensor(item):
+            return False
+        if isinstance(item, (Mapping, list)) and not _is_leaf(item, is_tensor):
+            return False
+    return True
+
+
+def iter_leaves(state: Mapping[str, Any], is_tensor=_is_tensor) -> Iterator[tuple[ObjPath, Any]]:
+    """Yield (path, value) for every leaf of a nested state dict, in DCP's order.
+
+    ``is_tensor`` says what counts as a tensor (formats pass their lazy tensor references).
+    """
+
+    def walk(path: ObjPath, value: Any) -> Iterator[tuple[ObjPath, Any]]:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                yield from walk(path + (str(k),), v)
+        elif _is_leaf(value, is_tensor):
+            yield path, value
+        else:
+            for i, v in enumerate(value):
+                yield from walk(path + (i,), v)
+
+    for key, value in state.items():
+        yield from walk((str(key),), value)
+
+
+def key_of(path: ObjPath) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def flatten(state: Mapping[str, Any], is_tensor=_is_tensor) -> tuple[dict[str, Any], dict[str, ObjPath]]:
+    """Nested state dict -> (flat key -> value, key -> path). Raises on colliding keys."""
+    flat: dict[str, Any] = {}
+    paths: dict[str, ObjPath] = {}
+    for path, value in iter_leaves(state, is_tensor):
+        key = key_of(path)
+        if key in flat:
+            raise CorruptCheckpointError(f"two entries flatten to the same key {key!r}")
+        flat[key] = value
+        paths[key] = path
+    return flat, paths
+
+
+def unflatten(flat: Mapping[str, Any], paths: Mapping[str, ObjPath]) -> dict[str, Any]:
+    """Inverse of :func:`flatten`: rebuild nested dicts (str path items) and lists (int items)."""
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = paths.get(key, (key,))
+        node: Any = root
+        for here, nxt in zip(path[:-1], path[1:]):
+            child_default: Any = [] if isinstance(nxt, int) else {}
+            if isinstance(node, list):
+                while len(node) <= here:
+                    node.append(None)
+                if node[here] is None:
+                    node[here] = child_default
+                node = node[here]
+            else:
+                node = node.setdefault(here, child_default)
+        last = path[-1]
+        if isinstance(node, list):
+            while len(node) <= last:
+                node.append(None)
+            node[last] = value
+        else:
+            node[last] = value
+    return root
+
+
+def strip_prefix(paths: Mapping[str, ObjPath], top: str) -> dict[str, tuple[str, ObjPath]]:
+    """Keys under the top-level key ``top`` -> (new key without the prefix, new path).
+
+    Used by ``--only model``: keep one top-level entry and drop its name from every key.
+    """
+    out: dict[str, tuple[str, ObjPath]] = {}
+    for key, path in paths.items():
+        if len(path) >= 2 and str(path[0]) == top:
+            rest = path[1:]
+            out[key] = (key_of(rest), rest)
+    return out

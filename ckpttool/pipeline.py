@@ -1,0 +1,177 @@
+"""Source -> transforms -> Sink, tensor by tensor under a memory budget: ``convert`` lives here.
+
+Transforms are *select* (``only``: keep one top-level key and drop its prefix) and *cast*
+(``dtype``: floating-point tensors only). Memory: a sink pulls each tensor in slabs of at most the
+budget, so no more than about one slab (plus its cast) is in memory at once, whatever the size.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import OutputExistsError, UsageError
+from .formats import FORMATS, ObjectSpec, Sink, Source, TensorSpec, format_from_name, make_sink, open_source
+from .index import TensorEntry, dtype_size, key_of
+from .layout import Box
+from .storage import Location, resolve
+
+DEFAULT_BUDGET = 1 << 30
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: progress(done_bytes, total_bytes, key) — the CLI renders it; nothing below the CLI prints.
+Progress = Callable[[int, int, str], None]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """``"1GiB"``, ``"500MB"``, ``"2G"``, ``"4096"`` -> bytes (K/M/G/T are powers of 1024 with or without i)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise UsageError(f"cannot read size {text!r}", hint="write e.g. 512MiB, 2GB or a number of bytes")
+    number, unit, _ = m.groups()
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit.lower()]
+    value = int(float(number) * scale)
+    if value < 1:
+        raise UsageError(f"size must be positive, got {text!r}")
+    return value
+
+
+@dataclass
+class Plan:
+    """What a run of the pipeline will write: output specs and where each reads from."""
+
+    tensors: list[TensorSpec]
+    objects: list[ObjectSpec]
+    source_key: dict[str, str] = field(default_factory=dict)  # output key -> source key
+
+
+def plan_entries(source: Source, only: str | None = None, dtype: torch.dtype | None = None) -> Plan:
+    """Apply select and cast to the source's index; objects are read here (they are small)."""
+    index = source.index()
+    tensors: list[TensorSpec] = []
+    objects: list[ObjectSpec] = []
+    source_key: dict[str, str] = {}
+    for key in index:
+        path = index.path(key)
+        if only is not None:
+            if len(path) < 2 or str(path[0]) != only:
+                continue
+            path = path[1:]
+        out_key = key_of(path) if only is not None else key
+        entry = index[key]
+        source_key[out_key] = key
+        if isinstance(entry, TensorEntry):
+            out_dtype = dtype if (dtype is not None and entry.dtype.is_floating_point) else entry.dtype
+            tensors.append(TensorSpec(out_key, tuple(path), entry.shape, out_dtype))
+        else:
+            objects.append(ObjectSpec(out_key, tuple(path), source.read_object(key)))
+    if only is not None and not source_key:
+        tops = sorted({str(index.path(k)[0]) for k in index})
+        raise UsageError(f"no entries under the top-level key {only!r}", hint=f"top-level keys are: {', '.join(tops)}")
+    return Plan(tensors, objects, source_key)
+
+
+def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, progress: Progress | None = None) -> None:
+    """Stream every planned entry from ``source`` into ``sink`` and commit; on any failure (or
+    Ctrl-C) remove the partial output and re-raise."""
+    tensors = sink.order(plan.tensors)
+    total = sum(s.nbytes for s in tensors)
+    done = 0
+    index = source.index()
+    try:
+        sink.begin(tensors, plan.objects)
+        for spec in tensors:
+            src_key = plan.source_key[spec.key]
+            src_dtype = index[src_key].dtype
+
+            def read(box: Box, src_key=src_key, out_dtype=spec.dtype) -> torch.Tensor:
+                t = source.read_tensor(src_key, box)
+                return t if t.dtype == out_dtype else t.to(out_dtype)
+
+            # a slab is read at the source dtype and cast: keep both under the budget
+            widest = max(dtype_size(src_dtype), dtype_size(spec.dtype))
+            slab_budget = max(1, budget * dtype_size(spec.dtype) // (widest + dtype_size(spec.dtype)))
+            sink.add_tensor(spec, read, slab_budget)
+            done += spec.nbytes
+            if progress:
+                progress(done, total, spec.key)
+        sink.finalize()
+    except BaseException:
+        sink.abort()
+        raise
+
+
+@dataclass
+class ConvertReport:
+    src: str
+    dst: str
+    src_format: str
+    dst_format: str
+    tensors: int
+    objects: int
+    bytes: int
+    dropped: list[str]
+
+
+def check_output(dst: Location, force: bool) -> None:
+    if dst.exists() and not force:
+        raise OutputExistsError("output already exists", where=dst.url, hint="pass --force to replace it")
+
+
+def convert(
+    src: str | Location,
+    dst: str | Location,
+    *,
+    to: str | None = None,
+    only: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+    memory_budget: int | str = DEFAULT_BUDGET,
+    force: bool = False,
+    src_format: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> ConvertReport:
+    """Convert a checkpoint between dcp, torch and safetensors, streaming under ``memory_budget``.
+
+    Raises :class:`OutputExistsError` before writing anything when ``dst`` exists and ``force`` is
+    not set, :class:`UsageError` for bad options; the output appears only once complete.
+    """
+    src_loc = resolve(src, storage_options)
+    dst_loc = resolve(dst, storage_options)
+    if to is not None and to not in FORMATS:
+        raise UsageError(f"unknown format {to!r} for --to", hint=f"choose one of {', '.join(FORMATS)}")
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_NAMES:
+            raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
+        dtype = DTYPE_NAMES[dtype]
+    budget = parse_size(memory_budget)
+    shard = parse_size(max_shard_size) if max_shard_size is not None else None
+    fmt = to or format_from_name(dst_loc)
+    if shard is not None and fmt != "safetensors":
+        raise UsageError("--max-shard-size applies to safetensors output only")
+    if src_loc.url == dst_loc.url:
+        raise UsageError("source and destination are the same path", where=dst_loc.url)
+    with open_source(src_loc, src_format) as source:
+        check_output(dst_loc, force)
+        plan = plan_entries(source, only, dtype)
+        sink = make_sink(dst_loc, fmt, max_shard_size=shard)
+        run(source, sink, plan, budget, progress)
+        return ConvertReport(
+            src=src_loc.url,
+            dst=dst_loc.url,
+            src_format=source.format,
+            dst_format=fmt,
+            tensors=len(plan.tensors),
+            objects=len(plan.objects) - len(sink.dropped),
+            bytes=sum(s.nbytes for s in plan.tensors),
+            dropped=list(sink.dropped),
+        )
