@@ -44,20 +44,31 @@ def parse_size(text: str | int) -> int:
     return value
 
 
+def _castable(entry: TensorEntry) -> bool:
+    """``--dtype`` casts floating-point tensors; integers and 0-d counters (AdamW's ``step``) keep theirs."""
+    return entry.dtype.is_floating_point and len(entry.shape) > 0
+
+
 @dataclass
 class Plan:
     """What a run of the pipeline will write: output specs and where each reads from."""
 
-    tensors: list[TensorSpec]
-    objects: list[ObjectSpec]
+    entries: list[TensorSpec | ObjectSpec]  # in the source's order
     source_key: dict[str, str] = field(default_factory=dict)  # output key -> source key
+
+    @property
+    def tensors(self) -> list[TensorSpec]:
+        return [e for e in self.entries if isinstance(e, TensorSpec)]
+
+    @property
+    def objects(self) -> list[ObjectSpec]:
+        return [e for e in self.entries if isinstance(e, ObjectSpec)]
 
 
 def plan_entries(source: Source, only: str | None = None, dtype: torch.dtype | None = None) -> Plan:
     """Apply select and cast to the source's index; objects are read here (they are small)."""
     index = source.index()
-    tensors: list[TensorSpec] = []
-    objects: list[ObjectSpec] = []
+    entries: list[TensorSpec | ObjectSpec] = []
     source_key: dict[str, str] = {}
     for key in index:
         path = index.path(key)
@@ -69,14 +80,14 @@ def plan_entries(source: Source, only: str | None = None, dtype: torch.dtype | N
         entry = index[key]
         source_key[out_key] = key
         if isinstance(entry, TensorEntry):
-            out_dtype = dtype if (dtype is not None and entry.dtype.is_floating_point) else entry.dtype
-            tensors.append(TensorSpec(out_key, tuple(path), entry.shape, out_dtype))
+            out_dtype = dtype if (dtype is not None and _castable(entry)) else entry.dtype
+            entries.append(TensorSpec(out_key, tuple(path), entry.shape, out_dtype))
         else:
-            objects.append(ObjectSpec(out_key, tuple(path), source.read_object(key)))
+            entries.append(ObjectSpec(out_key, tuple(path), source.read_object(key)))
     if only is not None and not source_key:
         tops = sorted({str(index.path(k)[0]) for k in index})
         raise UsageError(f"no entries under the top-level key {only!r}", hint=f"top-level keys are: {', '.join(tops)}")
-    return Plan(tensors, objects, source_key)
+    return Plan(entries, source_key)
 
 
 def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, progress: Progress | None = None) -> None:
@@ -87,7 +98,7 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
     done = 0
     index = source.index()
     try:
-        sink.begin(tensors, plan.objects)
+        sink.begin(plan.entries)
         for spec in tensors:
             src_key = plan.source_key[spec.key]
             src_dtype = index[src_key].dtype

@@ -21,6 +21,13 @@ import torch
 
 from .errors import UnsafePickleError
 
+def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
+    """How protocol-2 pickles spell ``bytes``: ``_codecs.encode(str, 'latin1')``; nothing else."""
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise UnsafePickleError(f"refused _codecs.encode with encoding {encoding!r}")
+    return text.encode("latin1")
+
+
 # Classes DCP metadata pickles (torch 2.4 .. 2.13): dataclasses of torch.distributed.checkpoint.
 _DCP_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -53,6 +60,7 @@ _COMMON = {
     ("builtins", "slice"): slice,
     ("builtins", "bytearray"): bytearray,
     ("torch", "device"): torch.device,
+    ("_codecs", "encode"): _latin1_encode,
 }
 
 

@@ -44,6 +44,10 @@ class ObjectSpec:
     value: Any
 
 
+def split(entries: list[TensorSpec | ObjectSpec]) -> tuple[list[TensorSpec], list[ObjectSpec]]:
+    return [e for e in entries if isinstance(e, TensorSpec)], [e for e in entries if isinstance(e, ObjectSpec)]
+
+
 class Source(ABC):
     """A checkpoint opened for reading. Cheap to open; ``index()`` reads only metadata."""
 
@@ -95,7 +99,8 @@ class Sink(ABC):
         return tensors
 
     @abstractmethod
-    def begin(self, tensors: list[TensorSpec], objects: list[ObjectSpec]) -> None: ...
+    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+        """Everything that will be written, in the source's order (objects carry their values)."""
 
     @abstractmethod
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:

@@ -35,7 +35,7 @@ from ..index import Chunk, Index, ObjectEntry, TensorEntry
 from ..layout import Box, intersect, relative, whole
 from ..safe_pickle import load_dcp_metadata
 from ..storage import Location, RangeReader, resolve
-from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, stream_tensor
+from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, split, stream_tensor
 from .torchzip import Archive, ArchiveWriter, read_archive, read_tensor_rows
 
 METADATA_FILE = ".metadata"
@@ -286,6 +286,7 @@ class DcpSink(Sink):
         self._state_md: dict[str, Any] = {}
         self._storage: dict[MetadataIndex, _StorageInfo] = {}
         self._paths: dict[str, tuple] = {}
+        self._order: list[str] = []
         self.bytes_per_rank: dict[int, int] = {}
 
     def _file(self, rank: int):
@@ -298,7 +299,9 @@ class DcpSink(Sink):
             self._files[rank] = f
         return f
 
-    def begin(self, tensors: list[TensorSpec], objects: list[ObjectSpec]) -> None:
+    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+        _, objects = split(entries)
+        self._order = [e.key for e in entries]
         self.tmp.makedirs()
         for r in range(self.world_size):
             self._file(r)  # every target rank gets its file, even one with nothing to hold
@@ -337,7 +340,7 @@ class DcpSink(Sink):
         self._close()
         metadata = Metadata(
             state_dict_metadata=self._state_md,
-            planner_data=self._paths,
+            planner_data={k: self._paths[k] for k in self._order if k in self._paths},
             storage_data=self._storage,
             storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None),
             version=DCP_VERSION,

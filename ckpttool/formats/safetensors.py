@@ -20,7 +20,7 @@ from ..errors import CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ..layout import Box, whole
 from ..storage import Location, RangeReader
-from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, stream_tensor
+from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, split, stream_tensor
 from .torchzip import tensor_buffer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -233,7 +233,9 @@ class SafetensorsSink(Sink):
         # Larger elements first: every tensor then starts at an offset aligned to its element size.
         return sorted(specs, key=lambda s: -dtype_size(s.dtype))
 
-    def begin(self, tensors: list[TensorSpec], objects: list[ObjectSpec]) -> None:
+    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+        tensors, objects = split(entries)
+        tensors = self.order(tensors)
         encoded: dict[str, Any] = {}
         for spec in objects:
             try:
@@ -243,7 +245,7 @@ class SafetensorsSink(Sink):
                 encoded.pop(spec.key, None)
                 self.dropped.append(spec.key)
         kept = [o.key for o in objects if o.key in encoded]
-        paths = {s.key: list(s.path) for s in [*objects, *tensors] if s.key in encoded or isinstance(s, TensorSpec)}
+        paths = {s.key: list(s.path) for s in entries if s.key in encoded or isinstance(s, TensorSpec)}
         self._metadata = {"format": "pt"}
         if encoded:
             self._metadata[META_OBJECTS] = json.dumps({k: encoded[k] for k in kept})

@@ -90,13 +90,11 @@ class TorchSaveSink(Sink):
         self._flat: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
 
-    def begin(self, tensors: list[TensorSpec], objects: list[ObjectSpec]) -> None:
+    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         self._cm = self.tmp.open_write()
         self._f = self._cm.__enter__()
         self._writer = ArchiveWriter(self._f, name="archive")
-        order = {s.key: i for i, s in enumerate([*objects, *tensors])}
-        # keep the source's key order in the pickled dict, whatever order tensors are written in
-        for spec in sorted([*objects, *tensors], key=lambda s: order[s.key]):
+        for spec in entries:  # the pickled dict keeps the source's key order
             self._flat[spec.key] = spec.value if isinstance(spec, ObjectSpec) else None
             self._paths[spec.key] = tuple(spec.path)
 

@@ -1,0 +1,35 @@
+# One command for the demo, one for the tests; each sets up its own virtualenv on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CKPT := $(VENV)/bin/ckpttool
+DEMO ?= demo-out
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test test-all clean-demo
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+# Train the tiny model on 2 CPU ranks with checkpoints, stop, resume, then look at and convert what was saved.
+demo: setup
+	rm -rf $(DEMO)
+	$(CKPT) train --nproc 2 --steps 4 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2
+	$(CKPT) train --nproc 2 --steps 8 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2
+	$(CKPT) inspect $(DEMO)/run
+	$(CKPT) inspect $(DEMO)/run/step-8 | head -12
+	$(CKPT) convert $(DEMO)/run/step-8 $(DEMO)/full.pt
+	$(CKPT) convert $(DEMO)/run/step-8 $(DEMO)/model.safetensors --only model --dtype bfloat16
+	$(CKPT) convert $(DEMO)/full.pt $(DEMO)/roundtrip-dcp
+	$(CKPT) inspect $(DEMO)/model.safetensors | head -8
+	@echo "demo finished: see $(DEMO)/"
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m ''

@@ -1,0 +1,226 @@
+"""The ``ckpttool`` command line: parse, call the library, render text or ``--json``, exit code.
+
+Exit codes: 0 ok, 1 verification found a difference, 2 bad usage or unreadable input. Errors
+are one line on stderr (what, where, what to do); ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from typing import Any
+
+import click
+
+from .errors import EXIT_BAD_INPUT, CkptError
+
+SIZE_HELP = "sizes like 512MiB, 2GB or plain bytes"
+
+
+# --- shared plumbing -----------------------------------------------------------------------------
+
+
+class _Group(click.Group):
+    """Maps library errors to one line and an exit code for every command."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except CkptError as exc:
+            if _debug(ctx):
+                traceback.print_exc()
+            click.echo(f"error: {exc.message()}", err=True)
+            ctx.exit(exc.exit_code)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            click.echo("interrupted; partial output was removed", err=True)
+            ctx.exit(130)
+        except Exception as exc:  # a bug, or an error we do not know yet: still one line
+            if _debug(ctx):
+                traceback.print_exc()
+            click.echo(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True)
+            ctx.exit(EXIT_BAD_INPUT)
+
+
+def _debug(ctx: click.Context) -> bool:
+    root = ctx.find_root()
+    return bool(root.params.get("debug")) or os.environ.get("CKPTTOOL_DEBUG") == "1"
+
+
+def _quiet(ctx: click.Context) -> bool:
+    return bool(ctx.find_root().params.get("quiet"))
+
+
+class Progress:
+    """One self-overwriting line on stderr; silent when stderr is not a terminal or with --quiet."""
+
+    def __init__(self, label: str, enabled: bool):
+        self.label = label
+        self.enabled = enabled and sys.stderr.isatty()
+        self.shown = False
+
+    def __call__(self, done: int, total: int, key: str) -> None:
+        if not self.enabled:
+            return
+        pct = 100.0 * done / total if total else 100.0
+        line = f"\r{self.label}: {pct:5.1f}% {_human(done)}/{_human(total)} {key[-40:]}"
+        sys.stderr.write(line.ljust(100)[:120])
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--storage-option")
+        k, v = pair.split("=", 1)
+        out[k] = {"true": True, "false": False}.get(v.lower(), v)
+    return out
+
+
+storage_option = click.option(
+    "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE", help="fsspec option for URLs (repeatable)."
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, for scripts.")
+
+
+def _emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, default=str))
+
+
+# --- the commands --------------------------------------------------------------------------------
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
+@click.version_option(package_name="ckpttool")
+def main(debug: bool, quiet: bool) -> None:
+    """Inspect, convert, reshard and verify PyTorch distributed checkpoints.
+
+    \b
+    Exit codes: 0 ok, 1 verification found a difference, 2 bad usage or unreadable input.
+    Paths are local paths or fsspec URLs (file://, memory://, s3://...).
+    """
+
+
+@main.command()
+@click.argument("path")
+@json_option
+@storage_option
+@click.pass_context
+def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """Show what a checkpoint or a training root holds.
+
+    \b
+    For a checkpoint (DCP directory, torch.save file, safetensors file or sharded directory):
+    its format, every key with shape, dtype, bytes, chunks and files, object values, total size.
+    For a training root (a directory of step-<N>): committed and incomplete steps.
+
+    \b
+    Examples:
+      ckpttool inspect runs/exp1
+      ckpttool inspect runs/exp1/step-100 --json | jq '.entries | length'
+      ckpttool inspect model.safetensors
+    """
+    from .describe import inspect_path, render_text
+
+    report = inspect_path(path, _storage_options(storage_options))
+    if as_json:
+        _emit_json(report)
+    else:
+        click.echo(render_text(report))
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--to", type=click.Choice(["dcp", "torch", "safetensors"]), help="Output format (default: from DST's suffix).")
+@click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix (e.g. --only model).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
+@click.option("--max-shard-size", metavar="SIZE", help=f"Write HF-sharded safetensors with files up to SIZE ({SIZE_HELP}).")
+@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, help="Most tensor data held in memory at once.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@json_option
+@storage_option
+@click.pass_context
+def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | None, dtype: str | None, max_shard_size: str | None,
+            memory_budget: str, force: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """Convert SRC to DST between DCP, torch.save and safetensors.
+
+    \b
+    The output format comes from --to, else from DST's suffix: .safetensors -> safetensors,
+    .pt/.pth/.bin -> torch, anything else -> a DCP directory. Tensors stream slab by slab, so
+    memory stays under --memory-budget whatever the checkpoint's size (a DCP record or a torch
+    file is read by byte range; every format streams, none needs a whole tensor in memory).
+    The output is written under a temporary name and appears only when complete.
+    safetensors holds tensors; other entries go into its header metadata when they are JSON-able,
+    and the command lists those it had to drop.
+
+    \b
+    Examples:
+      ckpttool convert runs/exp1/step-100 full.pt
+      ckpttool convert runs/exp1/step-100 model.safetensors --only model --dtype bfloat16
+      ckpttool convert runs/exp1/step-100 hf/ --to safetensors --only model --max-shard-size 2GB
+      ckpttool convert full.pt restored-dcp/
+    """
+    from .pipeline import convert as run_convert
+
+    progress = Progress("convert", not _quiet(ctx) and not as_json)
+    try:
+        report = run_convert(src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size,
+                             memory_budget=memory_budget, force=force, storage_options=_storage_options(storage_options),
+                             progress=progress)
+    finally:
+        progress.close()
+    if as_json:
+        _emit_json(report.__dict__)
+        return
+    click.echo(f"wrote {report.dst} ({report.dst_format}): {report.tensors} tensors, {_human(report.bytes)}, {report.objects} objects")
+    if report.dropped:
+        click.echo(f"dropped {len(report.dropped)} non-tensor entries that {report.dst_format} cannot hold: {', '.join(report.dropped)}", err=True)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--nproc", type=int, default=2, show_default=True, help="Ranks to start (processes on this machine).")
+@click.pass_context
+def train(ctx: click.Context, nproc: int) -> None:
+    """Train the bundled FSDP2 Transformer on NPROC ranks (launches torchrun for you).
+
+    Every other option goes to the trainer: --steps, --ckpt-dir, --save-every,
+    --resume/--no-resume, --model-size tiny|small|1g, --seed, --mixed-precision, --keep-last, ...
+
+    \b
+    Examples:
+      ckpttool train --nproc 2 --steps 20 --ckpt-dir runs/exp1 --save-every 5
+      ckpttool train --nproc 2 --steps 40 --ckpt-dir runs/exp1 --save-every 5   # resumes at 20
+    """
+    if nproc < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--nproc")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "ckpttool.trainer.train", *ctx.args]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""What ``ckpttool inspect`` reports: a JSON-able description of a checkpoint or a training root."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .formats import detect, open_source
+from .index import TensorEntry
+from .steps import is_training_root, list_root, read_commit_record, step_name
+from .storage import Location, resolve
+
+_VALUE_CHARS = 80
+
+
+def describe_checkpoint(loc: Location) -> dict[str, Any]:
+    with open_source(loc) as source:
+        index = source.index()
+        entries = []
+        for key in index:
+            entry = index[key]
+            path = list(index.path(key))
+            if isinstance(entry, TensorEntry):
+                files = sorted({source.chunk_file(entry, i) for i in range(len(entry.chunks))})
+                entries.append({
+                    "key": key, "kind": "tensor", "shape": list(entry.shape), "dtype": str(entry.dtype).removeprefix("torch."),
+                    "bytes": entry.nbytes, "chunks": len(entry.chunks), "files": files, "path": path,
+                })
+            else:
+                value = source.read_object(key)
+                text = repr(value)
+                entries.append({
+                    "key": key, "kind": "object", "type": type(value).__name__,
+                    "value": text if len(text) <= _VALUE_CHARS else text[: _VALUE_CHARS - 3] + "...", "path": path,
+                })
+        return {
+            "path": loc.url,
+            "kind": "checkpoint",
+            "format": source.format,
+            "files": source.files(),
+            "tensors": sum(1 for e in entries if e["kind"] == "tensor"),
+            "objects": sum(1 for e in entries if e["kind"] == "object"),
+            "total_bytes": index.tensor_bytes,
+            "entries": entries,
+        }
+
+
+def describe_root(loc: Location) -> dict[str, Any]:
+    listing = list_root(loc)
+    steps = []
+    for step in listing.committed:
+        record = read_commit_record(loc.child(step_name(step))) or {}
+        steps.append({"step": step, "path": loc.child(step_name(step)).url, "world_size": record.get("world_size")})
+    return {"path": loc.url, "kind": "training_root", "steps": steps, "incomplete": listing.incomplete}
+
+
+def inspect_path(path: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    loc = resolve(path, storage_options)
+    if loc.isdir() and is_training_root(loc) and not loc.child(".metadata").exists():
+        return describe_root(loc)
+    detect(loc)  # raises a clear error for anything that is not a checkpoint
+    return describe_checkpoint(loc)
+
+
+def render_text(report: dict[str, Any]) -> str:
+    lines = []
+    if report["kind"] == "training_root":
+        lines.append(f"training root {report['path']}")
+        if report["steps"]:
+            lines.append(f"committed steps ({len(report['steps'])}):")
+            for s in report["steps"]:
+                lines.append(f"  step {s['step']:>8}  world size {s['world_size']}  {s['path']}")
+        else:
+            lines.append("no committed steps")
+        if report["incomplete"]:
+            lines.append(f"incomplete (never committed; ignored by load, removed by `ckpttool clean`): {', '.join(report['incomplete'])}")
+        return "\n".join(lines)
+    lines.append(f"{report['format']} checkpoint {report['path']}")
+    lines.append(f"files: {', '.join(report['files'])}")
+    lines.append(f"{report['tensors']} tensors, {report['objects']} objects, {report['total_bytes']} bytes of tensor data")
+    width = max((len(e["key"]) for e in report["entries"]), default=10)
+    for e in report["entries"]:
+        if e["kind"] == "tensor":
+            shape = "x".join(str(s) for s in e["shape"]) or "scalar"
+            lines.append(f"  {e['key']:<{width}}  {e['dtype']:<9} {shape:<16} {e['bytes']:>12} B  {e['chunks']} chunk(s) in {', '.join(e['files'])}")
+        else:
+            lines.append(f"  {e['key']:<{width}}  {e['type']:<9} = {e['value']}")
+    return "\n".join(lines)

@@ -1,0 +1,100 @@
+"""Functions that run on every rank of a test's gloo group (module level, so ranks can import them)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor (a collective), or the tensor itself."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, object]:
+    """Every parameter, buffer and optimizer state tensor in full, keyed by name; same on every rank."""
+    out: dict[str, object] = {f"model.{k}": full(v) for k, v in model.state_dict().items()}
+    if optimizer is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, st in optimizer.state.items():
+            for k, v in st.items():
+                out[f"optim.{names[id(p)]}.{k}"] = full(v) if isinstance(v, torch.Tensor) else v
+        for i, group in enumerate(optimizer.param_groups):
+            for k, v in group.items():
+                if k != "params":
+                    out[f"optim.group{i}.{k}"] = v
+    return out
+
+
+def trainer_args(**overrides) -> argparse.Namespace:
+    from ckpttool.trainer.train import make_parser
+
+    args = make_parser().parse_args(["--steps", str(overrides.get("steps", 1))])
+    for k, v in overrides.items():
+        setattr(args, k.replace("-", "_"), v)
+    return args
+
+
+def train_run(**overrides) -> dict[str, object]:
+    """Run the real trainer in this group; return its losses and the final full state."""
+    from ckpttool.trainer.train import run_training
+
+    run = run_training(trainer_args(**overrides))
+    return {"losses": run.losses, "start": run.start_step, "state": full_state(run.model, run.optimizer)}
+
+
+def fresh_model(seed: int = 123, model_size: str = "tiny"):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ckpttool.trainer.model import PRESETS, build_fsdp_model
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build_fsdp_model(PRESETS[model_size], mesh, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    return model, optimizer
+
+
+def initial_state(seed: int = 0) -> dict[str, object]:
+    model, _ = fresh_model(seed=seed)
+    return full_state(model, None)
+
+
+def load_into_fresh(root: str, step: int | None = None, with_optimizer: bool = True) -> dict[str, object]:
+    """A model built with another seed (so every value differs) loaded from ``root``."""
+    from ckpttool import Checkpointer
+
+    model, optimizer = fresh_model(seed=999)
+    res = Checkpointer(root).load(model, optimizer if with_optimizer else None, step=step)
+    return {"step": res.step, "extra": res.extra, "state": full_state(model, optimizer if with_optimizer else None)}
+
+
+def plain_dcp_load(path: str) -> dict[str, object]:
+    """Load a checkpoint with plain torch.distributed.checkpoint (no ckpttool code)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optimizer = fresh_model(seed=999)
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"state": full_state(model, optimizer)}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, so -0.0 != 0.0 and NaN == NaN as stored."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+
+
+def assert_same(a: dict, b: dict, what: str = "") -> None:
+    assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(set(a) ^ set(b))}"
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape, f"{what}: {k}: {x} vs {y}"
+            assert torch.equal(bits(x), bits(y)), f"{what}: {k} differs"
+        else:
+            assert x == y, f"{what}: {k}: {x!r} != {y!r}"
