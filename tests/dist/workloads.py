@@ -98,3 +98,68 @@ def assert_same(a: dict, b: dict, what: str = "") -> None:
             assert torch.equal(bits(x), bits(y)), f"{what}: {k} differs"
         else:
             assert x == y, f"{what}: {k}: {x!r} != {y!r}"
+
+
+# --- a model saved with plain torch only (no ckpttool code on the save path) ---------------------
+
+
+class OddNet(torch.nn.Module):
+    """Shapes that break naive resharding: dim 0 not divisible by 2, 3 or 4, fewer rows than ranks,
+    a bf16 submodule, an integer buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(13, 6)
+        self.lin = torch.nn.Linear(6, 5)
+        self.head = torch.nn.Linear(5, 3, bias=False).to(torch.bfloat16)
+        self.register_buffer("counts", torch.arange(7))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.lin(self.emb(x))).to(torch.bfloat16)).float()
+
+
+def oddnet_sharded():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)  # the same full weights on every rank, at every world size
+    model = OddNet()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model.lin, mesh=mesh)
+    fully_shard(model.head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, optimizer
+
+
+def plain_torch_save(path: str) -> dict[str, object]:
+    """Train one step and save with plain dcp.save; return the full state torch.save would hold."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optimizer = oddnet_sharded()
+    x = torch.arange(12).reshape(4, 3) % 13
+    model(x).sum().backward()
+    optimizer.step()
+    msd, osd = get_state_dict(model, optimizer)
+    extra = {"step": 1, "tag": "plain", "betas_seen": (0.9, 0.999)}
+    dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=path)
+    fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": fmsd, "optim": fosd, "extra": extra}
+
+
+def plain_torch_load(path: str) -> dict[str, object]:
+    """Plain dcp.load into a fresh sharded OddNet + AdamW; return the full state afterwards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model, optimizer = oddnet_sharded()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": fmsd, "optim": fosd}

@@ -1,0 +1,79 @@
+"""The CLI through click's CliRunner: exit codes, one-line errors, --json, --help examples."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ckpttool.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert", "train"])
+def test_help_has_examples(command):
+    result = run(command, "--help")
+    assert result.exit_code == 0 and "Examples" in result.output
+
+
+def test_bad_inputs_exit_2_with_one_line(tmp_path, ref_pt):
+    (tmp_path / "random.bin").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "exists.pt").write_bytes(b"x")
+    (tmp_path / "nometa").mkdir()
+    (tmp_path / "nometa" / "__0_0.distcp").write_bytes(b"x")
+    cases = [
+        (["inspect", tmp_path / "missing"], "does not exist"),
+        (["inspect", tmp_path / "random.bin"], "not a checkpoint"),
+        (["inspect", tmp_path / "nometa"], "without .metadata"),
+        (["convert", ref_pt, tmp_path / "o.pt", "--dtype", "int3"], "--dtype"),
+        (["convert", ref_pt, tmp_path / "exists.pt"], "already exists"),
+        (["convert", ref_pt, ref_pt], "same path"),
+        (["convert", ref_pt, tmp_path / "x.pt", "--max-shard-size", "1GB"], "safetensors output only"),
+        (["convert", ref_pt, tmp_path / "y.pt", "--memory-budget", "lots"], "cannot read size"),
+        (["convert", ref_pt, tmp_path / "z.safetensors", "--only", "nope"], "top-level keys are"),
+    ]
+    for args, expect in cases:
+        result = run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert expect in result.output, (args, result.output)
+        assert "Traceback" not in result.output
+
+
+def test_debug_shows_traceback(tmp_path):
+    result = run("--debug", "inspect", tmp_path / "missing")
+    assert result.exit_code == 2
+
+
+def test_inspect_json_lists_keys_chunks_and_objects(tmp_path, ref_pt):
+    result = run("inspect", ref_pt, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["format"] == "torch"
+    by_key = {e["key"]: e for e in doc["entries"]}
+    assert by_key["model.w"]["shape"] == [7, 3] and by_key["model.w"]["dtype"] == "float32"
+    assert by_key["model.w"]["bytes"] == 84 and by_key["model.w"]["chunks"] == 1
+    assert by_key["extra.name"]["value"] == "'run-1'"
+
+
+def test_convert_text_and_json(tmp_path, ref_pt):
+    result = run("convert", ref_pt, tmp_path / "o.safetensors", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["dst_format"] == "safetensors" and doc["dropped"] == []
+    result = run("convert", tmp_path / "o.safetensors", tmp_path / "back")
+    assert result.exit_code == 0 and "wrote" in result.output and "(dcp)" in result.output
+
+
+def test_inspect_training_root_lists_steps_and_incomplete(tmp_path, ref_pt):
+    root = tmp_path / "run"
+    (root / "step-5").mkdir(parents=True)  # no commit record: incomplete
+    run("convert", ref_pt, root / "step-3")
+    (root / "step-3" / ".ckpttool-commit.json").write_text('{"step": 3, "world_size": 1}')
+    doc = json.loads(run("inspect", root, "--json").output)
+    assert [s["step"] for s in doc["steps"]] == [3] and doc["incomplete"] == ["step-5"]
+    text = run("inspect", root).output
+    assert "step-5" in text and "incomplete" in text

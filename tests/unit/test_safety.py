@@ -1,0 +1,88 @@
+"""Hostile pickles are refused with nothing run; outputs are never overwritten or left half-written."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+from ckpttool import convert
+from ckpttool.cli import main
+from ckpttool.errors import CorruptCheckpointError, OutputExistsError, UnsafePickleError
+from ckpttool.formats import open_source
+
+
+class Evil:
+    """Unpickling this runs a shell command that creates a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_dcp_metadata_is_refused_and_nothing_runs(tmp_path, ref_pt):
+    ck = tmp_path / "ck"
+    convert(str(ref_pt), str(ck))
+    marker = tmp_path / "PWNED"
+    (ck / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
+    with pytest.raises(UnsafePickleError) as info:
+        open_source(str(ck))
+    assert ".metadata" in str(info.value) and "system" in str(info.value)
+    result = CliRunner().invoke(main, ["inspect", str(ck)])
+    assert result.exit_code == 2 and "refused to unpickle" in result.output and "Traceback" not in result.output
+    assert not marker.exists()
+
+
+def test_hostile_torch_file_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "PWNED"
+    bad = tmp_path / "bad.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "x": Evil(marker)}, bad)
+    for args in (["inspect", str(bad)], ["convert", str(bad), str(tmp_path / "o.safetensors")]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, result.output
+        assert "bad.pt" in result.output and "system" in result.output
+    assert not marker.exists() and not (tmp_path / "o.safetensors").exists()
+
+
+def test_hostile_object_inside_dcp_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "PWNED"
+    ck = tmp_path / "ck"
+    dcp.save({"model": {"w": torch.ones(2)}, "extra": {"evil": Evil(marker)}}, checkpoint_id=str(ck))
+    assert not marker.exists()
+    with open_source(str(ck)) as src:
+        assert torch.equal(src.read_tensor("model.w"), torch.ones(2))
+        with pytest.raises(UnsafePickleError, match="extra.evil"):
+            src.read_object("extra.evil")
+    result = CliRunner().invoke(main, ["convert", str(ck), str(tmp_path / "o.pt")])
+    assert result.exit_code == 2 and "extra.evil" in result.output
+    assert not marker.exists()
+
+
+def test_existing_output_is_refused_and_left_untouched(tmp_path, ref_pt):
+    dst = tmp_path / "out.pt"
+    dst.write_bytes(b"precious")
+    with pytest.raises(OutputExistsError):
+        convert(str(ref_pt), str(dst))
+    assert dst.read_bytes() == b"precious"
+    convert(str(ref_pt), str(dst), force=True)
+    assert torch.load(dst, weights_only=True)["extra"]["step"] == 10
+
+
+def test_failed_convert_leaves_no_output_and_no_temp(tmp_path, ref_pt):
+    ck = tmp_path / "ck"
+    convert(str(ref_pt), str(ck))
+    data = ck / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # cut the data file short
+    for name in ("out.pt", "out.safetensors", "out_dcp"):
+        with pytest.raises(CorruptCheckpointError) as info:
+            convert(str(ck), str(tmp_path / "outs" / name))
+        assert "__0_0.distcp" in str(info.value)
+        assert not (tmp_path / "outs" / name).exists()
+    leftovers = [p.name for p in (tmp_path / "outs").iterdir()] if (tmp_path / "outs").exists() else []
+    assert leftovers == []
