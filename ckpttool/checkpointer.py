@@ -3,9 +3,10 @@ and load the newest committed step into a model on any world size or mesh.
 
     ckpt = Checkpointer("runs/exp1", keep_last=3)
     res = ckpt.load(model, optimizer)          # None on a fresh start
-    start = res.step + 1 if res else 0
-    ...
-    ckpt.save(step, model, optimizer, extra={"data_seed": 7})
+    start = res.step if res else 0             # a step number counts optimizer steps done
+    for step in range(start, total):
+        ...
+        ckpt.save(step + 1, model, optimizer, extra={"data_seed": 7})
 
 Saves go through ``torch.distributed.checkpoint`` (no all-gather: each rank writes its own shards),
 so a step directory is a plain DCP checkpoint that ``torch.distributed.checkpoint.load`` reads.
