@@ -14,8 +14,10 @@ so a step directory is a plain DCP checkpoint that ``torch.distributed.checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +102,8 @@ class Checkpointer:
         final = self.root.child(step_name(step))
         tmp = self._prepare_step_dir(step, final)
         try:
-            dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options))
+            with _single_process_quiet():
+                dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options))
         except Exception as exc:
             raise _save_error(exc, tmp) from None
         self._commit(step, tmp, final)
@@ -182,6 +185,15 @@ class Checkpointer:
         return LoadResult(step=step, extra=result.extra, path=result.path)
 
 
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group DCP warns on every call that it assumes one process; that is our intent."""
+    with warnings.catch_warnings():
+        if not dist.active():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None) -> dict[str, Any]:
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer)
@@ -207,7 +219,8 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     if extra_template:
         state["extra"] = extra_template
     try:
-        dcp.load(state, storage_reader=dcp_reader(loc, storage_options), planner=SafeLoadPlanner())
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=dcp_reader(loc, storage_options), planner=SafeLoadPlanner())
     except CkptError:
         raise
     except Exception as exc:

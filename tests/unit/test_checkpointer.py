@@ -1,0 +1,111 @@
+"""Checkpointer in one process without a process group: local paths, file:// and memory:// URLs."""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+import torch
+
+from ckpttool import Checkpointer
+from ckpttool.errors import MismatchError, NotFoundError, OutputExistsError, UsageError
+
+
+def make(seed=0, out=3):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, out))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def train_step(model, opt):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def same(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def same_optim(a, b):
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    return sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+@pytest.fixture(params=["path", "file", "memory"])
+def root(request, tmp_path):
+    if request.param == "path":
+        yield str(tmp_path / "run")
+    elif request.param == "file":
+        yield f"file://{tmp_path}/run"
+    else:
+        name = f"memory://ckpt-{uuid.uuid4().hex}"
+        yield name
+        fsspec.filesystem("memory").rm(name.removeprefix("memory://"), recursive=True)
+
+
+def test_save_load_round_trip_bitwise(root):
+    model, opt = make()
+    train_step(model, opt)
+    ck = Checkpointer(root)
+    assert ck.steps() == [] and ck.load(*make(1)) is None
+    ck.save(1, model, opt, extra={"epoch": 3, "name": "x", "betas": (0.9, 0.95)})
+    assert ck.steps() == [1]
+    m2, o2 = make(seed=7)
+    res = Checkpointer(root).load(m2, o2)  # optimizer without state yet
+    assert res.step == 1 and res.extra == {"epoch": 3, "name": "x", "betas": (0.9, 0.95)}
+    assert same(model, m2) and same_optim(opt, o2)
+    assert o2.param_groups[0]["lr"] == 0.01
+
+
+def test_newest_and_named_step_and_retention(tmp_path):
+    model, opt = make()
+    ck = Checkpointer(tmp_path / "run", keep_last=2)
+    snapshots = {}
+    for step in (1, 2, 3):
+        train_step(model, opt)
+        ck.save(step, model, opt)
+        snapshots[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert ck.steps() == [2, 3]
+    m2, o2 = make(seed=3)
+    assert ck.load(m2, o2).step == 3
+    assert ck.load(m2, o2, step=2).step == 2
+    assert all(torch.equal(m2.state_dict()[k], v) for k, v in snapshots[2].items())
+
+
+def test_errors_are_typed_and_name_what_is_wrong(tmp_path):
+    model, opt = make()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="is a file"):
+        Checkpointer(tmp_path / "file").steps()
+    ck = Checkpointer(tmp_path / "run")
+    ck.save(5, model, opt)
+    with pytest.raises(NotFoundError, match=r"step 6 .*committed steps: \[5\]"):
+        ck.load(model, opt, step=6)
+    with pytest.raises(OutputExistsError, match="step-5"):
+        ck.save(5, model, opt)
+    wrong, wopt = make(out=4)
+    with pytest.raises(MismatchError) as info:
+        ck.load(wrong, wopt)
+    assert "1.weight" in str(info.value) and "(3, 5)" in str(info.value) and "(4, 5)" in str(info.value)
+    bigger = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    with pytest.raises(MismatchError, match="2.weight.*not in the checkpoint"):
+        ck.load(bigger)
+    with pytest.raises(UsageError):
+        Checkpointer(tmp_path / "x", keep_last=0)
+
+
+def test_uncommitted_step_is_ignored_and_listed(tmp_path):
+    model, opt = make()
+    ck = Checkpointer(tmp_path / "run")
+    ck.save(1, model, opt)
+    # what a crash leaves: a temp dir mid-write and a step dir without its commit record
+    (tmp_path / "run" / ".step-2.tmp-0123abcd").mkdir()
+    (tmp_path / "run" / "step-3").mkdir()
+    (tmp_path / "run" / "step-3" / "__0_0.distcp").write_bytes(b"partial")
+    assert ck.steps() == [1]
+    assert ck.incomplete() == [".step-2.tmp-0123abcd", "step-3"]
+    assert ck.load(*make(2)).step == 1
