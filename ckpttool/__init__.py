@@ -1,11 +1,36 @@
 """ckpttool: inspect, convert, reshard and verify PyTorch distributed checkpoints, and save/resume them.
 
     from ckpttool import Checkpointer
+
+Names are imported on first use, so ``ckpttool --help`` does not pay for importing torch.
 """
 
-from .checkpointer import Checkpointer, LoadResult, load
-from .errors import CkptError
-from .pipeline import convert
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["Checkpointer", "CkptError", "LoadResult", "convert", "load"]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "Checkpointer": "checkpointer",
+    "LoadResult": "checkpointer",
+    "load": "checkpointer",
+    "convert": "pipeline",
+    "CkptError": "errors",
+}
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer, LoadResult, load
+    from .errors import CkptError
+    from .pipeline import convert
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ckpttool' has no attribute {name!r}")

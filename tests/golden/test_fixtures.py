@@ -58,6 +58,8 @@ def test_trainer_fixture_loads_on_a_laptop():
     assert ckpt.steps() == [2]
     res = ckpt.load(model, optimizer)
     assert res.step == 2 and res.extra["step"] == 2
-    with ckpttool.formats.open_source(os.path.join(FIXTURES, "trainer-w2", "step-2")) as src:
+    from ckpttool.formats import open_source
+
+    with open_source(os.path.join(FIXTURES, "trainer-w2", "step-2")) as src:
         for k, v in model.state_dict().items():
             assert torch.equal(src.read_tensor(f"model.{k}"), v), k
