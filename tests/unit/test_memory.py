@@ -13,6 +13,7 @@ import torch
 PROBE = r"""
 import json, sys
 import torch, ckpttool
+import ckpttool.formats.dcp, ckpttool.formats.torch_save, ckpttool.formats.safetensors  # imports are not the convert
 from ckpttool import convert
 
 def status(field):
