@@ -199,6 +199,48 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
         click.echo(f"dropped {len(report.dropped)} non-tensor entries that {report.dst_format} cannot hold: {', '.join(report.dropped)}", err=True)
 
 
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--world-size", type=int, required=True, help="Ranks of the job that will load DST.")
+@click.option("--mesh", metavar="RxS", help="HSDP mesh: R replicas x S shards (R*S = world size); boxes follow the shard dim.")
+@click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix.")
+@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, help="Most tensor data held in memory at once.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@json_option
+@storage_option
+@click.pass_context
+def reshard(ctx: click.Context, src: str, dst: str, world_size: int, mesh: str | None, only: str | None, memory_budget: str,
+            force: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """Rewrite a DCP checkpoint for a new world size, in one process, without a cluster.
+
+    \b
+    DST is laid out as FSDP2 Shard(0) on WORLD_SIZE ranks (torch.chunk along dim 0, so the last
+    shards may be short or empty): one __<rank>_0.distcp per rank holding exactly that rank's
+    boxes, so each rank of the new job reads its own file (replicated entries such as buffers,
+    scalars and objects are stored once, in rank 0's file). Plain torch.distributed.checkpoint.load
+    reads DST. SRC may be written by ckpttool or by plain torch, on any world size.
+
+    \b
+    Examples:
+      ckpttool reshard runs/exp1/step-100 step-100-w4 --world-size 4
+      ckpttool reshard runs/exp1/step-100 step-100-hsdp --world-size 4 --mesh 2x2
+    """
+    from .pipeline import reshard as run_reshard
+
+    progress = Progress("reshard", not _quiet(ctx) and not as_json)
+    try:
+        report = run_reshard(src, dst, world_size=world_size, mesh=mesh, only=only, memory_budget=memory_budget, force=force,
+                             storage_options=_storage_options(storage_options), progress=progress)
+    finally:
+        progress.close()
+    if as_json:
+        _emit_json(report.__dict__)
+        return
+    click.echo(f"wrote {report.dst}: {report.tensors} tensors, {_human(report.bytes)} for {report.world_size} ranks "
+               f"(mesh {report.mesh}; source had {report.source_world_size})")
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--nproc", type=int, default=2, show_default=True, help="Ranks to start (processes on this machine).")
 @click.pass_context

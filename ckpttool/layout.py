@@ -105,18 +105,22 @@ def stored_boxes(shape: Sequence[int], mesh: Mesh, sharded: bool = True) -> list
 
     Sharded tensors: shard index s is stored by rank ``s`` of replicate group 0 (ranks are numbered
     replicate-major, so that is global rank s). Replicated tensors (buffers, scalars): rank 0 only.
-    Empty shards store nothing.
+    Empty shards are stored as FSDP2 stores them: one zero-row chunk at offset ``shape[0]`` (DCP
+    keys chunks by offset, so several empty shards share that one).
     """
     shape = tuple(shape)
     if not sharded or not shape:
         return [(0, whole(shape))]
     out = []
+    empty_stored = False
     for s in range(mesh.shard):
         box = fsdp_box(shape, mesh.shard, s)
-        if box is not None:
-            out.append((s, box))
-    if not out:  # a tensor with no elements still needs one (empty) chunk to exist
-        out.append((0, whole(shape)))
+        if box is None:
+            if empty_stored:
+                continue
+            box = ((shape[0], *([0] * (len(shape) - 1))), (0, *shape[1:]))
+            empty_stored = True
+        out.append((s, box))
     return out
 
 

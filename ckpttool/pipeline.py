@@ -17,7 +17,7 @@ import torch
 from .errors import OutputExistsError, UsageError
 from .formats import FORMATS, ObjectSpec, Sink, Source, TensorSpec, format_from_name, make_sink, open_source
 from .index import TensorEntry, dtype_size, key_of
-from .layout import Box
+from .layout import Box, Mesh, stored_boxes, whole
 from .storage import Location, resolve
 
 DEFAULT_BUDGET = 1 << 30
@@ -185,4 +185,113 @@ def convert(
             objects=len(plan.objects) - len(sink.dropped),
             bytes=sum(s.nbytes for s in plan.tensors),
             dropped=list(sink.dropped),
+        )
+
+
+# --- reshard --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReshardReport:
+    src: str
+    dst: str
+    source_world_size: int
+    world_size: int
+    mesh: str
+    tensors: int
+    objects: int
+    bytes: int
+    bytes_per_rank: dict[int, int]
+
+
+def source_world_size(source: Source) -> int:
+    """How many ranks wrote a DCP checkpoint, from its ``__<rank>_<i>.distcp`` file names."""
+    ranks = set()
+    for name in source.files():
+        m = re.match(r"^__(\d+)_\d+\.distcp$", name)
+        if m:
+            ranks.add(int(m.group(1)))
+    return max(ranks) + 1 if ranks else 1
+
+
+def fsdp_placement(source: Source, mesh: Mesh):
+    """Where each tensor goes on ``mesh``: FSDP2 ``Shard(0)`` boxes, each stored once, except
+    entries the source stores replicated (buffers, 0-d scalars), which stay whole on rank 0.
+
+    A tensor is taken as replicated when the source keeps it as one whole chunk although sharding
+    it over the source's world size would have made several. From a world-size-1 source that cannot
+    be told, so buffers are sharded like parameters there (plain DCP loads either way).
+    """
+    index = source.index()
+    w_src = source_world_size(source)
+    src_mesh = Mesh(1, w_src)
+
+    def replicated(key: str) -> bool:
+        entry = index[key]
+        if not entry.shape:
+            return True
+        if len(entry.chunks) != 1 or entry.chunks[0].sizes != entry.shape:
+            return False
+        return len(stored_boxes(entry.shape, src_mesh)) > 1
+
+    def place(spec: TensorSpec) -> list[tuple[int, Box]]:
+        src_key = source_keys.get(spec.key, spec.key)
+        if replicated(src_key):
+            return [(0, whole(spec.shape))]
+        return stored_boxes(spec.shape, mesh)
+
+    source_keys: dict[str, str] = {}
+    return place, source_keys
+
+
+def reshard(
+    src: str | Location,
+    dst: str | Location,
+    *,
+    world_size: int,
+    mesh: str | None = None,
+    only: str | None = None,
+    memory_budget: int | str = DEFAULT_BUDGET,
+    force: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> ReshardReport:
+    """Rewrite a DCP checkpoint as FSDP2 would lay it out on ``world_size`` ranks (or an HSDP
+    ``mesh`` "RxS"): one ``__<rank>_0.distcp`` per target rank holding exactly that rank's boxes.
+
+    One process, no process group, streaming under ``memory_budget``. Raises :class:`UsageError`
+    for a bad world size or mesh, :class:`FormatError` when SRC is not DCP.
+    """
+    from .errors import FormatError
+    from .formats.dcp import DcpSink
+
+    target = Mesh.parse(world_size, mesh)
+    src_loc = resolve(src, storage_options)
+    dst_loc = resolve(dst, storage_options)
+    budget = parse_size(memory_budget)
+    if src_loc.url == dst_loc.url:
+        raise UsageError("source and destination are the same path", where=dst_loc.url)
+    with open_source(src_loc, None) as source:
+        if source.format != "dcp":
+            raise FormatError(
+                f"reshard reads DCP checkpoints; this is {source.format}",
+                where=src_loc.url,
+                hint=f"convert it first: ckpttool convert {src_loc.url} DIR --to dcp",
+            )
+        check_output(dst_loc, force)
+        plan = plan_entries(source, only, None)
+        place, source_keys = fsdp_placement(source, target)
+        source_keys.update(plan.source_key)
+        sink = DcpSink(dst_loc, placement=place, world_size=target.world_size)
+        run(source, sink, plan, budget, progress)
+        return ReshardReport(
+            src=src_loc.url,
+            dst=dst_loc.url,
+            source_world_size=source_world_size(source),
+            world_size=target.world_size,
+            mesh=f"{target.replicate}x{target.shard}",
+            tensors=len(plan.tensors),
+            objects=len(plan.objects),
+            bytes=sum(s.nbytes for s in plan.tensors),
+            bytes_per_rank=dict(sorted(sink.bytes_per_rank.items())),
         )

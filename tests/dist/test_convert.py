@@ -9,16 +9,7 @@ from ckpttool import convert
 
 from ..unit.test_formats import assert_same_nested
 from .harness import run_ranks
-from .workloads import plain_torch_load, plain_torch_save
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    out = {}
-    for w in (1, 2, 3, 4):
-        path = str(tmp_path_factory.mktemp(f"plain{w}") / "ck")
-        out[w] = (path, run_ranks(plain_torch_save, w, path)[0])
-    return out
+from .workloads import plain_torch_load
 
 
 @pytest.mark.parametrize("w", [1, 2, 3, 4])

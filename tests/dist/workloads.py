@@ -118,13 +118,15 @@ class OddNet(torch.nn.Module):
         return self.head(torch.relu(self.lin(self.emb(x))).to(torch.bfloat16)).float()
 
 
-def oddnet_sharded():
+def oddnet_sharded(mesh_shape: tuple[int, ...] | None = None):
+    """OddNet under FSDP2 on a 1-D mesh of all ranks, or HSDP on a 2-D ``(replicate, shard)`` mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)  # the same full weights on every rank, at every world size
     model = OddNet()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    shape = mesh_shape or (dist.get_world_size(),)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
     fully_shard(model.lin, mesh=mesh)
     fully_shard(model.head, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -148,18 +150,33 @@ def plain_torch_save(path: str) -> dict[str, object]:
     return {"model": fmsd, "optim": fosd, "extra": extra}
 
 
-def plain_torch_load(path: str) -> dict[str, object]:
-    """Plain dcp.load into a fresh sharded OddNet + AdamW; return the full state afterwards."""
+def plain_torch_load(path: str, mesh_shape: tuple[int, ...] | None = None) -> dict[str, object]:
+    """Plain dcp.load into a fresh sharded OddNet + AdamW; return the full state afterwards, and
+    which files each rank read (bytes per file and the keys it read from each)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    model, optimizer = oddnet_sharded()
+    reads: dict[str, dict] = {}
+
+    class CountingReader(FileSystemReader):
+        """torch's own reader; records which file each read item is served from."""
+
+        def read_data(self, plan, planner):
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                entry = reads.setdefault(info.relative_path, {"bytes": 0, "keys": set()})
+                entry["bytes"] += info.length
+                entry["keys"].add(item.storage_index.fqn)
+            return super().read_data(plan, planner)
+
+    model, optimizer = oddnet_sharded(mesh_shape)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=CountingReader(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {"model": fmsd, "optim": fosd}
+    return {"model": fmsd, "optim": fosd, "reads": reads, "rank": dist.get_rank()}

@@ -14,7 +14,7 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("command", ["inspect", "convert", "train"])
+@pytest.mark.parametrize("command", ["inspect", "convert", "reshard", "train"])
 def test_help_has_examples(command):
     result = run(command, "--help")
     assert result.exit_code == 0 and "Examples" in result.output
@@ -77,3 +77,21 @@ def test_inspect_training_root_lists_steps_and_incomplete(tmp_path, ref_pt):
     assert [s["step"] for s in doc["steps"]] == [3] and doc["incomplete"] == ["step-5"]
     text = run("inspect", root).output
     assert "step-5" in text and "incomplete" in text
+
+
+def test_reshard_bad_input_exit_2(tmp_path, ref_pt):
+    run("convert", ref_pt, tmp_path / "ck")
+    cases = [
+        (["reshard", tmp_path / "ck", tmp_path / "a", "--world-size", "0"], "--world-size must be at least 1"),
+        (["reshard", tmp_path / "ck", tmp_path / "b", "--world-size", "4", "--mesh", "3x2"], "--mesh 3x2"),
+        (["reshard", ref_pt, tmp_path / "c", "--world-size", "2"], "reads DCP checkpoints"),
+        (["reshard", tmp_path / "ck", tmp_path / "ck", "--world-size", "2"], "same path"),
+    ]
+    for args, expect in cases:
+        result = run(*args)
+        assert result.exit_code == 2 and expect in result.output, (args, result.output)
+    result = run("reshard", tmp_path / "ck", tmp_path / "ok", "--world-size", "3", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["world_size"] == 3 and sorted(doc["bytes_per_rank"]) == ["0", "1", "2"]
+    assert run("reshard", tmp_path / "ck", tmp_path / "ok", "--world-size", "2").exit_code == 2  # exists, no --force
