@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-# Train the tiny model on 2 CPU ranks with checkpoints, stop, resume, then look at, convert and reshard what was saved.
+# Train the tiny model on 2 CPU ranks with checkpoints, stop, resume, then look at, convert, reshard and verify what was saved.
 demo: setup
 	rm -rf $(DEMO)
 	$(CKPT) train --nproc 2 --steps 4 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2
@@ -27,6 +27,9 @@ demo: setup
 	$(CKPT) convert $(DEMO)/full.pt $(DEMO)/roundtrip-dcp
 	$(CKPT) reshard $(DEMO)/run/step-8 $(DEMO)/step-8-on-3-ranks --world-size 3
 	$(CKPT) inspect $(DEMO)/step-8-on-3-ranks | head -6
+	$(CKPT) verify $(DEMO)/run
+	$(CKPT) verify $(DEMO)/step-8-on-3-ranks --against $(DEMO)/full.pt
+	$(CKPT) verify $(DEMO)/run/step-8 --against $(DEMO)/model.safetensors --only model --cast
 	$(CKPT) inspect $(DEMO)/model.safetensors | head -8
 	@echo "demo finished: see $(DEMO)/"
 

@@ -241,6 +241,65 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int, mesh: str |
                f"(mesh {report.mesh}; source had {report.source_world_size})")
 
 
+@main.command()
+@click.argument("path")
+@click.option("--against", "other", metavar="OTHER", help="Compare entry by entry with another checkpoint in any format.")
+@click.option("--only", metavar="KEY", help="Check only entries under this top-level key (with --against: compare them, prefix dropped).")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance for --against (default: bitwise).")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance for --against.")
+@click.option("--cast", is_flag=True, help="With --against: where dtypes differ, cast PATH's values to OTHER's dtype first (for exports made with --dtype).")
+@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, help="Most tensor data held in memory at once.")
+@json_option
+@storage_option
+@click.pass_context
+def verify(ctx: click.Context, path: str, other: str | None, only: str | None, rtol: float, atol: float, cast: bool,
+           memory_budget: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """Check a checkpoint's integrity, or compare it with another.
+
+    \b
+    Integrity (any format, or every committed step of a training root): every referenced file
+    exists and every byte range lies inside it; every tensor's chunks tile its shape with no gap
+    or overlap; every record decodes to its declared dtype and shape; the bytes are the ones
+    written (the CRC-32 torch stores for every record of DCP and torch.save files; safetensors
+    has no checksums); pickles are read through the allow-list, never run.
+    With --against: keys missing on either side, dtype and shape differences, values bitwise
+    (or within --rtol/--atol, with max differences and the first differing index).
+    Exit 0 when nothing is wrong, 1 when problems or differences were found, 2 when PATH cannot
+    be read at all.
+
+    \b
+    Examples:
+      ckpttool verify runs/exp1
+      ckpttool verify runs/exp1/step-100 --json
+      ckpttool verify runs/exp1/step-100 --against model.safetensors --only model
+      ckpttool verify runs/exp1/step-100 --against model-bf16.safetensors --only model --cast
+    """
+    from .pipeline import parse_size
+    from .verify import verify_against, verify_path
+
+    progress = Progress("verify", not _quiet(ctx) and not as_json)
+    opts = _storage_options(storage_options)
+    try:
+        if other:
+            report = verify_against(path, other, only=only, rtol=rtol, atol=atol, cast=cast, memory_budget=parse_size(memory_budget),
+                                    storage_options=opts, progress=progress)
+        else:
+            report = verify_path(path, only=only, storage_options=opts, progress=progress)
+    finally:
+        progress.close()
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        for problem in report.problems:
+            click.echo(f"problem: {problem.line()}")
+        for note in report.notes:
+            click.echo(f"note: {note}")
+        verdict = "OK" if report.ok else f"{len(report.problems)} problem(s)"
+        click.echo(f"{verdict}: {report.tensors_checked} tensors ({_human(report.bytes_checked)}) and "
+                   f"{report.objects_checked} objects checked in {report.path}")
+    ctx.exit(0 if report.ok else 1)
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--nproc", type=int, default=2, show_default=True, help="Ranks to start (processes on this machine).")
 @click.pass_context

@@ -156,6 +156,7 @@ class DcpSource(Source):
             md = stored[key]
             path = tuple(paths.get(key, (key,)))
             if isinstance(md, TensorStorageMetadata):
+                _check_tensor_metadata(key, md, self.location.child(METADATA_FILE).url)
                 chunks = []
                 for c in md.chunks:
                     offs = tuple(int(o) for o in c.offsets)
@@ -178,7 +179,7 @@ class DcpSource(Source):
         return idx
 
     def files(self) -> list[str]:
-        names = {info.relative_path for info in self._storage.values()}
+        names = {getattr(info, "relative_path", "?") for info in self._storage.values()}
         return sorted(names)
 
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
@@ -257,6 +258,24 @@ class DcpSource(Source):
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+
+
+def _check_tensor_metadata(key: str, md: Any, where: str) -> None:
+    """Types and ranks of one entry, so a damaged .metadata is a clear error, not a crash later."""
+    dtype = getattr(getattr(md, "properties", None), "dtype", None)
+    size = getattr(md, "size", None)
+    ok = isinstance(dtype, torch.dtype) and isinstance(size, (tuple, list)) and all(isinstance(s, int) and s >= 0 for s in size)
+    if ok:
+        for c in md.chunks:
+            offs, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
+            if not (isinstance(offs, (tuple, list)) and isinstance(sizes, (tuple, list)) and len(offs) == len(sizes) == len(size)
+                    and all(isinstance(x, int) and x >= 0 for x in (*offs, *sizes))):
+                ok = False
+                break
+    if not ok:
+        raise CorruptCheckpointError(
+            f"entry {key!r} in .metadata is malformed", where=where, hint="the .metadata file is damaged; restore it"
+        )
 
 
 # --- offline Sink --------------------------------------------------------------------------------

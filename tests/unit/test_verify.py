@@ -1,0 +1,213 @@
+"""verify: each corruption of DESIGN.md 5.4 caught and named, on DCP from both writers, torch files and
+safetensors; random bit flips; --against finds one changed element."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpttool import convert
+from ckpttool.cli import main
+from ckpttool.errors import CkptError
+from ckpttool.formats import open_source
+from ckpttool.formats.dcp import read_metadata
+from ckpttool.index import TensorEntry
+from ckpttool.storage import resolve
+from ckpttool.verify import verify_against, verify_path
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures")
+
+
+@pytest.fixture(params=["plain-torch", "ckpttool"])
+def dcp_dir(request, tmp_path, ref_pt):
+    """A DCP checkpoint written by plain torch at 2 ranks, or by ckpttool's convert."""
+    out = tmp_path / "ck"
+    if request.param == "plain-torch":
+        shutil.copytree(os.path.join(FIXTURES, "plain-dcp-w2"), out)
+    else:
+        convert(str(ref_pt), str(out))
+    return out
+
+
+def tensor_data_spans(path) -> list[tuple[str, int, int, str]]:
+    """(file, start, end, key) of every chunk's raw tensor bytes."""
+    spans = []
+    with open_source(str(path)) as src:
+        for e in src.index().tensors():
+            for c in e.chunks:
+                arch = src.archive(c.location, e.key)
+                st = arch.storages[arch.obj.storage.key]
+                if st.nbytes:
+                    spans.append((c.location.relative_path, st.offset, st.offset + st.nbytes, e.key))
+    return spans
+
+
+def flip_bit(path, byte: int, bit: int = 0) -> None:
+    with open(path, "r+b") as f:
+        f.seek(byte)
+        b = f.read(1)[0]
+        f.seek(byte)
+        f.write(bytes([b ^ (1 << bit)]))
+
+
+def test_untouched_checkpoints_pass(dcp_dir, ref_pt, tmp_path):
+    assert verify_path(str(dcp_dir)).ok
+    assert verify_path(str(ref_pt)).ok
+    convert(str(ref_pt), str(tmp_path / "x.safetensors"))
+    convert(str(ref_pt), str(tmp_path / "hf"), to="safetensors", max_shard_size="64B")
+    assert verify_path(str(tmp_path / "x.safetensors")).ok and verify_path(str(tmp_path / "hf")).ok
+    assert verify_path(os.path.join(FIXTURES, "trainer-w2")).ok
+
+
+def test_missing_file_is_named(dcp_dir):
+    victim = sorted(p for p in os.listdir(dcp_dir) if p.endswith(".distcp"))[-1]
+    os.remove(dcp_dir / victim)
+    report = verify_path(str(dcp_dir))
+    assert not report.ok and any(p.file and victim in p.file and "missing" in p.what for p in report.problems)
+
+
+def test_truncated_file_is_named_with_key(dcp_dir):
+    victim = sorted(p for p in os.listdir(dcp_dir) if p.endswith(".distcp"))[0]
+    data = (dcp_dir / victim).read_bytes()
+    (dcp_dir / victim).write_bytes(data[: len(data) - 100])
+    report = verify_path(str(dcp_dir))
+    assert not report.ok
+    assert any(victim in (p.file or "") and p.key and ("past the end" in p.what or "truncated" in p.what) for p in report.problems)
+
+
+def test_flipped_bit_in_tensor_data_is_caught_with_file_and_key(dcp_dir):
+    fname, start, end, key = tensor_data_spans(dcp_dir)[3]
+    flip_bit(dcp_dir / fname, (start + end) // 2, 5)
+    report = verify_path(str(dcp_dir))
+    assert [(p.key, "CRC-32" in p.what, fname in p.file) for p in report.problems] == [(key, True, True)]
+
+
+def test_inconsistent_metadata_gap_and_overlap(dcp_dir):
+    md = read_metadata(resolve(str(dcp_dir)))
+    sharded = [k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks") and len(v.chunks) > 1]
+    if not sharded:  # ckpttool's single-rank output: make a gap by growing the tensor instead
+        key = next(k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks") and len(v.size) == 2)
+        v = md.state_dict_metadata[key]
+        v.size = torch.Size([v.size[0] + 1, v.size[1]])
+        expect = "gap"
+    else:
+        key = sharded[0]
+        v = md.state_dict_metadata[key]
+        c = v.chunks[1]
+        c.sizes = torch.Size([c.sizes[0] + 1, *c.sizes[1:]])  # overlaps the next or runs outside
+        expect = ("overlap", "outside")
+    (dcp_dir / ".metadata").write_bytes(pickle.dumps(md))
+    report = verify_path(str(dcp_dir))
+    assert not report.ok
+    assert any(p.key == key and any(e in p.what for e in ([expect] if isinstance(expect, str) else expect)) for p in report.problems)
+
+
+def test_twenty_random_bit_flips_in_plain_torch_tensor_data_are_all_caught(tmp_path):
+    src = os.path.join(FIXTURES, "plain-dcp-w2")
+    spans = tensor_data_spans(src)
+    rnd = random.Random(1234)
+    for i in range(20):
+        fname, start, end, key = rnd.choice(spans)
+        work = tmp_path / f"flip{i}"
+        shutil.copytree(src, work)
+        flip_bit(work / fname, rnd.randrange(start, end), rnd.randrange(8))
+        report = verify_path(str(work))
+        assert not report.ok, (i, fname, key)
+        assert any(p.key == key for p in report.problems), (i, key, [p.line() for p in report.problems])
+
+
+def test_flips_anywhere_never_crash_the_verifier(tmp_path):
+    src = os.path.join(FIXTURES, "plain-dcp-w2")
+    rnd = random.Random(99)
+    files = sorted(f for f in os.listdir(src) if f.endswith(".distcp")) + [".metadata"]
+    for i in range(40):
+        work = tmp_path / f"any{i}"
+        shutil.copytree(src, work)
+        victim = work / rnd.choice(files)
+        flip_bit(victim, rnd.randrange(victim.stat().st_size), rnd.randrange(8))
+        try:
+            verify_path(str(work))
+        except CkptError:
+            pass  # unreadable input is a typed error (exit 2), never a crash
+
+
+def test_torch_file_bit_flip_and_truncation(tmp_path, ref_pt):
+    spans = []
+    with open_source(str(ref_pt)) as src:
+        for e in src.index().tensors():
+            st = src.storage_of(e.chunks[0].location)
+            if st.nbytes:
+                spans.append((st.offset, st.offset + st.nbytes, e.key))
+    start, end, key = spans[0]
+    bad = tmp_path / "bad.pt"
+    shutil.copy(ref_pt, bad)
+    flip_bit(bad, start + 1)
+    report = verify_path(str(bad))
+    assert not report.ok and report.problems[0].key == key and "CRC-32" in report.problems[0].what
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(ref_pt.read_bytes()[:-200])
+    report = verify_path(str(cut))  # the zip directory is gone: reported against the file
+    assert not report.ok and "cut.pt" in report.problems[0].file
+
+
+def test_safetensors_header_size_and_index_problems(tmp_path, ref_pt):
+    one = tmp_path / "one.safetensors"
+    convert(str(ref_pt), str(one))
+    data = one.read_bytes()
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(data[:-4])
+    report = verify_path(str(short))
+    assert not report.ok
+    hf = tmp_path / "hf"
+    convert(str(ref_pt), str(hf), to="safetensors", max_shard_size="64B")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    key = sorted(index["weight_map"])[0]
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][key])
+    index["weight_map"][key] = other
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    report = verify_path(str(hf))
+    assert any(p.key == key and "index maps it" in p.what for p in report.problems)
+
+
+def test_against_finds_one_changed_element(tmp_path, ref_pt):
+    ck = tmp_path / "ck"
+    convert(str(ref_pt), str(ck))
+    state = torch.load(ref_pt, weights_only=True)
+    state["model"]["w"][4, 2] += 1e-3
+    changed = tmp_path / "changed.pt"
+    torch.save(state, changed)
+    report = verify_against(str(ck), str(changed))
+    assert [(p.key, "index [4, 2]" in p.what) for p in report.problems] == [("model.w", True)]
+    assert verify_against(str(ck), str(changed), atol=1e-2).ok
+    report = verify_against(str(ck), str(changed), rtol=1e-6)
+    assert "max abs diff" in report.problems[0].what
+
+
+def test_against_model_export_with_only_and_cast(tmp_path, ref_pt):
+    ck = tmp_path / "ck"
+    convert(str(ref_pt), str(ck))
+    convert(str(ck), str(tmp_path / "m.safetensors"), only="model", dtype="bfloat16")
+    assert not verify_against(str(ck), str(tmp_path / "m.safetensors"), only="model").ok
+    assert verify_against(str(ck), str(tmp_path / "m.safetensors"), only="model", cast=True).ok
+    report = verify_against(str(ck), str(tmp_path / "m.safetensors"))
+    assert any("only in" in p.what for p in report.problems)
+
+
+def test_cli_exit_codes_and_json(tmp_path, dcp_dir):
+    runner = CliRunner()
+    assert runner.invoke(main, ["verify", str(dcp_dir)]).exit_code == 0
+    fname, start, end, key = tensor_data_spans(dcp_dir)[0]
+    flip_bit(dcp_dir / fname, start)
+    result = runner.invoke(main, ["verify", str(dcp_dir), "--json"])
+    assert result.exit_code == 1
+    doc = json.loads(result.output)
+    assert doc["ok"] is False and doc["problems"][0]["key"] == key
+    result = runner.invoke(main, ["verify", str(tmp_path / "nothing")])
+    assert result.exit_code == 2 and "does not exist" in result.output
