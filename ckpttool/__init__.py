@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Checkpointer", "CkptError", "LoadResult", "convert", "load"]
+__all__ = ["Checkpointer", "CkptError", "LoadResult", "convert", "load", "verify_loaded"]
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -18,12 +18,14 @@ _WHERE = {
     "load": "checkpointer",
     "convert": "pipeline",
     "CkptError": "errors",
+    "verify_loaded": "verify",
 }
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, LoadResult, load
     from .errors import CkptError
     from .pipeline import convert
+    from .verify import verify_loaded
 
 
 def __getattr__(name: str) -> Any:

@@ -51,6 +51,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 gradient reduction")
     parser.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 turns clipping off (default: 1.0)")
     parser.add_argument("--keep-last", type=int, default=None, help="keep only the newest N committed steps")
+    parser.add_argument(
+        "--verify-after-load",
+        action="store_true",
+        help="after resuming, check every rank's shards against the checkpoint's bytes (no all-gather)",
+    )
     return parser
 
 
@@ -130,6 +135,20 @@ def run_training(args: argparse.Namespace) -> TrainRun:
             res = ckpt.load(model, optimizer)
             if res is not None:
                 _check_resumed_extra(res.extra, args, res.path)
+                if args.verify_after_load:
+                    from .. import verify_loaded
+
+                    report = verify_loaded(model, optimizer, res.path)
+                    if not report.ok:
+                        first = report.mismatches[0]
+                        raise UsageError(
+                            f"{len(report.mismatches)} shard(s) differ from the checkpoint after loading; "
+                            f"first: {first.key} on rank {first.rank} at {first.first_index}",
+                            where=res.path,
+                            hint="run `ckpttool verify` on the checkpoint",
+                        )
+                    if rank == 0:
+                        print(f"verified {report.tensors_checked} loaded shards against {res.path}", flush=True)
                 # res.step optimizer steps are done: the next loop index is res.step itself.
                 start = res.step
 

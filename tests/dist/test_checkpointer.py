@@ -11,17 +11,6 @@ from .harness import run_ranks
 from .workloads import assert_same, initial_state, load_into_fresh, plain_dcp_load, train_run
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """One checkpoint per world size 1..3, each trained 3 steps and saved at step 2 and 3."""
-    out = {}
-    for w in (1, 2, 3):
-        root = str(tmp_path_factory.mktemp(f"w{w}"))
-        res = run_ranks(train_run, w, steps=3, ckpt_dir=root, save_every=2)
-        out[w] = (root, res[0])
-    return out
-
-
 @pytest.mark.parametrize("w_save", [1, 2, 3])
 @pytest.mark.parametrize("w_load", [1, 2, 3])
 def test_save_on_w_load_on_w_prime_bitwise(saved, w_save, w_load):
@@ -62,7 +51,7 @@ def test_resume_is_as_if_never_interrupted(tmp_path):
     straight = run_ranks(train_run, 2, steps=6)[0]
     root = str(tmp_path / "ck")
     first = run_ranks(train_run, 2, steps=3, ckpt_dir=root, save_every=3)[0]
-    second = run_ranks(train_run, 2, steps=6, ckpt_dir=root, save_every=3)[0]
+    second = run_ranks(train_run, 2, steps=6, ckpt_dir=root, save_every=3, verify_after_load=True)[0]
     assert second["start"] == 3
     assert first["losses"] + second["losses"] == straight["losses"]
     assert_same(straight["state"], second["state"], "6 straight vs 3 + resume 3")

@@ -46,13 +46,15 @@ def train_run(**overrides) -> dict[str, object]:
     return {"losses": run.losses, "start": run.start_step, "state": full_state(run.model, run.optimizer)}
 
 
-def fresh_model(seed: int = 123, model_size: str = "tiny"):
+def fresh_model(seed: int = 123, model_size: str = "tiny", mesh_shape: tuple[int, ...] | None = None, config=None):
+    """The trainer's model under FSDP2 on all ranks (1-D), or HSDP on a 2-D (replicate, shard) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ckpttool.trainer.model import PRESETS, build_fsdp_model
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build_fsdp_model(PRESETS[model_size], mesh, seed)
+    shape = mesh_shape or (dist.get_world_size(),)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    model = build_fsdp_model(config or PRESETS[model_size], mesh, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     return model, optimizer
 
@@ -180,3 +182,40 @@ def plain_torch_load(path: str, mesh_shape: tuple[int, ...] | None = None) -> di
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"model": fmsd, "optim": fosd, "reads": reads, "rank": dist.get_rank()}
+
+
+def load_and_verify(root: str, mesh_shape: tuple[int, ...] | None = None, flip: tuple[str, int] | None = None) -> dict[str, object]:
+    """Load the newest step onto a 1-D or HSDP mesh, then verify_loaded; with ``flip`` (file, byte)
+    rank 0 flips a bit of the checkpoint after the load, so the check must fail on every rank."""
+    import os
+
+    from ckpttool import Checkpointer, verify_loaded
+
+    model, optimizer = fresh_model(seed=999, mesh_shape=mesh_shape)
+    res = Checkpointer(root).load(model, optimizer)
+    if flip is not None:
+        if dist.get_rank() == 0:
+            with open(os.path.join(res.path, flip[0]), "r+b") as f:
+                f.seek(flip[1])
+                b = f.read(1)[0]
+                f.seek(flip[1])
+                f.write(bytes([b ^ 0x10]))
+        dist.barrier()
+    report = verify_loaded(model, optimizer, res.path)
+    return {"state": full_state(model, optimizer), "ok": report.ok, "tensors": report.tensors_checked,
+            "mismatches": [(m.key, m.rank, m.first_index) for m in report.mismatches]}
+
+
+def load_wrong_shape(root: str) -> str:
+    from dataclasses import replace
+
+    from ckpttool import Checkpointer
+    from ckpttool.errors import MismatchError
+    from ckpttool.trainer.model import PRESETS
+
+    model, optimizer = fresh_model(config=replace(PRESETS["tiny"], vocab_size=70))
+    try:
+        Checkpointer(root).load(model, optimizer)
+    except MismatchError as exc:
+        return str(exc)
+    return "no error"

@@ -1,0 +1,43 @@
+"""Loads onto other meshes (1-D of any size, HSDP 2x2) and the per-shard check of what was loaded."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from ckpttool.formats import open_source
+
+from .harness import run_ranks
+from .workloads import assert_same, load_and_verify, load_wrong_shape
+
+
+@pytest.mark.parametrize("w_save", [1, 2, 3])
+@pytest.mark.parametrize("w_load,mesh", [(4, None), (4, (2, 2)), (2, (2, 1)), (2, None)])
+def test_load_on_other_meshes_bitwise_and_verified(saved, w_save, w_load, mesh):
+    root, trained = saved[w_save]
+    results = run_ranks(load_and_verify, w_load, root, mesh)
+    for r in results:
+        assert r["ok"] and r["tensors"] > 0 and r["mismatches"] == []
+        assert_same(trained["state"], r["state"], f"saved on {w_save}, loaded on {w_load} mesh {mesh}")
+
+
+def test_verify_loaded_names_a_corrupted_box_on_every_rank(saved, tmp_path):
+    root = str(tmp_path / "copy")
+    shutil.copytree(saved[2][0], root)
+    with open_source(f"{root}/step-3") as src:
+        entry = src.index()["model.layers.1.attention.wq.weight"]
+        chunk = entry.chunks[1]  # the second shard: rank 1's box on 2 ranks
+        arch = src.archive(chunk.location, entry.key)
+        st = arch.storages[arch.obj.storage.key]
+        flip = (chunk.location.relative_path, st.offset + 8)
+    results = run_ranks(load_and_verify, 2, root, None, flip)
+    assert results[0]["mismatches"] == results[1]["mismatches"]
+    assert not results[0]["ok"]
+    (key, rank, index), = results[0]["mismatches"]
+    assert key == "model.layers.1.attention.wq.weight" and rank == 1 and index[0] >= chunk.offsets[0]
+
+
+def test_model_whose_shapes_differ_gets_a_typed_error_on_every_rank(saved):
+    for text in run_ranks(load_wrong_shape, 2, saved[2][0]):
+        assert "tok_embeddings.weight" in text and "(67, 34)" in text and "(70, 34)" in text
