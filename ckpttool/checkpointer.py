@@ -17,12 +17,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -63,6 +66,7 @@ class Checkpointer:
         keep_last: int | None = None,
         keep_every: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        async_save: bool = False,
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
@@ -72,6 +76,10 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.storage_options = storage_options or {}
+        self.async_save = async_save
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
+        self._group: Any = None  # checkpoint-only process group, made on the first async save
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -85,30 +93,99 @@ class Checkpointer:
         self._check_root()
         return list_root(self.root).incomplete
 
+    def clean(self) -> list[str]:
+        """Remove what never committed (call when no save is running); returns the removed names."""
+        self.wait()
+        removed: list[str] = []
+        if dist.rank() == 0:
+            for name in self.incomplete():
+                self.root.child(name).remove()
+                removed.append(name)
+        dist.barrier("ckpttool.clean")
+        return removed
+
     def step_path(self, step: int) -> str:
         return self.root.child(step_name(step)).url
 
     # --- save ----------------------------------------------------------------------------------
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None) -> str:
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
+             blocking: bool | None = None) -> str:
         """Write ``{"model", "optim", "extra"}`` of this step as DCP and commit it; returns its path.
 
-        Raises :class:`OutputExistsError` if the step is already committed, :class:`StorageError`
-        when the storage refuses the write (the previous steps are left as they were).
+        Asynchronous when the Checkpointer was made with ``async_save=True`` (or ``blocking=False``):
+        the call returns once this rank's state is copied (a snapshot: training may change the
+        parameters at once), the write and the commit go on in a background thread over a process
+        group of their own, and the next ``save``/``wait``/``close`` waits for them and raises
+        their error if they failed. Raises :class:`OutputExistsError` if the step exists,
+        :class:`StorageError` when the storage refuses the write (earlier steps stay intact).
         """
         if not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
+        blocking = not self.async_save if blocking is None else blocking
+        self.wait()
         state = _training_state(model, optimizer, extra)
         final = self.root.child(step_name(step))
         tmp = self._prepare_step_dir(step, final)
+        if blocking:
+            self._write_and_commit(state, step, tmp, final, group=None)
+            return final.url
+        if self._group is None and dist.active():
+            import torch.distributed as tdist
+
+            # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
+            # default group): a group of their own, used only by the background thread.
+            self._group = tdist.new_group(backend="gloo")
+        staged = _stage(state)
+        _pause_point("after-stage")
+        self._pending = threading.Thread(
+            target=self._background, args=(staged, step, tmp, final), name=f"ckpttool-save-{step}", daemon=True
+        )
+        self._pending.start()
+        return final.url
+
+    def _background(self, staged: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
+        try:
+            self._write_and_commit(staged, step, tmp, final, group=self._group)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
+            self._pending_error = exc
+
+    def _write_and_commit(self, state: dict[str, Any], step: int, tmp: Location, final: Location, group: Any) -> None:
         try:
             with _single_process_quiet():
-                dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options))
-        except Exception as exc:
+                dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options), process_group=group)
+        except _DCP_ERRORS as exc:
             raise _save_error(exc, tmp) from None
-        self._commit(step, tmp, final)
+        _pause_point("after-write")
+        manifest = _manifest_of_own_file(tmp, group)
+        self._commit(step, tmp, final, manifest, group)
         self._apply_retention()
-        return final.url
+
+    def wait(self) -> None:
+        """Block until the pending background save has committed; raise its error if it failed."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+
+    def close(self) -> None:
+        """Drain the pending save and release the checkpoint process group."""
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                import torch.distributed as tdist
+
+                tdist.destroy_process_group(self._group)
+                self._group = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _prepare_step_dir(self, step: int, final: Location) -> Location:
         error: BaseException | None = None
@@ -121,7 +198,10 @@ class Checkpointer:
                     raise OutputExistsError(
                         "step already exists", where=final.url, hint="save under a new step number or delete it first"
                     )
-                tmp = temp_sibling(final)
+                # Filesystems rename a finished temp directory into place; object stores have no
+                # atomic rename, so there the step is written in place and the commit record,
+                # written last, is what makes it count.
+                tmp = temp_sibling(final) if self.root.is_local else final
                 tmp.makedirs()
             except CkptError as exc:
                 error = exc
@@ -130,16 +210,18 @@ class Checkpointer:
             raise error
         return Location(self.root.fs, dist.broadcast(tmp.path if tmp else None))
 
-    def _commit(self, step: int, tmp: Location, final: Location) -> None:
-        dist.barrier("ckpttool.commit")
+    def _commit(self, step: int, tmp: Location, final: Location, manifest: dict[str, Any], group: Any = None) -> None:
+        dist.barrier("ckpttool.commit", group)
         error: BaseException | None = None
         if dist.rank() == 0:
             try:
-                tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size()))
-                tmp.rename_to(final)
+                tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size(), {"manifest": manifest}))
+                _pause_point("before-rename")
+                if tmp != final:
+                    tmp.rename_to(final)
             except CkptError as exc:
                 error = exc
-        error = dist.first_error(error)
+        error = dist.first_error(error, group)
         if error is not None:
             raise error
 
@@ -185,6 +267,46 @@ class Checkpointer:
         return LoadResult(step=step, extra=result.extra, path=result.path)
 
 
+# DCP raises CheckpointException, a BaseException, for failures on any rank.
+_DCP_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+
+def _stage(state: Any) -> Any:
+    """A copy of every tensor (DTensors stay DTensors), so the caller may change the originals."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _stage(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_stage(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_stage(v) for v in state)
+    return state
+
+
+def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
+    """Each rank hashes the records of its own data file (read back while the page cache still
+    holds them); rank 0 gets them all for the commit record. Documented in docs/format.md."""
+    from .manifest import hash_records
+
+    mine = hash_records(step_dir, f"__{dist.rank()}_")
+    records: dict[str, Any] = {}
+    for part in dist.all_gather(mine, group):
+        records.update(part["records"])
+    return {"algorithm": mine["algorithm"], "records": records}
+
+
+def _pause_point(name: str) -> None:
+    """Crash tests stop a rank here (CKPTTOOL_PAUSE_AT=name) to kill it at a known moment."""
+    if os.environ.get("CKPTTOOL_PAUSE_AT") != name:
+        return
+    marker = os.environ.get("CKPTTOOL_PAUSE_FILE", "/tmp/ckpttool-paused")
+    with open(f"{marker}.{dist.rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(1)
+
+
 @contextlib.contextmanager
 def _single_process_quiet():
     """Without a process group DCP warns on every call that it assumes one process; that is our intent."""
@@ -223,7 +345,7 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
             dcp.load(state, storage_reader=dcp_reader(loc, storage_options), planner=SafeLoadPlanner())
     except CkptError:
         raise
-    except Exception as exc:
+    except _DCP_ERRORS as exc:
         raise _unwrap_dcp_error(exc, loc) from None
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -290,7 +412,7 @@ def _save_error(exc: Exception, tmp: Location) -> CkptError:
     if isinstance(exc, CkptError):
         return exc
     lowered = text.lower()
-    if "no space left" in lowered or "errno 28" in lowered:
+    if any(t in lowered for t in ("no space left", "errno 28", "file too large", "errno 27", "quota")):
         return StorageError("no space left on the device while saving", where=tmp.url, hint="free space; earlier steps are intact")
     if "permission denied" in lowered or "read-only file system" in lowered:
         return StorageError("permission denied while saving", where=tmp.url, hint="check the directory's permissions; earlier steps are intact")

@@ -300,6 +300,34 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, r
     ctx.exit(0 if report.ok else 1)
 
 
+@main.command()
+@click.argument("root")
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@json_option
+@storage_option
+def clean(root: str, dry_run: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """Remove the step directories under a training root that never committed.
+
+    A crash or kill during a save leaves a hidden .step-<N>.tmp-* directory (or, on object
+    stores, a step-<N> without its commit record). Load ignores them; this removes them. Do not
+    run it while a job is saving into ROOT.
+
+    \b
+    Examples:
+      ckpttool clean runs/exp1 --dry-run
+      ckpttool clean runs/exp1
+    """
+    from .checkpointer import Checkpointer
+
+    ckpt = Checkpointer(root, storage_options=_storage_options(storage_options))
+    names = ckpt.incomplete() if dry_run else ckpt.clean()
+    if as_json:
+        _emit_json({"root": ckpt.root.url, "removed": [] if dry_run else names, "would_remove": names if dry_run else []})
+        return
+    verb = "would remove" if dry_run else "removed"
+    click.echo(f"{verb} {len(names)} incomplete step(s){': ' + ', '.join(names) if names else ''}")
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--nproc", type=int, default=2, show_default=True, help="Ranks to start (processes on this machine).")
 @click.pass_context

@@ -25,7 +25,7 @@ def world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if active() else 1
 
 
-def barrier(name: str, group: Any = None) -> None:
+def barrier(name: str, group: Any = None) -> None:  # noqa: D417
     """Wait for every rank. ``name`` says which barrier in a hang or failure report."""
     if not active():
         return

@@ -75,7 +75,7 @@ def commit_record(step: int, world_size: int, extra: dict | None = None) -> byte
         "committed_at": time.time(),
     }
     record.update(extra or {})
-    return json.dumps(record, indent=1, sort_keys=True).encode()
+    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
 
 
 def read_commit_record(step_dir: Location) -> dict | None:

@@ -174,8 +174,8 @@ class Location:
 
 
 def _os_message(exc: OSError) -> str:
-    if exc.errno == errno.ENOSPC:
-        return "no space left on the device; free space or write elsewhere"
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return f"no space to write ({exc.strerror}); free space or write elsewhere"
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"cannot write here: {exc.strerror}"
     return exc.strerror or str(exc)

@@ -78,6 +78,7 @@ def verify_path(path: str | Location, *, only: str | None = None, storage_option
         for step in listing.committed:
             sub = verify_path(loc.child(step_name(step)), only=only, progress=progress)
             report.problems += sub.problems
+            report.notes += [n for n in sub.notes if n not in report.notes]
             report.tensors_checked += sub.tensors_checked
             report.bytes_checked += sub.bytes_checked
             report.objects_checked += sub.objects_checked
@@ -133,6 +134,7 @@ def _verify_dcp(source: Source, report: Report, only: str | None, progress: Prog
             report.add("data file is missing", loc.url, keys[0] if keys else None,
                        hint=f"{len(keys)} entries lose their data; restore the file")
     buf = memoryview(bytearray(_CRC_BLOCK))
+    manifest = _load_manifest(source, report)
     keys = _selected(source, only)
     total = sum(index[k].nbytes for k in keys if isinstance(index[k], TensorEntry))
     done = 0
@@ -158,17 +160,55 @@ def _verify_dcp(source: Source, report: Report, only: str | None, progress: Prog
                            hint="the .metadata is inconsistent; the checkpoint cannot be trusted")
             for chunk in entry.chunks:
                 _check_dcp_chunk(source, key, entry, chunk, report, buf)
+                _check_manifest(source, manifest, chunk.location, key, report, buf)
             report.tensors_checked += 1
             report.bytes_checked += entry.nbytes
             done += entry.nbytes
             if progress:
                 progress(done, total, key)
         else:
+            _check_manifest(source, manifest, entry.location, key, report, buf)
             try:
                 source.read_object(key)
                 report.objects_checked += 1
             except CkptError as exc:
                 report.add(exc.what, exc.where or source.location.child(entry.location.relative_path).url, key, exc.hint)
+
+
+def _load_manifest(source, report: Report) -> dict[tuple[str, int], tuple[int, str]] | None:
+    """(file, offset) -> (length, hash) from the step's commit record, when ckpttool wrote one."""
+    from .manifest import ALGORITHM
+    from .steps import read_commit_record
+
+    record = read_commit_record(source.location)
+    manifest = (record or {}).get("manifest")
+    if not manifest:
+        return None
+    if manifest.get("algorithm") != ALGORITHM:
+        report.notes.append(f"manifest uses {manifest.get('algorithm')}, this install hashes with {ALGORITHM}: not checked")
+        return None
+    report.notes.append(f"checked against the manifest ({ALGORITHM}) of the commit record")
+    return {(name, off): (length, digest) for name, rows in manifest.get("records", {}).items() for off, length, digest in rows}
+
+
+def _check_manifest(source, manifest, info, key: str, report: Report, buf: memoryview) -> None:
+    if manifest is None:
+        return
+    from .manifest import hash_range
+
+    url = source.location.child(info.relative_path).url
+    row = manifest.get((info.relative_path, info.offset))
+    if row is None or row[0] != info.length:
+        report.add("record is not in the manifest written at commit", url, key, hint="the .metadata changed after the save")
+        return
+    try:
+        digest = hash_range(source._reader(info.relative_path), info.offset, info.length, buf)
+    except CkptError as exc:
+        report.add(exc.what, exc.where or url, key, exc.hint)
+        return
+    if digest != row[1]:
+        report.add(f"record at byte {info.offset} does not match the manifest's checksum", url, key,
+                   hint="the bytes changed after the save committed; restore the file")
 
 
 def _files_of(entry) -> set[str]:

@@ -51,6 +51,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 gradient reduction")
     parser.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 turns clipping off (default: 1.0)")
     parser.add_argument("--keep-last", type=int, default=None, help="keep only the newest N committed steps")
+    parser.add_argument("--keep-every", type=int, default=None, help="with --keep-last, also keep every step divisible by N")
+    parser.add_argument(
+        "--async-save", action="store_true", help="save in the background (a snapshot; training goes on while it writes)"
+    )
     parser.add_argument(
         "--verify-after-load",
         action="store_true",
@@ -79,6 +83,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError("--save-every needs --ckpt-dir", hint="pass --ckpt-dir DIR, or drop --save-every")
     if args.keep_last is not None and args.keep_last < 1:
         raise UsageError(f"--keep-last must be >= 1, got {args.keep_last}")
+    if args.keep_every is not None and args.keep_every < 1:
+        raise UsageError(f"--keep-every must be >= 1, got {args.keep_every}")
     if args.batch_size < 1 or args.batch_size % world_size:
         raise UsageError(
             f"--batch-size {args.batch_size} does not split evenly over {world_size} ranks",
@@ -130,7 +136,7 @@ def run_training(args: argparse.Namespace) -> TrainRun:
     if args.ckpt_dir:
         from .. import Checkpointer  # only needed when checkpointing
 
-        ckpt = Checkpointer(args.ckpt_dir, keep_last=args.keep_last)
+        ckpt = Checkpointer(args.ckpt_dir, keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save)
         if args.resume:
             res = ckpt.load(model, optimizer)
             if res is not None:
@@ -177,6 +183,8 @@ def run_training(args: argparse.Namespace) -> TrainRun:
         if ckpt is not None and args.save_every > 0 and (done % args.save_every == 0 or done == args.steps):
             extra = {"step": done, "seed": args.seed, "batch_size": args.batch_size, "model_size": args.model_size}
             ckpt.save(done, model, optimizer, extra=extra)
+    if ckpt is not None:
+        ckpt.close()  # an async save still running finishes (or raises) here
     return TrainRun(losses=losses, start_step=start, model=model, optimizer=optimizer)
 
 

@@ -26,7 +26,8 @@ class RankFailed(AssertionError):
     pass
 
 
-def _child(fn: Callable, rank: int, world_size: int, rdzv: str, args: tuple, kwargs: dict, out: Any) -> None:
+def _child(fn: Callable, rank: int, world_size: int, rdzv: str, args: tuple, kwargs: dict, out: Any, env: dict | None = None) -> None:
+    os.environ.update(env or {})
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       OMP_NUM_THREADS="1")
     import torch
@@ -96,3 +97,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, *
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
+
+
+def spawn_ranks(fn: Callable, world_size: int, rdzv_dir: str, *args: Any, env: dict | None = None, **kwargs: Any):
+    """Start W ranks running ``fn`` and return (processes, queue) without waiting: for tests that
+    kill ranks (kill -9) at a chosen moment."""
+    out = _CTX.Queue()
+    procs = [
+        _CTX.Process(target=_child, args=(fn, r, world_size, os.path.join(rdzv_dir, "rdzv"), args, kwargs, out, env), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return procs, out

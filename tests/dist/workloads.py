@@ -219,3 +219,99 @@ def load_wrong_shape(root: str) -> str:
     except MismatchError as exc:
         return str(exc)
     return "no error"
+
+
+# --- async save, failures and crashes --------------------------------------------------------------
+
+
+def _train_steps(model, optimizer, start: int, n: int) -> None:
+    from ckpttool.trainer.model import PRESETS, local_batch
+
+    for step in range(start, start + n):
+        x, y = local_batch(step, dist.get_rank(), dist.get_world_size(), 12, PRESETS["tiny"], 0)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def async_snapshot(root: str) -> dict[str, object]:
+    """Async save at step 2, mutate the parameters in place at once and keep training (FSDP
+    collectives run beside the background write); what was written must be step 2's state."""
+    from ckpttool import Checkpointer
+
+    model, optimizer = fresh_model(seed=0)
+    _train_steps(model, optimizer, 0, 2)
+    expected = full_state(model, optimizer)
+    ckpt = Checkpointer(root, async_save=True)
+    ckpt.save(2, model, optimizer, extra={"step": 2})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(1.0)
+    _train_steps(model, optimizer, 2, 3)
+    ckpt.save(5, model, optimizer, extra={"step": 5})  # waits for step 2 first
+    after = full_state(model, optimizer)
+    ckpt.close()
+    fresh, fopt = fresh_model(seed=5)
+    res = Checkpointer(root).load(fresh, fopt, step=2)
+    loaded2 = full_state(fresh, fopt)
+    Checkpointer(root).load(fresh, fopt, step=5)
+    return {"expected": expected, "loaded2": loaded2, "after": after, "loaded5": full_state(fresh, fopt),
+            "extra": res.extra, "steps": Checkpointer(root).steps()}
+
+
+def async_write_error(root: str) -> dict[str, object]:
+    """A background write that fails (file size limit: 'disk full') surfaces at the next call."""
+    import resource
+    import signal
+
+    from ckpttool import Checkpointer
+    from ckpttool.errors import CkptError
+
+    model, optimizer = fresh_model(seed=0)
+    ckpt = Checkpointer(root, async_save=True)
+    ckpt.save(1, model, optimizer)
+    ckpt.wait()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+    returned = False
+    try:
+        ckpt.save(2, model, optimizer)
+        returned = True
+        _train_steps(model, optimizer, 0, 1)
+        ckpt.wait()
+        message = "no error"
+    except CkptError as exc:
+        message = str(exc)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    ckpt.close()
+    return {"returned": returned, "message": message, "steps": Checkpointer(root).steps()}
+
+
+def crash_during_save(root: str, expected_path: str, async_save: bool) -> None:
+    """Save step 2 normally and record it, then save step 4 with CKPTTOOL_PAUSE_AT set: the test
+    kills every rank with SIGKILL while they are paused inside the save."""
+    import os
+
+    from ckpttool import Checkpointer
+
+    pause = os.environ.pop("CKPTTOOL_PAUSE_AT")
+    model, optimizer = fresh_model(seed=0)
+    ckpt = Checkpointer(root, async_save=async_save)
+    _train_steps(model, optimizer, 0, 2)
+    ckpt.save(2, model, optimizer, extra={"step": 2})
+    ckpt.wait()
+    state = full_state(model, optimizer)
+    if dist.get_rank() == 0:
+        torch.save(state, expected_path)
+    dist.barrier()
+    _train_steps(model, optimizer, 2, 2)
+    os.environ["CKPTTOOL_PAUSE_AT"] = pause
+    ckpt.save(4, model, optimizer, extra={"step": 4})
+    _train_steps(model, optimizer, 4, 1)
+    ckpt.wait()
+    while True:  # ranks that do not pause (after-write pauses every rank) wait to be killed
+        import time
+
+        time.sleep(1)

@@ -14,7 +14,7 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("command", ["inspect", "convert", "reshard", "train"])
+@pytest.mark.parametrize("command", ["inspect", "convert", "reshard", "verify", "clean", "train"])
 def test_help_has_examples(command):
     result = run(command, "--help")
     assert result.exit_code == 0 and "Examples" in result.output
@@ -95,3 +95,19 @@ def test_reshard_bad_input_exit_2(tmp_path, ref_pt):
     doc = json.loads(result.output)
     assert doc["world_size"] == 3 and sorted(doc["bytes_per_rank"]) == ["0", "1", "2"]
     assert run("reshard", tmp_path / "ck", tmp_path / "ok", "--world-size", "2").exit_code == 2  # exists, no --force
+
+
+def test_clean_removes_only_incomplete_steps(tmp_path, ref_pt):
+    import torch
+
+    from ckpttool import Checkpointer
+
+    model = torch.nn.Linear(2, 2)
+    Checkpointer(tmp_path / "run").save(1, model)
+    (tmp_path / "run" / ".step-2.tmp-00ff00ff").mkdir()
+    (tmp_path / "run" / "step-3").mkdir()
+    result = run("clean", tmp_path / "run", "--dry-run")
+    assert result.exit_code == 0 and "would remove 2" in result.output
+    result = run("clean", tmp_path / "run", "--json")
+    assert json.loads(result.output)["removed"] == [".step-2.tmp-00ff00ff", "step-3"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-1"]

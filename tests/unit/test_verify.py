@@ -211,3 +211,22 @@ def test_cli_exit_codes_and_json(tmp_path, dcp_dir):
     assert doc["ok"] is False and doc["problems"][0]["key"] == key
     result = runner.invoke(main, ["verify", str(tmp_path / "nothing")])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_manifest_of_a_ckpttool_step_catches_changed_objects(tmp_path):
+    from ckpttool import Checkpointer
+
+    model = torch.nn.Linear(3, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    Checkpointer(tmp_path / "run").save(1, model, opt, extra={"note": "x" * 40})
+    step = tmp_path / "run" / "step-1"
+    report = verify_path(str(tmp_path / "run"))
+    assert report.ok and any("manifest" in n for n in report.notes)
+    with open_source(str(step)) as src:
+        info = src.index()["extra.note"].location
+    data = bytearray((step / info.relative_path).read_bytes())
+    pos = data.index(b"x" * 40, info.offset)
+    data[pos] = ord("y")
+    (step / info.relative_path).write_bytes(bytes(data))
+    report = verify_path(str(tmp_path / "run"))
+    assert any(p.key == "extra.note" and "manifest" in p.what for p in report.problems)

@@ -1,0 +1,85 @@
+"""Async save is a snapshot on its own process group; failures surface; a crash at any point of a
+save (kill -9 of every rank) leaves the previous step as the newest one that loads, bitwise."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+
+from ckpttool import Checkpointer
+
+from .harness import run_ranks, spawn_ranks
+from .workloads import assert_same, async_snapshot, async_write_error, crash_during_save
+
+
+def test_async_save_is_a_snapshot_while_training_goes_on(tmp_path):
+    for r in run_ranks(async_snapshot, 2, str(tmp_path / "run")):
+        assert r["steps"] == [2, 5] and r["extra"] == {"step": 2}
+        assert_same(r["expected"], r["loaded2"], "async step 2")
+        assert_same(r["after"], r["loaded5"], "async step 5")
+
+
+def test_background_write_error_surfaces_at_the_next_call(tmp_path):
+    for r in run_ranks(async_write_error, 2, str(tmp_path / "run")):
+        assert r["returned"], "save() itself must not block on the write"
+        assert "no space" in r["message"] or "save failed" in r["message"], r["message"]
+        assert r["steps"] == [1]  # the failed step never committed; step 1 intact
+
+
+def _full_state_on_a_laptop(root: str) -> dict:
+    """Load the newest committed step into an unsharded model in this process (no process group)."""
+    from ckpttool.trainer.model import PRESETS, build_model
+
+    model = build_model(PRESETS["tiny"], seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    res = Checkpointer(root).load(model, opt)
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            out[f"optim.{names[id(p)]}.{k}"] = v.clone()
+    for i, g in enumerate(opt.param_groups):
+        for k, v in g.items():
+            if k != "params":
+                out[f"optim.group{i}.{k}"] = v
+    return res.step, out
+
+
+@pytest.mark.parametrize("point,async_save", [
+    ("after-stage", True),      # async: snapshot taken, nothing written yet
+    ("after-write", False),     # data files and .metadata written, not committed
+    ("after-write", True),
+    ("before-rename", False),   # commit record written inside the temp dir, not renamed
+])
+def test_kill_9_during_save_leaves_the_previous_step(tmp_path, point, async_save):
+    root = str(tmp_path / "run")
+    expected_path = str(tmp_path / "expected.pt")
+    pause_file = str(tmp_path / "paused")
+    with tempfile.TemporaryDirectory() as rdzv:
+        procs, _ = spawn_ranks(crash_during_save, 2, rdzv, root, expected_path, async_save,
+                               env={"CKPTTOOL_PAUSE_AT": point, "CKPTTOOL_PAUSE_FILE": pause_file})
+        need = 1 if point == "before-rename" else 2  # only rank 0 renames
+        deadline = time.monotonic() + 120
+        while len(glob.glob(pause_file + ".*")) < need:
+            assert time.monotonic() < deadline, "ranks never reached the pause point"
+            assert all(p.exitcode is None for p in procs), [p.exitcode for p in procs]
+            time.sleep(0.1)
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(10)
+    ckpt = Checkpointer(root)
+    assert ckpt.steps() == [2]
+    assert any(name.startswith((".step-4", "step-4")) for name in ckpt.incomplete())
+    step, state = _full_state_on_a_laptop(root)
+    assert step == 2
+    expected = torch.load(expected_path, weights_only=False)
+    expected = {k: v for k, v in expected.items() if k in state}
+    assert_same(expected, state, f"after a crash at {point}")
+    assert ckpt.clean() and ckpt.incomplete() == []
