@@ -15,11 +15,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-# Train the tiny model on 2 CPU ranks with checkpoints, stop, resume, then look at, convert, reshard and verify what was saved.
+# Train the tiny model on 2 CPU ranks with async checkpoints, stop, resume (and check what was loaded), then look at, convert, reshard and verify what was saved.
 demo: setup
 	rm -rf $(DEMO)
-	$(CKPT) train --nproc 2 --steps 4 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2
-	$(CKPT) train --nproc 2 --steps 8 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2
+	$(CKPT) train --nproc 2 --steps 4 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2 --async-save
+	$(CKPT) train --nproc 2 --steps 8 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2 --async-save --verify-after-load
 	$(CKPT) inspect $(DEMO)/run
 	$(CKPT) inspect $(DEMO)/run/step-8 | head -12
 	$(CKPT) convert $(DEMO)/run/step-8 $(DEMO)/full.pt
