@@ -223,7 +223,6 @@ class SafetensorsSink(Sink):
         self._metadata: dict[str, str] = {}
         self._open: tuple[Any, Any] | None = None
         self._file_of: dict[str, int] = {}
-        self._pending: dict[int, int] = {}
 
     @property
     def sharded(self) -> bool:
@@ -262,7 +261,6 @@ class SafetensorsSink(Sink):
         for i, shard in enumerate(self._shards):
             for spec in shard:
                 self._file_of[spec.key] = i
-            self._pending[i] = len(shard)
         if self.sharded:
             self.tmp.makedirs()
         self.total_size = sum(s.nbytes for s in tensors)

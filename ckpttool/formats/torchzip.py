@@ -192,17 +192,13 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _rebuild_args(p: _Placeholder):
-    numel = 1
-    for s in p.shape:
-        numel *= s
-    return (p.key, p.dtype, numel)
-
-
 class _ArchivePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _Placeholder):
-            storage = _StorageToken(*_rebuild_args(obj))
+            numel = 1
+            for size in obj.shape:
+                numel *= size
+            storage = _StorageToken(obj.key, obj.dtype, numel)
             return (
                 torch._utils._rebuild_tensor_v2,
                 (storage, 0, torch.Size(obj.shape), _contiguous_stride(obj.shape), False, OrderedDict()),
@@ -321,27 +317,6 @@ class _Tell(io.RawIOBase):
 
     def flush(self) -> None:
         self._s.flush()
-
-
-def write_small_tensor_archive(stream: IO[bytes], tensor: torch.Tensor) -> int:
-    """One tensor as a complete archive (what DCP stores per chunk); returns the length written."""
-    w = ArchiveWriter(stream)
-    t = tensor.contiguous()
-    p, f = w.new_tensor(t.dtype, tuple(t.shape))
-    with f:
-        f.write(tensor_buffer(t))
-    return w.finish(p)
-
-
-def object_archive(obj: Any) -> bytes:
-    """``torch.save(obj)`` bytes for a non-tensor object (DCP's BYTE_IO records)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def placeholder_type() -> type:
-    return _Placeholder
 
 
 __all__ = [
