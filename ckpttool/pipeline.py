@@ -98,6 +98,8 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
     done = 0
     index = source.index()
     try:
+        if sink.tmp == sink.location and sink.location.exists():
+            sink.location.remove()  # in-place output (object stores) replacing an old one: --force was given
         sink.begin(plan.entries)
         for spec in tensors:
             src_key = plan.source_key[spec.key]

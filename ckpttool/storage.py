@@ -168,7 +168,13 @@ class Location:
         except FileNotFoundError:
             raise NotFoundError("does not exist", where=self.url) from None
         except PermissionError as exc:
-            raise StorageError(f"permission denied ({exc})", where=self.url) from None
+            raise StorageError(
+                f"permission denied ({exc})",
+                where=self.url,
+                hint="check the credentials (e.g. AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or --storage-option)"
+                if not self.is_local
+                else "check the file's permissions",
+            ) from None
         except OSError as exc:
             raise StorageError(_os_message(exc), where=self.url) from None
 

@@ -91,7 +91,10 @@ class Sink(ABC):
 
     def __init__(self, location: Location):
         self.location = location
-        self.tmp = temp_sibling(location)
+        # Local disks: write under a hidden name and rename into place at the end. Object stores
+        # have no atomic rename: write in place, the file that makes the output complete last
+        # (.metadata, the index, or a single object whose upload completes at close).
+        self.tmp = temp_sibling(location) if location.is_local else location
         self.dropped: list[str] = []  # object keys the format could not hold
 
     def order(self, tensors: list[TensorSpec]) -> list[TensorSpec]:
@@ -113,6 +116,8 @@ class Sink(ABC):
     def finalize(self) -> None:
         """Commit: the output appears at its destination whole, or not at all."""
         self._close()
+        if self.tmp == self.location:
+            return
         if self.location.exists():
             self.location.remove()  # only reached with force; checked before writing began
         self.tmp.rename_to(self.location)

@@ -26,6 +26,7 @@ from ..storage import RangeReader
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. extra length (30 bytes)
 _SMALL_ARCHIVE = 1 << 20  # read archives up to this size in one request
+_TAIL = 64 * 1024  # the zip directory of a torch archive is a few hundred bytes per record
 ALIGN = 64  # torch aligns storage records to 64 bytes so they can be mmap'ed
 
 
@@ -57,6 +58,8 @@ class _Window(io.RawIOBase):
         self._len = length
         self._pos = 0
         self._buf = prefetched
+        self._tail: bytes | None = None
+        self._head: bytes | None = None
 
     def seekable(self) -> bool:
         return True
@@ -78,6 +81,18 @@ class _Window(io.RawIOBase):
             return b""
         if self._buf is not None:
             data = self._buf[self._pos : end]
+        elif end <= _TAIL and self._len > 2 * _TAIL:
+            # torch writes data.pkl and the small records first: fetch the head once as well
+            if self._head is None:
+                self._head = self._r.read(self._start, _TAIL)
+            data = self._head[self._pos : end]
+        elif self._pos >= self._len - _TAIL:
+            # zipfile reads the end record and the directory in many small reads: fetch the tail
+            # once (one request on an object store instead of dozens; a syscall less locally)
+            if self._tail is None:
+                self._tail = self._r.read(self._start + max(0, self._len - _TAIL), min(_TAIL, self._len))
+            base = self._len - len(self._tail)
+            data = self._tail[self._pos - base : end - base]
         else:
             data = self._r.read(self._start + self._pos, end - self._pos)
         self._pos = end

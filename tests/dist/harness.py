@@ -50,12 +50,13 @@ def _child(fn: Callable, rank: int, world_size: int, rdzv: str, args: tuple, kwa
                 pass
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, **kwargs: Any) -> list[Any]:
-    """``fn(*args, **kwargs)`` on ranks 0..W-1 of a gloo group; returns each rank's result by rank."""
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, env: dict | None = None, **kwargs: Any) -> list[Any]:
+    """``fn(*args, **kwargs)`` on ranks 0..W-1 of a gloo group; returns each rank's result by rank.
+    ``env`` is set in each rank before ``fn`` runs."""
     with tempfile.TemporaryDirectory(prefix="ckpttool-rdzv-") as tmp:
         out = _CTX.Queue()
         procs = [
-            _CTX.Process(target=_child, args=(fn, r, world_size, os.path.join(tmp, "rdzv"), args, kwargs, out), daemon=True)
+            _CTX.Process(target=_child, args=(fn, r, world_size, os.path.join(tmp, "rdzv"), args, kwargs, out, env), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
