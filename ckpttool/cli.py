@@ -344,11 +344,36 @@ def train(ctx: click.Context, nproc: int) -> None:
     """
     if nproc < 1:
         raise click.BadParameter("must be at least 1", param_hint="--nproc")
+    from .trainer.train import check_args, make_parser
+
+    parser = make_parser()
+    try:
+        args = parser.parse_args(ctx.args)
+    except SystemExit as exc:  # argparse printed its usage line already
+        ctx.exit(EXIT_BAD_INPUT if exc.code else 0)
+    check_args(args, nproc)  # flag errors now, with one line, not from every rank under torchrun
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "ckpttool.trainer.train", *ctx.args]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(subprocess.call(cmd, env=env))
+    ctx.exit(_run_torchrun(cmd, env, _debug(ctx)))
+
+
+def _run_torchrun(cmd: list[str], env: dict[str, str], debug: bool) -> int:
+    """Run torchrun, passing the ranks' output through but not torchrun's own traceback of a
+    failed rank (each rank has already said what failed, in one line); --debug keeps it."""
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
+    hiding = False
+    for line in proc.stderr:
+        if not debug and (line.startswith("Traceback (most recent call last)") or "elastic/multiprocessing/api.py" in line):
+            hiding = True  # torchrun's report of a failed child: the rank's own line came before
+        if not hiding:
+            sys.stderr.write(line)
+    code = proc.wait()
+    if code and hiding:
+        click.echo(f"error: training failed (torchrun exit code {code}); the ranks' messages are above "
+                   "(run with --debug for torchrun's report)", err=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -111,3 +111,10 @@ def test_clean_removes_only_incomplete_steps(tmp_path, ref_pt):
     result = run("clean", tmp_path / "run", "--json")
     assert json.loads(result.output)["removed"] == [".step-2.tmp-00ff00ff", "step-3"]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-1"]
+
+
+def test_train_flags_are_checked_before_launching():
+    result = run("train", "--nproc", "2", "--steps", "2", "--batch-size", "5")
+    assert result.exit_code == 2 and "--batch-size 5" in result.output and "Traceback" not in result.output
+    result = run("train", "--nproc", "2", "--steps", "2", "--save-every", "1")
+    assert result.exit_code == 2 and "--save-every needs --ckpt-dir" in result.output
