@@ -41,3 +41,17 @@ def test_verify_loaded_names_a_corrupted_box_on_every_rank(saved, tmp_path):
 def test_model_whose_shapes_differ_gets_a_typed_error_on_every_rank(saved):
     for text in run_ranks(load_wrong_shape, 2, saved[2][0]):
         assert "tok_embeddings.weight" in text and "(67, 34)" in text and "(70, 34)" in text
+
+
+@pytest.mark.parametrize("w_save", [1, 4])
+@pytest.mark.parametrize("w_load,mesh", [(1, None), (3, None), (4, (2, 2))])
+def test_odd_shapes_bf16_and_buffers_through_the_checkpointer(tmp_path, w_save, w_load, mesh):
+    from ..unit.test_formats import assert_same_nested
+    from .workloads import oddnet_ckpt_load, oddnet_ckpt_save
+
+    root = str(tmp_path / "run")
+    expected = run_ranks(oddnet_ckpt_save, w_save, root)[0]
+    results = run_ranks(oddnet_ckpt_load, w_load, root, mesh)
+    assert all(r["ok"] and r["extra"] == {"k": (1, 2)} for r in results)
+    assert_same_nested(results[0]["model"], expected["model"], "model")  # full state dicts live on rank 0
+    assert_same_nested(results[0]["optim"], expected["optim"], "optim")

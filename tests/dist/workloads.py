@@ -315,3 +315,33 @@ def crash_during_save(root: str, expected_path: str, async_save: bool) -> None:
         import time
 
         time.sleep(1)
+
+
+def oddnet_ckpt_save(root: str) -> dict[str, object]:
+    """OddNet (bf16 module, int buffer, 3-row weight) trained a step and saved through ckpttool."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from ckpttool import Checkpointer
+
+    model, optimizer = oddnet_sharded()
+    model(torch.arange(12).reshape(4, 3) % 13).sum().backward()
+    optimizer.step()
+    Checkpointer(root).save(1, model, optimizer, extra={"k": (1, 2)})
+    fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": fmsd, "optim": fosd}
+
+
+def oddnet_ckpt_load(root: str, mesh_shape: tuple[int, ...] | None = None) -> dict[str, object]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from ckpttool import Checkpointer, verify_loaded
+
+    model, optimizer = oddnet_sharded(mesh_shape)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.counts.zero_()
+    res = Checkpointer(root).load(model, optimizer)
+    report = verify_loaded(model, optimizer, res.path)
+    fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": fmsd, "optim": fosd, "ok": report.ok, "extra": res.extra}
