@@ -16,6 +16,7 @@ import torch
 
 from .errors import OutputExistsError, UsageError
 from .formats import FORMATS, ObjectSpec, Sink, Source, TensorSpec, format_from_name, make_sink, open_source
+from .formats.base import SlabBuffers
 from .index import TensorEntry, dtype_size, key_of
 from .layout import Box, Mesh, stored_boxes, whole
 from .storage import Location, resolve
@@ -97,6 +98,7 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
     total = sum(s.nbytes for s in tensors)
     done = 0
     index = source.index()
+    scratch = SlabBuffers(2)  # reused from slab to slab: no fresh pages per slab
     try:
         if sink.tmp == sink.location and sink.location.exists():
             sink.location.remove()  # in-place output (object stores) replacing an old one: --force was given
@@ -105,13 +107,16 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
             src_key = plan.source_key[spec.key]
             src_dtype = index[src_key].dtype
 
-            def read(box: Box, src_key=src_key, out_dtype=spec.dtype) -> torch.Tensor:
-                t = source.read_tensor(src_key, box)
-                return t if t.dtype == out_dtype else t.to(out_dtype)
+            def read(box: Box, src_key=src_key, src_dtype=src_dtype, out_dtype=spec.dtype) -> torch.Tensor:
+                t = source.read_tensor(src_key, box, out=scratch.view(box[1], src_dtype, 0))
+                if t.dtype == out_dtype:
+                    return t
+                return scratch.view(box[1], out_dtype, 1).copy_(t)
 
-            # a slab is read at the source dtype and cast: keep both under the budget
-            widest = max(dtype_size(src_dtype), dtype_size(spec.dtype))
-            slab_budget = max(1, budget * dtype_size(spec.dtype) // (widest + dtype_size(spec.dtype)))
+            # a slab held at the source dtype, plus its cast when there is one: both under the budget
+            out_size = dtype_size(spec.dtype)
+            held = out_size if src_dtype == spec.dtype else dtype_size(src_dtype) + out_size
+            slab_budget = max(1, budget * out_size // held)
             sink.add_tensor(spec, read, slab_budget)
             done += spec.nbytes
             if progress:

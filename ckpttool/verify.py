@@ -18,6 +18,7 @@ import torch
 
 from .errors import CkptError, UnsafePickleError
 from .formats import Source, detect, open_source
+from .formats.base import SlabBuffers
 from .index import TensorEntry, dtype_size
 from .layout import slabs, tiles_exactly, whole
 from .pipeline import DEFAULT_BUDGET, Progress, plan_entries
@@ -374,8 +375,10 @@ def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype
     max_abs = 0.0
     max_rel = 0.0
     count = 0
+    buffers = SlabBuffers(2)
     for box in slabs(shape, item * 4, budget, whole(shape)):
-        x, y = a.read_tensor(a_key, box), b.read_tensor(b_key, box)
+        x = a.read_tensor(a_key, box, out=buffers.view(box[1], a_dtype, 0))
+        y = b.read_tensor(b_key, box, out=buffers.view(box[1], b_dtype, 1))
         if a_dtype != b_dtype:  # OTHER is an export made with --dtype: cast PATH's values the same way
             x = x.to(b_dtype)
         if rtol == 0 and atol == 0:

@@ -60,8 +60,10 @@ class Source(ABC):
     def index(self) -> Index: ...
 
     @abstractmethod
-    def read_tensor(self, key: str, box: Box | None = None) -> torch.Tensor:
-        """The values of ``box`` (default: all) of tensor ``key`` as a new contiguous CPU tensor."""
+    def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The values of ``box`` (default: all) of tensor ``key`` as a contiguous CPU tensor: a new
+        one, or ``out`` (of the box's shape and the entry's dtype) filled in place, so a caller
+        streaming many slabs can reuse one buffer instead of faulting in fresh pages each time."""
 
     @abstractmethod
     def read_object(self, key: str) -> Any: ...
@@ -132,6 +134,51 @@ class Sink(ABC):
             self.tmp.remove()
         except Exception:  # noqa: BLE001
             pass
+
+
+class SlabBuffers:
+    """Growable byte buffers viewed as any shape and dtype, reused from slab to slab.
+
+    A sink writes each slab before it asks for the next, so one buffer per role serves every slab;
+    fresh allocations would fault in new pages each time (3 s per GB on the test machine, more
+    than the disk).
+    """
+
+    def __init__(self, count: int):
+        self._bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(count)]
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype, which: int) -> torch.Tensor:
+        n = math.prod(shape) * dtype_size(dtype)
+        if self._bufs[which].numel() < n:
+            self._bufs[which] = torch.empty(n, dtype=torch.uint8)
+        return self._bufs[which][:n].view(dtype).view(shape)
+
+
+def read_c_order_box(reader, offset: int, shape: tuple[int, ...], dtype: torch.dtype, box: Box,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read ``box`` of a tensor stored C-contiguous at byte ``offset``, into ``out`` when given.
+
+    A box spanning whole rows is one read straight into the destination; otherwise the rows it
+    touches are read and the inner slice copied (so a region costs the rows, not the tensor).
+    """
+    from .torchzip import tensor_buffer
+
+    if out is None:
+        out = torch.empty(box[1], dtype=dtype)
+    if not shape:
+        reader.readinto(offset, tensor_buffer(out))
+        return out
+    item = dtype_size(dtype)
+    row = math.prod(shape[1:]) * item
+    start = offset + box[0][0] * row
+    inner_whole = all(o == 0 and n == s for o, n, s in zip(box[0][1:], box[1][1:], shape[1:]))
+    if inner_whole and out.is_contiguous():
+        reader.readinto(start, tensor_buffer(out))
+        return out
+    rows = torch.empty((box[1][0], *shape[1:]), dtype=dtype)
+    reader.readinto(start, tensor_buffer(rows))
+    out.copy_(rows[(slice(None), *(slice(o, o + n) for o, n in zip(box[0][1:], box[1][1:])))])
+    return out
 
 
 def stream_tensor(write: Callable[[torch.Tensor], None], spec: TensorSpec, read: ReadFn, budget: int, box: Box | None = None) -> None:

@@ -36,7 +36,7 @@ from ..layout import Box, intersect, relative, whole
 from ..safe_pickle import load_dcp_metadata
 from ..storage import Location, RangeReader, resolve
 from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, split, stream_tensor
-from .torchzip import Archive, ArchiveWriter, read_archive, read_tensor_rows
+from .torchzip import Archive, ArchiveWriter, read_archive, read_tensor_box
 
 METADATA_FILE = ".metadata"
 DCP_VERSION = "1.0.0"
@@ -214,12 +214,13 @@ class DcpSource(Source):
                 self._archives.popitem(last=False)
         return arch
 
-    def read_tensor(self, key: str, box: Box | None = None) -> torch.Tensor:
+    def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         entry = self.index()[key]
         if not isinstance(entry, TensorEntry):
             raise FormatError(f"{key!r} is an object, not a tensor")
         box = box if box is not None else whole(entry.shape)
-        out = torch.empty(box[1], dtype=entry.dtype)
+        if out is None:
+            out = torch.empty(box[1], dtype=entry.dtype)
         for chunk in entry.chunks:
             part = intersect((chunk.offsets, chunk.sizes), box)
             if part is None:
@@ -236,13 +237,10 @@ class DcpSource(Source):
             storage = arch.storages.get(ref.storage.key)
             if storage is None:
                 raise CorruptCheckpointError(f"record of {key!r} lacks its data", where=where)
-            local = relative(part, (chunk.offsets, chunk.sizes))
-            if chunk.sizes:
-                rows = read_tensor_rows(self._reader(chunk.location.relative_path), ref, storage, local[0].start, local[0].stop, where)
-                piece = rows[(slice(None), *local[1:])]
-            else:
-                piece = read_tensor_rows(self._reader(chunk.location.relative_path), ref, storage, 0, 0, where)
-            out[relative(part, box)] = piece
+            local = tuple((s.start for s in relative(part, (chunk.offsets, chunk.sizes))))
+            # read straight into the destination when its slice is contiguous (whole rows)
+            read_tensor_box(self._reader(chunk.location.relative_path), ref, storage, (local, part[1]), where,
+                            out=out[relative(part, box)])
         return out
 
     def read_object(self, key: str) -> Any:

@@ -20,7 +20,7 @@ from ..errors import CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ..layout import Box, whole
 from ..storage import Location, RangeReader
-from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, split, stream_tensor
+from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, read_c_order_box, split, stream_tensor
 from .torchzip import tensor_buffer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -166,22 +166,13 @@ class SafetensorsSource(Source):
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return entry.chunks[0].location[0]
 
-    def read_tensor(self, key: str, box: Box | None = None) -> torch.Tensor:
+    def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         f = self._where.get(key)
         if f is None:
             raise FormatError(f"{key!r} is not a tensor of this checkpoint")
         dtype, shape, begin, _ = f.tensors[key]
         box = box if box is not None else whole(shape)
-        item = dtype_size(dtype)
-        if not shape:
-            out = torch.empty((), dtype=dtype)
-            f.reader.readinto(f.data_start + begin, tensor_buffer(out))
-            return out
-        row = math.prod(shape[1:]) * item
-        rows = torch.empty((box[1][0], *shape[1:]), dtype=dtype)
-        f.reader.readinto(f.data_start + begin + box[0][0] * row, tensor_buffer(rows))
-        inner = tuple(slice(o, o + n) for o, n in zip(box[0][1:], box[1][1:]))
-        return rows[(slice(None), *inner)].contiguous()
+        return read_c_order_box(f.reader, f.data_start + begin, shape, dtype, box, out)
 
     def read_object(self, key: str) -> Any:
         entry = self._index[key]

@@ -19,7 +19,7 @@ from ..layout import Box, whole
 from ..safe_pickle import TensorRef
 from ..storage import Location
 from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, stream_tensor
-from .torchzip import ArchiveWriter, read_archive, read_tensor_rows, tensor_buffer
+from .torchzip import ArchiveWriter, read_archive, read_tensor_box, tensor_buffer
 
 
 def _is_ref(value: Any) -> bool:
@@ -56,18 +56,13 @@ class TorchSaveSource(Source):
     def storage_of(self, ref: TensorRef):
         return self._archive.storages[ref.storage.key]
 
-    def read_tensor(self, key: str, box: Box | None = None) -> torch.Tensor:
+    def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         entry = self._index[key]
         if not isinstance(entry, TensorEntry):
             raise FormatError(f"{key!r} is an object, not a tensor")
         ref: TensorRef = entry.chunks[0].location
         box = box if box is not None else whole(entry.shape)
-        where = f"{self.location.url} (key {key!r})"
-        if not entry.shape:
-            return read_tensor_rows(self._reader, ref, self.storage_of(ref), 0, 0, where)
-        rows = read_tensor_rows(self._reader, ref, self.storage_of(ref), box[0][0], box[0][0] + box[1][0], where)
-        inner = tuple(slice(o, o + n) for o, n in zip(box[0][1:], box[1][1:]))
-        return rows[(slice(None), *inner)].contiguous()
+        return read_tensor_box(self._reader, ref, self.storage_of(ref), box, f"{self.location.url} (key {key!r})", out)
 
     def read_object(self, key: str) -> Any:
         entry = self._index[key]

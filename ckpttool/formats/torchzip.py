@@ -154,33 +154,27 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def read_tensor_rows(
-    reader: RangeReader, ref: TensorRef, storage: StoredStorage, row0: int, row1: int, where: str
-) -> torch.Tensor:
-    """Rows ``row0:row1`` (dim 0) of the tensor ``ref`` describes, reading only their bytes."""
+def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage, box, where: str,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``box`` of the tensor ``ref`` describes, reading only the rows it touches (into ``out``)."""
+    from .base import read_c_order_box
+
     item = torch.empty((), dtype=ref.dtype).element_size()
-    shape = ref.shape
     if ref.storage_offset * item + _span_bytes(ref, item) > storage.nbytes:
         raise CorruptCheckpointError(
             f"tensor needs more bytes than its record holds ({storage.nbytes})", where=where
         )
-    if len(shape) == 0:
-        out = torch.empty((), dtype=ref.dtype)
-        reader.readinto(storage.offset + ref.storage_offset * item, tensor_buffer(out))
-        return out
     if ref.is_contiguous():
-        row_elems = 1
-        for s in shape[1:]:
-            row_elems *= s
-        out = torch.empty((row1 - row0, *shape[1:]), dtype=ref.dtype)
-        start = storage.offset + (ref.storage_offset + row0 * row_elems) * item
-        reader.readinto(start, tensor_buffer(out))
-        return out
+        return read_c_order_box(reader, storage.offset + ref.storage_offset * item, ref.shape, ref.dtype, box, out)
     # Rare: a strided tensor (saved from a view). Read its whole storage, then view it.
     raw = torch.empty(storage.nbytes, dtype=torch.uint8)
     reader.readinto(storage.offset, tensor_buffer(raw))
     full = raw.view(ref.dtype).as_strided(ref.shape, ref.stride, ref.storage_offset)
-    return full[row0:row1].contiguous()
+    piece = full[tuple(slice(o, o + n) for o, n in zip(*box))]
+    if out is None:
+        return piece.contiguous()
+    out.copy_(piece)
+    return out
 
 
 def _span_bytes(ref: TensorRef, item: int) -> int:
@@ -341,6 +335,6 @@ __all__ = [
     "StoredStorage",
     "TensorRef",
     "read_archive",
-    "read_tensor_rows",
+    "read_tensor_box",
     "tensor_buffer",
 ]
