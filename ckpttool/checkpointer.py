@@ -80,6 +80,7 @@ class Checkpointer:
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._group: Any = None  # checkpoint-only process group, made on the first async save
+        self._staged: Any = None  # the last async save's copy of the state, reused by the next
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class Checkpointer:
             # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
             # default group): a group of their own, used only by the background thread.
             self._group = tdist.new_group(backend="gloo")
-        staged = _stage(state)
+        staged = self._staged = _stage(state, self._staged)
         _pause_point("after-stage")
         self._pending = threading.Thread(
             target=self._background, args=(staged, step, tmp, final), name=f"ckpttool-save-{step}", daemon=True
@@ -175,6 +176,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._staged = None
             if self._group is not None:
                 import torch.distributed as tdist
 
@@ -271,17 +273,42 @@ class Checkpointer:
 _DCP_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 
 
-def _stage(state: Any) -> Any:
-    """A copy of every tensor (DTensors stay DTensors), so the caller may change the originals."""
+def _stage(state: Any, previous: Any = None) -> Any:
+    """A copy of every tensor (DTensors stay DTensors), so the caller may change the originals.
+
+    ``previous`` is the last save's copy, no longer in use once that save committed: tensors of
+    the same shape, dtype and layout are copied into it, so async saves keep one copy of the
+    rank's state in host memory and do not fault in fresh pages every time.
+    """
     if isinstance(state, torch.Tensor):
+        if _same_layout(state, previous):
+            _local(previous).copy_(_local(state))
+            return previous
         return state.detach().clone()
     if isinstance(state, dict):
-        return {k: _stage(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_stage(v) for v in state]
-    if isinstance(state, tuple):
-        return tuple(_stage(v) for v in state)
+        prev = previous if isinstance(previous, dict) else {}
+        return {k: _stage(v, prev.get(k)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        prev = previous if isinstance(previous, (list, tuple)) and len(previous) == len(state) else [None] * len(state)
+        staged = [_stage(v, p) for v, p in zip(state, prev)]
+        return staged if isinstance(state, list) else tuple(staged)
     return state
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _same_layout(t: torch.Tensor, other: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(other, torch.Tensor) or type(other) is not type(t) or other.dtype != t.dtype or other.shape != t.shape:
+        return False
+    if isinstance(t, DTensor):
+        return other.placements == t.placements and other.device_mesh == t.device_mesh and _local(other).shape == _local(t).shape
+    return other.device == t.device
 
 
 def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
