@@ -20,7 +20,7 @@ try:
 
     ALGORITHM = "xxh3_64"
 
-    def _hasher():
+    def new_hasher():
         return xxhash.xxh3_64()
 except ImportError:  # pragma: no cover - xxhash is a dependency; keep working without it
     import zlib
@@ -37,12 +37,12 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; keep working w
         def hexdigest(self) -> str:
             return f"{self.value:08x}"
 
-    def _hasher():
+    def new_hasher():
         return _Crc()
 
 
 def hash_range(reader, offset: int, length: int, buf: memoryview) -> str:
-    h = _hasher()
+    h = new_hasher()
     done = 0
     while done < length:
         n = min(len(buf), length - done)

@@ -113,13 +113,27 @@ def _selected(source: Source, only: str | None) -> list[str]:
     return [k for k in index if str(index.path(k)[0]) == only]
 
 
-def _crc_range(reader, offset: int, length: int, buf: memoryview) -> int:
+def _scan(reader, offset: int, length: int, buf: memoryview, crc_span: tuple[int, int] | None = None,
+          hasher: Any = None) -> int:
+    """Read ``length`` bytes at ``offset`` once, feeding every block to ``hasher`` (if any) and the
+    part inside the absolute byte span ``crc_span`` (default: all of it) to CRC-32; returns the CRC.
+
+    One pass serves both checks of a DCP record (torch's CRC-32 of the tensor data, ckpttool's
+    manifest hash of the whole record), so a cold verify reads each byte from disk once.
+    """
+    lo, hi = crc_span if crc_span is not None else (offset, offset + length)
     crc = 0
     done = 0
     while done < length:
         n = min(len(buf), length - done)
-        reader.readinto(offset + done, buf[:n])
-        crc = zlib.crc32(buf[:n], crc)
+        block = buf[:n]
+        start = offset + done
+        reader.readinto(start, block)
+        if hasher is not None:
+            hasher.update(block)
+        a, b = max(lo, start), min(hi, start + n)
+        if a < b:
+            crc = zlib.crc32(block[a - start:b - start], crc)
         done += n
     return crc
 
@@ -160,15 +174,14 @@ def _verify_dcp(source: Source, report: Report, only: str | None, progress: Prog
                 report.add(f"chunks do not tile the shape {list(entry.shape)}: {gap}", source.location.child(".metadata").url, key,
                            hint="the .metadata is inconsistent; the checkpoint cannot be trusted")
             for chunk in entry.chunks:
-                _check_dcp_chunk(source, key, entry, chunk, report, buf)
-                _check_manifest(source, manifest, chunk.location, key, report, buf)
+                _check_dcp_chunk(source, key, entry, chunk, manifest, report, buf)
             report.tensors_checked += 1
             report.bytes_checked += entry.nbytes
             done += entry.nbytes
             if progress:
                 progress(done, total, key)
         else:
-            _check_manifest(source, manifest, entry.location, key, report, buf)
+            _check_manifest_only(source, manifest, entry.location, key, report, buf)
             try:
                 source.read_object(key)
                 report.objects_checked += 1
@@ -192,24 +205,37 @@ def _load_manifest(source, report: Report) -> dict[tuple[str, int], tuple[int, s
     return {(name, off): (length, digest) for name, rows in manifest.get("records", {}).items() for off, length, digest in rows}
 
 
-def _check_manifest(source, manifest, info, key: str, report: Report, buf: memoryview) -> None:
+def _manifest_row(manifest, info, url: str, key: str, report: Report) -> tuple[int, str] | None:
+    """The manifest's (length, hash) of this record; reports a record the manifest does not know."""
     if manifest is None:
-        return
-    from .manifest import hash_range
-
-    url = source.location.child(info.relative_path).url
+        return None
     row = manifest.get((info.relative_path, info.offset))
     if row is None or row[0] != info.length:
         report.add("record is not in the manifest written at commit", url, key, hint="the .metadata changed after the save")
+        return None
+    return row
+
+
+def _compare_digest(row: tuple[int, str] | None, hasher: Any, info, url: str, key: str, report: Report) -> None:
+    if row is not None and hasher.hexdigest() != row[1]:
+        report.add(f"record at byte {info.offset} does not match the manifest's checksum", url, key,
+                   hint="the bytes changed after the save committed; restore the file")
+
+
+def _check_manifest_only(source, manifest, info, key: str, report: Report, buf: memoryview) -> None:
+    from .manifest import new_hasher
+
+    url = source.location.child(info.relative_path).url
+    row = _manifest_row(manifest, info, url, key, report)
+    if row is None:
         return
+    hasher = new_hasher()
     try:
-        digest = hash_range(source._reader(info.relative_path), info.offset, info.length, buf)
+        _scan(source._reader(info.relative_path), info.offset, info.length, buf, hasher=hasher)
     except CkptError as exc:
         report.add(exc.what, exc.where or url, key, exc.hint)
         return
-    if digest != row[1]:
-        report.add(f"record at byte {info.offset} does not match the manifest's checksum", url, key,
-                   hint="the bytes changed after the save committed; restore the file")
+    _compare_digest(row, hasher, info, url, key, report)
 
 
 def _files_of(entry) -> set[str]:
@@ -218,9 +244,15 @@ def _files_of(entry) -> set[str]:
     return {entry.location.relative_path}
 
 
-def _check_dcp_chunk(source, key: str, entry: TensorEntry, chunk, report: Report, buf: memoryview) -> None:
+def _check_dcp_chunk(source, key: str, entry: TensorEntry, chunk, manifest, report: Report, buf: memoryview) -> None:
+    """Decode the chunk's record header, then read the record once for its CRC-32 and manifest hash."""
+    from .manifest import new_hasher
+
     info = chunk.location
     url = source.location.child(info.relative_path).url
+    row = _manifest_row(manifest, info, url, key, report)
+    reader = source._reader(info.relative_path)
+    hasher = new_hasher() if row is not None else None
     try:
         arch = source.archive(info, key)
         ref = arch.obj
@@ -233,11 +265,16 @@ def _check_dcp_chunk(source, key: str, entry: TensorEntry, chunk, report: Report
         if storage is None or storage.nbytes < need:
             report.add("record's data is shorter than its tensor", url, key)
             return
-        crc = _crc_range(source._reader(info.relative_path), storage.offset, storage.nbytes, buf)
+        span = (storage.offset, storage.offset + storage.nbytes)
+        if hasher is not None:
+            crc = _scan(reader, info.offset, info.length, buf, crc_span=span, hasher=hasher)
+        else:
+            crc = _scan(reader, storage.offset, storage.nbytes, buf)
         if crc != storage.crc32:
             report.add(f"tensor data of the chunk at {list(chunk.offsets)} does not match its CRC-32 "
                        f"(stored {storage.crc32:08x}, computed {crc:08x})", url, key,
                        hint="the bytes changed after they were written (bit rot, a bad copy); restore the file")
+        _compare_digest(row, hasher, info, url, key, report)
     except CkptError as exc:
         report.add(exc.what, exc.where or url, key, exc.hint)
     except Exception as exc:  # noqa: BLE001 - a corrupt record must be reported, never crash the check
@@ -264,7 +301,7 @@ def _verify_torch(source: Source, report: Report, only: str | None, progress: Pr
             continue
         if storage.name not in checked:
             checked.add(storage.name)
-            crc = _crc_range(source._reader, storage.offset, storage.nbytes, buf)
+            crc = _scan(source._reader, storage.offset, storage.nbytes, buf)
             if crc != storage.crc32:
                 report.add(f"data of {storage.name} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
                            source.location.url, key, hint="the file changed after it was written; restore it")

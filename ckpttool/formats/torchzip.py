@@ -236,8 +236,8 @@ class ArchiveWriter:
     """Write one ``torch.save``-compatible archive into ``stream``, storages first, pickle last.
 
     The archive starts at the stream's current position (DCP packs many into one file). Storage
-    records are 64-byte aligned from the archive start, as torch writes them, so ``torch.load(...,
-    mmap=True)`` works on our files.
+    records are 64-byte aligned from the archive start, as torch writes them, so torch's loader can
+    memory-map our files (``mmap=True``).
     """
 
     def __init__(self, stream: IO[bytes], name: str = "archive"):

@@ -230,3 +230,32 @@ def test_manifest_of_a_ckpttool_step_catches_changed_objects(tmp_path):
     (step / info.relative_path).write_bytes(bytes(data))
     report = verify_path(str(tmp_path / "run"))
     assert any(p.key == "extra.note" and "manifest" in p.what for p in report.problems)
+
+
+def test_manifest_and_crc_both_catch_a_flip_in_tensor_data_read_once(tmp_path):
+    """The single read of a record feeds both checksums: a flip in tensor data fails both, for that key only,
+    and a flip in the record's zip header (outside the tensor data, so no CRC covers it) fails the manifest."""
+    from ckpttool import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    Checkpointer(tmp_path / "run").save(1, model, opt)
+    step = tmp_path / "run" / "step-1"
+    assert verify_path(str(step)).ok
+    fname, start, end, key = next(s for s in tensor_data_spans(step) if s[3] == "model.0.weight")
+    flip_bit(step / fname, start + (end - start) // 3, 2)
+    report = verify_path(str(step))
+    assert {p.key for p in report.problems} == {key}
+    whats = [p.what for p in report.problems]
+    assert any("CRC-32" in w for w in whats) and any("manifest" in w for w in whats)
+
+    flip_bit(step / fname, start + (end - start) // 3, 2)  # undo
+    assert verify_path(str(step)).ok
+    with open_source(str(step)) as src:
+        record = src.index()[key].chunks[0].location
+    flip_bit(step / fname, record.offset + 20, 0)  # inside the record's first zip local header: its name
+    report = verify_path(str(step))
+    assert any(p.key == key and "manifest" in p.what for p in report.problems)
