@@ -23,8 +23,37 @@ SIZE_HELP = "sizes like 512MiB, 2GB or plain bytes"
 # --- shared plumbing -----------------------------------------------------------------------------
 
 
+def _set_root_flag(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.find_root().params[param.name] = True
+
+
+class _Command(click.Command):
+    """Every command also takes the global ``--debug`` and ``-q``, so they work after its name too
+    (``ckpttool verify X --debug``, as the one-line errors suggest)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params += [
+            click.Option(["--debug"], is_flag=True, expose_value=False, callback=_set_root_flag,
+                         help="Show tracebacks instead of one-line errors."),
+            click.Option(["--quiet", "-q"], is_flag=True, expose_value=False, callback=_set_root_flag, help="No progress on stderr."),
+        ]
+
+
+def _debug(ctx: click.Context) -> bool:
+    root = ctx.find_root()
+    return bool(root.params.get("debug")) or os.environ.get("CKPTTOOL_DEBUG") == "1"
+
+
+def _quiet(ctx: click.Context) -> bool:
+    return bool(ctx.find_root().params.get("quiet"))
+
+
 class _Group(click.Group):
     """Maps library errors to one line and an exit code for every command."""
+
+    command_class = _Command
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -44,15 +73,6 @@ class _Group(click.Group):
                 traceback.print_exc()
             click.echo(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True)
             ctx.exit(EXIT_BAD_INPUT)
-
-
-def _debug(ctx: click.Context) -> bool:
-    root = ctx.find_root()
-    return bool(root.params.get("debug")) or os.environ.get("CKPTTOOL_DEBUG") == "1"
-
-
-def _quiet(ctx: click.Context) -> bool:
-    return bool(ctx.find_root().params.get("quiet"))
 
 
 class Progress:

@@ -43,9 +43,18 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, ref_pt):
         assert "Traceback" not in result.output
 
 
-def test_debug_shows_traceback(tmp_path):
-    result = run("--debug", "inspect", tmp_path / "missing")
-    assert result.exit_code == 2
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_traceback_before_or_after_the_command(tmp_path, where):
+    args = ["inspect", tmp_path / "missing"]
+    result = run(*(["--debug", *args] if where == "before" else [*args, "--debug"]))
+    assert result.exit_code == 2 and "Traceback" in result.output and "does not exist" in result.output
+    plain = run(*args)
+    assert plain.exit_code == 2 and "Traceback" not in plain.output
+
+
+def test_quiet_is_accepted_after_the_command(tmp_path, ref_pt):
+    result = run("verify", ref_pt, "-q")
+    assert result.exit_code == 0, result.output
 
 
 def test_inspect_json_lists_keys_chunks_and_objects(tmp_path, ref_pt):
