@@ -109,3 +109,66 @@ def test_uncommitted_step_is_ignored_and_listed(tmp_path):
     assert ck.steps() == [1]
     assert ck.incomplete() == [".step-2.tmp-0123abcd", "step-3"]
     assert ck.load(*make(2)).step == 1
+
+
+def _save_step_2_denied(root: str, how: str, queue) -> None:
+    """In a spawned child: lose write permission (as root: become nobody) or the disk (a file size
+    limit: writes fail with EFBIG, as on a full disk), then save step 2 synchronously."""
+    import os
+    import resource
+    import signal
+
+    from ckpttool.errors import CkptError
+
+    model, opt = make(seed=1)
+    try:
+        if how == "permission":
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            # denied for the right reason: the root can be read, just not written
+            if not (os.access(root, os.R_OK | os.X_OK) and not os.access(root, os.W_OK)):
+                queue.put(("bad set-up", f"root readable={os.access(root, os.R_OK)} writable={os.access(root, os.W_OK)}"))
+                return
+        else:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (256, resource.RLIM_INFINITY))
+        Checkpointer(root).save(2, model, opt)
+        queue.put(("no error", ""))
+    except CkptError as exc:
+        queue.put((type(exc).__name__, exc.message()))
+    except BaseException as exc:  # noqa: BLE001 - anything untyped fails the test below
+        queue.put((f"untyped {type(exc).__name__}", repr(exc)))
+
+
+@pytest.mark.parametrize("how,words", [("permission", "permission denied"), ("disk-full", "no space left")])
+def test_sync_save_that_cannot_write_fails_clearly_and_keeps_earlier_steps(how, words):
+    import multiprocessing
+    import os
+    import shutil
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="ckpttool-denied-")  # under /tmp, so that nobody can reach it
+    try:
+        os.chmod(base, 0o755)
+        root = os.path.join(base, "run")
+        model, opt = make()
+        Checkpointer(root).save(1, model, opt)
+        os.chmod(root, 0o555 if how == "permission" else 0o755)
+        ctx = multiprocessing.get_context("spawn")  # a fork after torch's thread pool ran can deadlock
+        queue = ctx.Queue()
+        child = ctx.Process(target=_save_step_2_denied, args=(root, how, queue))
+        child.start()
+        child.join(120)
+        assert child.exitcode == 0
+        kind, message = queue.get(timeout=5)
+        os.chmod(root, 0o755)
+        assert kind == "StorageError" and words in message and root in message, (kind, message)
+        ckpt = Checkpointer(root)
+        assert ckpt.steps() == [1]
+        loaded, lopt = make(seed=2)
+        assert ckpt.load(loaded, lopt).step == 1 and same(loaded, model) and same_optim(lopt, opt)
+        ckpt.clean()
+        assert ckpt.incomplete() == []
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
