@@ -1,0 +1,455 @@
+"""Shared helpers for the benchmarks in ``bench/``: child processes with their peak RSS, timing,
+page-cache control, raw disk bandwidth and the machine's facts.
+
+Standard library only, and no torch at import time: a benchmark's parent process and its raw-disk
+cases stay small, and each measured case runs in a fresh child whose memory is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GB = 1000**3  # bandwidths and checkpoint sizes are in GB (10^9 bytes)
+MiB = 1 << 20
+GiB = 1 << 30
+RAW_BUFFER = 64 * MiB  # one os.write / os.readv call moves this much
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def proc_status(field_name: str, pid: int | str = "self") -> int | None:
+    """A ``kB`` field of ``/proc/PID/status`` (``VmRSS``, ``VmHWM``) in KiB; None if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return None
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's RSS high-water mark (``VmHWM``) to its current RSS; returns RSS in KiB.
+
+    Linux only (``/proc/self/clear_refs``); importing torch peaks higher than some work that follows,
+    so a peak measured across the imports would hide the work's own growth.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return proc_status("VmRSS") or 0
+
+
+def _has_proc_children() -> bool:
+    """Whether this kernel has ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN)."""
+    return os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+
+
+_PROC_CHILDREN = _has_proc_children()
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from every thread's ``children`` file.
+
+    A thread that exits while it is read (or a process that is gone) is skipped, not an error: the
+    poll goes on with what it could read. Only a kernel without those files at all gets a /proc scan.
+    """
+    out: list[int] = []
+    if not _PROC_CHILDREN:
+        return _children_by_scan(pid)
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _children_by_scan(pid: int) -> list[int]:
+    """Kernels without CONFIG_PROC_CHILDREN: the processes whose parent is ``pid``."""
+    out: list[int] = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def proc_pss_kib(pid: int | str) -> int | None:
+    """Proportional set size of ``pid`` in KiB (``Pss`` of ``/proc/PID/smaps_rollup``): its private
+    pages plus its share of pages it shares with others; None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def tree_rss_kib(pid: int) -> int:
+    """Memory of ``pid`` and all its descendants in KiB: the sum of their PSS (shared pages, e.g.
+    the torch libraries mapped by every rank, counted once in all), each process's VmRSS where its
+    ``smaps_rollup`` cannot be read."""
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        kib = proc_pss_kib(p)
+        if kib is None:
+            kib = proc_status("VmRSS", p)
+        total += kib or 0
+        todo.extend(_children(p))
+    return total
+
+
+@dataclass
+class ChildRun:
+    """What one child process did: exit status, wall time, peak memory, its JSON result."""
+
+    argv: list[str]
+    rc: int
+    wall_s: float  # from spawn to exit, interpreter start and imports included
+    maxrss_kib: int  # getrusage-style peak RSS of the child and its waited-for descendants (wait4): the largest single process
+    tree_peak_kib: int  # highest sum of PSS over the process tree seen by polling (VmRSS where smaps_rollup is unreadable)
+    result: dict[str, Any] = field(default_factory=dict)  # what the child wrote to its result file
+    log_tail: str = ""
+    user_s: float = 0.0  # CPU time of the child and its waited-for descendants (wait4)
+    sys_s: float = 0.0
+    timed_out: bool = False  # killed (with its whole process group) after timeout_s
+
+    @property
+    def peak_kib(self) -> int:
+        """The peak memory of the process tree: the larger of the two measurements (the largest
+        single process's peak RSS, the polled peak of the tree's summed PSS)."""
+        return max(self.maxrss_kib, self.tree_peak_kib)
+
+
+def run_child(argv: list[str], result_file: str, log_file: str, env: dict[str, str] | None = None,
+              poll_s: float = 0.05, timeout_s: float | None = None) -> ChildRun:
+    """Run ``argv`` as a fresh process; measure its wall time and the peak memory of its process tree.
+
+    Two measurements of the peak: ``wait4``'s ``ru_maxrss`` (exact, but the peak RSS of the largest
+    *single* process in the tree) and a poll, every ``poll_s``, of the tree's summed PSS
+    (``/proc/PID/smaps_rollup``: shared pages such as the torch libraries every rank maps are
+    counted once, not once per process; VmRSS for a process whose smaps_rollup cannot be read). The
+    poll catches concurrent children and may miss a spike shorter than the interval.
+
+    The child runs in a session (and process group) of its own: on ``timeout_s``, and whenever this
+    function leaves while members of that group are still alive (an exception, a launcher that
+    left ranks behind), the whole group is killed with SIGKILL, not only the direct child. The
+    child is expected to write a JSON object to ``result_file``.
+    """
+    if os.path.exists(result_file):
+        os.remove(result_file)
+    peak = [0]
+    timed_out = [False]
+    reaped = threading.Event()
+    with open(log_file, "w") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        pgid = proc.pid  # start_new_session: the child leads its own process group
+        done = threading.Event()
+
+        def kill_group() -> None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+        def on_timeout() -> None:
+            if not reaped.is_set():
+                timed_out[0] = True
+                kill_group()
+
+        def poll() -> None:
+            while not done.is_set():
+                try:
+                    peak[0] = max(peak[0], tree_rss_kib(proc.pid))
+                except Exception:  # noqa: BLE001 - a process vanishing mid-walk: keep polling
+                    pass
+                done.wait(poll_s)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        timer = None
+        if timeout_s:
+            timer = threading.Timer(timeout_s, on_timeout)
+            timer.daemon = True
+            timer.start()
+        status, usage = None, None
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            if timer:
+                timer.cancel()
+            done.set()
+            poller.join()
+            if status is None:  # interrupted before the child was reaped: it is still alive
+                kill_group()
+                try:
+                    os.wait4(proc.pid, 0)
+                except ChildProcessError:
+                    pass
+            reaped.set()
+            # members of the group left behind by the child (ranks of a launcher that died): the
+            # group id cannot be reused while any of them lives, so this reaches only them
+            kill_group()
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    result: dict[str, Any] = {}
+    if os.path.exists(result_file):
+        with open(result_file) as f:
+            result = json.load(f)
+        os.remove(result_file)
+    with open(log_file, errors="replace") as f:
+        tail = f.read()[-4000:]
+    if timed_out[0]:
+        tail += f"\n[run_child: killed the process group after the {timeout_s:g} s timeout]"
+    return ChildRun(list(argv), proc.returncode, wall, int(usage.ru_maxrss), peak[0], result, tail,
+                    user_s=usage.ru_utime, sys_s=usage.ru_stime, timed_out=timed_out[0])
+
+
+def child_argv(script: str, *args: str) -> list[str]:
+    """The command line that runs ``script`` with this interpreter, unbuffered."""
+    return [sys.executable, "-u", script, *args]
+
+
+# --- page cache and fsync -----------------------------------------------------------------------
+
+
+def drop_caches() -> bool:
+    """``sync`` then drop the page cache (needs root); True when the cache was dropped."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_tree(path: str) -> int:
+    """fsync every file under ``path`` (or the file itself) and the directories; returns bytes seen."""
+    total = 0
+    paths = []
+    if os.path.isdir(path):
+        for root, dirs, files in os.walk(path):
+            paths.extend(os.path.join(root, n) for n in files)
+            paths.append(root)
+    elif os.path.exists(path):
+        paths.append(path)
+        paths.append(os.path.dirname(os.path.abspath(path)))
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            if not os.path.isdir(p):
+                total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
+def path_bytes(path: str) -> int:
+    """Bytes of a file, or of every file under a directory."""
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(r, n)) for r, _, fs in os.walk(path) for n in fs)
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+# --- raw disk bandwidth -------------------------------------------------------------------------
+
+
+def _pattern(size: int) -> bytearray:
+    """A buffer of incompressible bytes (so no layer below can shortcut zeros)."""
+    buf = bytearray(size)
+    block = os.urandom(1 << 20)
+    for i in range(0, size, len(block)):
+        buf[i : i + len(block)] = block[: size - i]
+    return buf
+
+
+def pattern_buffer(size: int = RAW_BUFFER) -> memoryview:
+    """The buffer :func:`raw_write` writes: build it before the clock starts."""
+    return memoryview(_pattern(size))
+
+
+def raw_write(path: str, nbytes: int, buf_size: int = RAW_BUFFER, buf: memoryview | None = None,
+              start: threading.Barrier | None = None) -> dict[str, float]:
+    """Write ``nbytes`` to a new file with ``os.write`` of one large buffer, then fsync.
+
+    The physical limit of any writer on that filesystem: no serialisation, no copies. ``buf``: the
+    buffer to write (from :func:`pattern_buffer`, built by the caller before its clock starts; built
+    here, before this function's clock, when not given). ``start``: a barrier to wait on just before
+    the clock starts (parallel streams start together). Returns the time of the writes and of the
+    fsync separately, their sum, and the ``perf_counter`` at the start and the end (``t_start``,
+    ``t_end``: the span of parallel streams).
+    """
+    if buf is None:
+        buf = pattern_buffer(buf_size)
+    buf_size = len(buf)
+    if start is not None:
+        start.wait()
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            n = os.write(fd, buf[: min(left, buf_size)])
+            left -= n
+        t1 = time.perf_counter()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    t2 = time.perf_counter()
+    return {"write_s": t1 - t0, "fsync_s": t2 - t1, "seconds": t2 - t0, "bytes": nbytes, "t_start": t0, "t_end": t2}
+
+
+def raw_read(paths: list[str], buf_size: int = RAW_BUFFER) -> dict[str, float]:
+    """Read files start to end with ``os.readv`` into one buffer (cold when the cache was dropped)."""
+    buf = bytearray(buf_size)
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            while True:
+                n = os.readv(fd, [buf])
+                if not n:
+                    break
+                total += n
+        finally:
+            os.close(fd)
+    return {"seconds": time.perf_counter() - t0, "bytes": total}
+
+
+def raw_copy(paths: list[str], dst: str, buf_size: int = RAW_BUFFER) -> dict[str, float]:
+    """Read files and append them to one output, then fsync: what an ideal one-disk converter does."""
+    buf = bytearray(buf_size)
+    view = memoryview(buf)
+    total = 0
+    t0 = time.perf_counter()
+    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                while True:
+                    n = os.readv(fd, [buf])
+                    if not n:
+                        break
+                    done = 0
+                    while done < n:
+                        done += os.write(out, view[done:n])
+                    total += n
+            finally:
+                os.close(fd)
+        os.fsync(out)
+    finally:
+        os.close(out)
+    return {"seconds": time.perf_counter() - t0, "bytes": total}
+
+
+# --- the machine --------------------------------------------------------------------------------
+
+
+def machine_facts(path: str) -> dict[str, Any]:
+    """Cores, memory, CPU, kernel and the disk behind ``path``: what a reader needs to compare runs."""
+    facts: dict[str, Any] = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    try:
+        facts["cpus_usable"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            mem = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split(":")[0] in ("MemTotal", "SwapTotal")}
+        facts["mem_total_gib"] = round(mem.get("MemTotal", 0) / MiB, 1)
+        facts["swap_gib"] = round(mem.get("SwapTotal", 0) / MiB, 1)
+    except OSError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            facts["cpu_model"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        pass
+    usage = shutil.disk_usage(path)
+    facts["disk_total_gb"] = round(usage.total / GB, 1)
+    facts["disk_free_gb"] = round(usage.free / GB, 1)
+    try:
+        dev, fstype = _mount_of(path)
+        facts["disk_device"], facts["disk_fs"] = dev, fstype
+        name = os.path.basename(dev)
+        rot = f"/sys/block/{name}/queue/rotational"
+        if os.path.exists(rot):
+            with open(rot) as f:
+                facts["disk_rotational"] = f.read().strip() == "1"
+    except OSError:
+        pass
+    return facts
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    path = os.path.realpath(path)
+    best = ("", "", "")
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best[1]):
+                best = (dev, mnt, fstype)
+    return best[0], best[2]
+
+
+def code_version(repo: str, paths: tuple[str, ...] = ("ckpttool",)) -> dict[str, Any]:
+    """The commit and a digest of uncommitted changes under ``paths``: what code a run measured.
+
+    Take it at the start and at the end of a run; if they differ, the code changed under it.
+    """
+    import hashlib
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    diff = git("diff", "HEAD", "--", *paths)
+    return {"commit": git("rev-parse", "--short", "HEAD").strip() or None,
+            "dirty": bool(diff), "diff_sha1": hashlib.sha1(diff.encode()).hexdigest()[:12] if diff else None}
+
+
+def write_json(path: str, doc: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+    os.replace(tmp, path)

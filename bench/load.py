@@ -1,0 +1,349 @@
+"""Benchmark: loading a checkpoint into FSDP2 / HSDP models on the same and on other world sizes.
+
+A ~1 GB state (fp32 params + AdamW exp_avg + exp_avg_sq) is saved with ckpttool's Checkpointer
+(sync) from 2 gloo CPU ranks; for comparison, the same-size state is also saved natively at every
+target layout (1, 3, 4 ranks and HSDP 2x2), so each resharding load can be compared with a load
+that needs no resharding on the same number of ranks. Every case is a fresh set of rank processes
+(bundled Transformer built with ``build_fsdp_model`` on the target mesh, AdamW state created before
+the clock starts) that times
+
+  load            ``Checkpointer.load(model, optimizer)`` (barrier to barrier, slowest rank)
+  verify_loaded   ``ckpttool.verify_loaded(model, optimizer, path)`` right after it
+
+first with the page cache dropped before the processes start (cold; after the load's barrier
+rank 0 drops the page cache again, and all ranks wait for it, before verify_loaded is timed, so
+the cold check reads cold too), then the same load and check again in the same processes (warm:
+every byte was just read). Peak RSS per rank (VmHWM, reset before each phase) and of the whole
+process tree (sum of the processes' PSS, both phases together).
+
+Each case runs ``--repeat`` times; the run with the smallest load time is reported, every value
+of a row (verify time and memory included) from that run; the JSON keeps each key's value in every
+run (``KEY_all``).
+
+    .venv/bin/python bench/load.py --size 1 --md docs/bench/load.md --plot docs/img/bench-load.png
+
+Targets (issue "resharding loads"): a resharding load <= 1.1x the load of the same-size checkpoint
+saved on that layout; verify_loaded <= 1x the load time. 3 and 4 ranks on a 2-core machine are
+oversubscribed (the ranks share the cores): both sides of each comparison run on the same ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import GB, MiB, drop_caches, machine_facts, proc_status, raw_read, remove, reset_peak_rss, write_json  # noqa: E402
+from _dist import (  # noqa: E402
+    add_rank_args,
+    can_drop_caches,
+    best_of,
+    dcp_dir_of,
+    dcp_files,
+    f,
+    finish_rank,
+    gen_rank,
+    generate,
+    init_rank,
+    md_table,
+    measure_ranks,
+    mesh_world,
+    model_dims,
+    pick_smallest,
+    text_table,
+    verdict_lines,
+    md_header,
+    verdict_md,
+    wait_for_convert,
+)
+
+SCRIPT = os.path.abspath(__file__)
+SAVED_ON = "2"
+
+
+def rank_case(args) -> None:
+    init_rank(args)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckpttool import Checkpointer, verify_loaded
+    from ckpttool.trainer.model import ModelConfig, build_fsdp_model
+    from _dist import make_mesh, state_nbytes
+
+    cfg = ModelConfig(**json.loads(args._cfg))
+    mesh = make_mesh(args._mesh)
+    t = time.perf_counter()
+    model = build_fsdp_model(cfg, mesh, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    msd, osd = get_state_dict(model, optimizer)  # creates the AdamW state: not part of the load
+    rank_bytes = state_nbytes({"model": msd, "optim": osd})
+    del msd, osd
+    build_s = time.perf_counter() - t
+    ck = Checkpointer(args._root)
+    phases: dict[str, Any] = {}
+    ok = True
+    for phase in args._phases.split(","):  # cold (cache dropped by the parent) first, then warm: the same load again
+        dist.barrier()
+        rss0 = reset_peak_rss()
+        t0 = time.perf_counter()
+        res = ck.load(model, optimizer)
+        dist.barrier()
+        load_s = time.perf_counter() - t0
+        load_hwm = proc_status("VmHWM") or 0
+
+        verify_dropped = False
+        if phase == "cold":  # the load just read every byte: drop it again, so verify reads cold too
+            if dist.get_rank() == 0 and can_drop_caches():
+                verify_dropped = drop_caches()
+            dist.barrier()
+        dist.barrier()
+        rss1 = reset_peak_rss()
+        t1 = time.perf_counter()
+        report = verify_loaded(model, optimizer, res.path)
+        dist.barrier()
+        verify_s = time.perf_counter() - t1
+        verify_hwm = proc_status("VmHWM") or 0
+        ok = ok and bool(report.ok)
+        phases[phase] = {
+            "ok": bool(report.ok), "mismatches": len(report.mismatches), "tensors_checked": report.tensors_checked,
+            "load_s": load_s, "verify_s": verify_s, "verify_cache_dropped": verify_dropped, "rss_before_load_kib": rss0, "load_hwm_kib": load_hwm,
+            "rss_before_verify_kib": rss1, "verify_hwm_kib": verify_hwm, "step": res.step,
+        }
+    finish_rank(args, {"ok": ok, "phases": phases, "build_s": build_s, "rank_state_bytes": rank_bytes, "torch": torch.__version__})
+
+
+# --- the parent ----------------------------------------------------------------------------------
+
+
+def measure(name: str, mesh: str, root: str, cfg: dict[str, int], caches: list[str], args, work: str) -> dict[str, dict[str, Any]]:
+    """One fresh set of ranks per (layout, checkpoint): the cold load first (cache dropped before the
+    processes start), then the same load again, warm (every byte was just read)."""
+    files = dcp_files(dcp_dir_of(root))
+    dropped = False
+    if caches[0] == "cold":
+        dropped = drop_caches()
+    else:
+        raw_read(files)  # every byte of the checkpoint in the page cache
+    run = measure_ranks(SCRIPT, mesh_world(mesh), ["--_case", "load", "--_root", root, "--_mesh", mesh, "--_cfg", json.dumps(cfg),
+                                                   "--_phases", ",".join(caches)], work, name, timeout_s=args.case_timeout)
+    ranks = run.result.get("ranks", []) if run.result else []
+    if run.rc != 0 or not ranks or not all(r.get("ok") for r in ranks):
+        print(f"  !! {name} failed (exit {run.rc}):\n{run.log_tail[-6000:]}", file=sys.stderr)
+        return {c: {"ok": False, "rc": run.rc} for c in caches}
+    out = {}
+    for cache in caches:
+        ph = [r["phases"][cache] for r in ranks]
+        mx = lambda k: max(x[k] for x in ph)  # noqa: E731
+        out[cache] = {
+            "ok": True, "cache_dropped": dropped and cache == "cold", "load_s": mx("load_s"), "verify_s": mx("verify_s"),
+            "verify_cache_dropped": any(x.get("verify_cache_dropped") for x in ph),
+            "build_s": max(r["build_s"] for r in ranks), "rank_state_bytes": max(r["rank_state_bytes"] for r in ranks),
+            "rank_load_peak_kib": mx("load_hwm_kib"),
+            "rank_load_added_kib": max(x["load_hwm_kib"] - x["rss_before_load_kib"] for x in ph),
+            "rank_verify_added_kib": max(x["verify_hwm_kib"] - x["rss_before_verify_kib"] for x in ph),
+            "rank_peak_kib": max(max(x["load_hwm_kib"], x["verify_hwm_kib"]) for x in ph),
+            "tree_peak_kib": run.peak_kib, "process_wall_s": run.wall_s, "tensors_checked": ph[0]["tensors_checked"],
+        }
+    return out
+
+
+def derive(results: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    nbytes = results["checkpoint"]["state_bytes"]
+    cases = results["cases"]
+    rows, checks = [], []
+    order = sorted(cases, key=lambda k: (k.split("|")[2] != "cold", list(cases).index(k)))
+    for key in order:
+        c = cases[key]
+        mesh, src, cache = key.split("|")
+        if not c.get("ok"):
+            rows.append({"key": key, "mesh": mesh, "src": src, "cache": cache, "failed": True})
+            continue
+        matched = cases.get(f"{mesh}|{mesh}|{cache}", {})
+        same = cases.get(f"{SAVED_ON}|{SAVED_ON}|{cache}", {})
+        row = {"key": key, "mesh": mesh, "src": src, "cache": cache, "load_s": c["load_s"], "gbps": nbytes / c["load_s"] / GB,
+               "x_matched": c["load_s"] / matched["load_s"] if matched.get("ok") and src != mesh else None,
+               "x_same2": c["load_s"] / same["load_s"] if same.get("ok") else None,
+               "verify_s": c["verify_s"], "verify_x_load": c["verify_s"] / c["load_s"],
+               "rank_peak_mib": c["rank_peak_kib"] / 1024, "load_added_mib": c["rank_load_added_kib"] / 1024,
+               "verify_added_mib": c["rank_verify_added_kib"] / 1024, "rank_state_mib": c["rank_state_bytes"] / MiB,
+               "tree_peak_mib": c["tree_peak_kib"] / 1024, "ranks": mesh_world(mesh)}
+        rows.append(row)
+        tag = f"{mesh_label(mesh)} from {mesh_label(src)}, {cache}"
+        if row["x_matched"] is not None:
+            checks.append({"target": "resharding load <= 1.1x the same-size load", "case": tag,
+                           "value": f"{c['load_s']:.2f} s vs {matched['load_s']:.2f} s = {row['x_matched']:.2f}x",
+                           "pass": row["x_matched"] <= 1.1})
+        checks.append({"target": "verify_loaded <= 1x the load time", "case": tag,
+                       "value": f"{c['verify_s']:.2f} s vs {c['load_s']:.2f} s = {row['verify_x_load']:.2f}x",
+                       "pass": row["verify_x_load"] <= 1.0})
+    return rows, checks
+
+
+def mesh_label(mesh: str) -> str:
+    return f"HSDP {mesh}" if "x" in mesh else f"{mesh} rank" + ("s" if mesh != "1" else "")
+
+
+def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    head = ["load on", "saved on", "cache", "load s", "GB/s", "× same layout", f"× load on {SAVED_ON}", "verify_loaded s",
+            "verify / load", "peak RSS/rank MiB", "added by load MiB/rank (rank state)", "added by verify MiB", "tree peak ΣPSS MiB"]
+    lines = []
+    for r in rows:
+        if r.get("failed"):
+            lines.append([mesh_label(r["mesh"]), mesh_label(r["src"]), r["cache"], "failed"] + [""] * (len(head) - 4))
+            continue
+        lines.append([mesh_label(r["mesh"]), mesh_label(r["src"]), r["cache"], f(r["load_s"]), f(r["gbps"]), f(r["x_matched"]),
+                      f(r["x_same2"]), f(r["verify_s"]), f(r["verify_x_load"]), f(r["rank_peak_mib"], ".0f"),
+                      f"+{r['load_added_mib']:.0f} ({r['rank_state_mib']:.0f})", f"+{r['verify_added_mib']:.0f}", f(r["tree_peak_mib"], ".0f")])
+    return (md_table if markdown else text_table)(head, lines, left=(0, 1, 2))
+
+
+def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    ok = [r for r in rows if not r.get("failed")]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), sharey=False)
+    for ax, cache in zip(axes, ("cold", "warm")):
+        rs = [r for r in ok if r["cache"] == cache]
+        labels = [f"{mesh_label(r['mesh'])}\nfrom {mesh_label(r['src'])}" for r in rs]
+        x = range(len(rs))
+        colors = ["#1f77b4" if r["src"] == r["mesh"] else "#ff7f0e" for r in rs]
+        ax.bar([i - 0.2 for i in x], [r["load_s"] for r in rs], width=0.4, color=colors, label="load (blue: same layout, orange: resharding)")
+        ax.bar([i + 0.2 for i in x], [r["verify_s"] for r in rs], width=0.4, color="#2ca02c", label="verify_loaded")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("seconds (slowest rank)")
+        ax.set_title(f"page cache {cache}", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    m = results["machine"]
+    fig.suptitle(f"ckpttool load of {results['checkpoint']['state_bytes'] / GB:.2f} GB (saved on {SAVED_ON} ranks): {m.get('cpus')} cores "
+                 f"(3-4 ranks oversubscribe them), {m.get('mem_total_gib')} GiB RAM, torch {results.get('torch')}", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot written to {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=float, default=1.0, help="state size in GB (default 1)")
+    p.add_argument("--meshes", default="1,3,4,2x2", help="target layouts besides the source's 2 ranks (default 1,3,4,2x2)")
+    p.add_argument("--no-matched", action="store_true", help="skip the checkpoints saved natively on each target layout")
+    p.add_argument("--caches", default="cold,warm")
+    p.add_argument("--out-dir", default="/tmp/ckpttool-bench-load")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each case; the one with the smallest load time is reported (default 2)")
+    p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoints")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for a running bench/convert.py")
+    p.add_argument("--case-timeout", type=float, default=1800)
+    p.add_argument("--json")
+    p.add_argument("--md")
+    p.add_argument("--plot")
+    add_rank_args(p)
+    p.add_argument("--_case", help=argparse.SUPPRESS)
+    p.add_argument("--_root", help=argparse.SUPPRESS)
+    p.add_argument("--_mesh", help=argparse.SUPPRESS)
+    p.add_argument("--_cfg", help=argparse.SUPPRESS)
+    p.add_argument("--_phases", default="cold,warm", help=argparse.SUPPRESS)
+    p.add_argument("--_gen", nargs=4, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args._gen:
+        init_rank(args)
+        dst, cfg, mesh, how = args._gen
+        finish_rank(args, gen_rank(args, dst, json.loads(cfg), mesh, how))
+        return 0
+    if args._rank is not None:
+        rank_case(args)
+        return 0
+
+    out_dir = os.path.abspath(args.out_dir)
+    work = os.path.join(out_dir, "work")
+    os.makedirs(work, exist_ok=True)
+    caches = sorted((c for c in args.caches.split(",") if c), key=lambda c: c != "cold")  # cold first
+    if "cold" in caches and not can_drop_caches():
+        print("cannot drop the page cache (needs root): cold cases skipped", file=sys.stderr)
+        caches = [c for c in caches if c != "cold"]
+    machine = machine_facts(out_dir)
+    print(f"machine: {json.dumps(machine)}", flush=True)
+    json_path = args.json or os.path.join(out_dir, "load-results.json")
+    cfg = model_dims(args.size)
+    if args.size > 0.5 and not args.no_wait:
+        wait_for_convert()
+    targets = [m for m in args.meshes.split(",") if m]
+    layouts = [SAVED_ON] + ([] if args.no_matched else targets)
+    roots: dict[str, str] = {}
+    infos: dict[str, Any] = {}
+    for mesh in layouts:
+        root = os.path.join(out_dir, f"ckpt-{args.size:g}GB-on-{mesh}")
+        info_path = root + ".json"
+        if args.keep and os.path.exists(info_path) and os.path.isdir(root):
+            with open(info_path) as fh:
+                infos[mesh] = json.load(fh)
+            print(f"reusing {root}", flush=True)
+        else:
+            print(f"saving {args.size:g} GB with ckpttool on {mesh_label(mesh)} ...", flush=True)
+            infos[mesh] = generate(SCRIPT, root, cfg, mesh, "ckpttool", work, f"gen-{mesh}")
+            write_json(info_path, infos[mesh])
+        roots[mesh] = root
+    info = infos[SAVED_ON]
+    print(f"   {info['params'] / 1e6:.1f}M params, {info['state_bytes'] / GB:.2f} GB of state; ckpttool save on {SAVED_ON} ranks: "
+          f"{info['save_s']:.1f} s", flush=True)
+    results: dict[str, Any] = {
+        "command": " ".join([os.path.relpath(sys.executable), os.path.relpath(SCRIPT), *(argv if argv is not None else sys.argv[1:])]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine, "repeat": args.repeat, "checkpoint": info,
+        "cfg": cfg, "torch": info.get("torch"), "cases": {},
+    }
+    plan = [(SAVED_ON, SAVED_ON)] + [(m, SAVED_ON) for m in targets]
+    if not args.no_matched:
+        plan += [(m, m) for m in targets]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for rnd in range(args.repeat):
+        for mesh, src in plan:
+            out = measure(f"{mesh}_from_{src}", mesh, roots[src], cfg, caches, args, work)
+            for cache, r in out.items():
+                runs.setdefault(f"{mesh}|{src}|{cache}", []).append(r)
+                if r.get("ok"):
+                    print(f"   [{rnd + 1}/{args.repeat}] {cache} load on {mesh_label(mesh):<13} from {mesh_label(src):<13} "
+                          f"load {r['load_s']:6.2f} s  verify_loaded {r['verify_s']:6.2f} s  peak/rank {r['rank_peak_kib'] / 1024:5.0f} MiB "
+                          f"(build {r['build_s']:.1f} s)", flush=True)
+    results["cases"] = {k: best_of(rs, ["load_s", "verify_s", "build_s"],
+                                   ["rank_peak_kib", "rank_load_added_kib", "rank_verify_added_kib", "tree_peak_kib"],
+                                   pick=pick_smallest("load_s")) for k, rs in runs.items()}
+    results["all_runs"] = runs
+    rows, checks = derive(results)
+    results["rows"], results["checks"] = rows, checks
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    write_json(json_path, results)
+    print("\n" + render(rows, markdown=False) + "\n")
+    print("\n".join(verdict_lines(checks)))
+    print(f"\nresults: {json_path}")
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(md_header("Benchmark: loading on the same and on other layouts", results))
+            fh.write(render(rows, markdown=True) + "\n\n" + verdict_md(checks) + "\n")
+        print(f"markdown: {args.md}")
+    if args.plot:
+        print(plot(results, rows, args.plot))
+    if not args.keep:
+        for root in roots.values():
+            remove(root)
+            remove(root + ".json")
+    remove(work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

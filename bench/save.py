@@ -1,0 +1,688 @@
+"""Benchmark: saving from a training loop, sync and async, against the disk and plain torch.
+
+For each size (GB of fp32 params + AdamW exp_avg + exp_avg_sq, 12 bytes per parameter) it trains
+the bundled Transformer with FSDP2 on 2 gloo CPU ranks (the canonical loop of
+ckpttool/trainer/train.py: forward, loss, backward, grad clipping, AdamW step, loss all-reduce) and
+measures, each case in a fresh set of processes with the page cache dropped before it:
+
+  raw write             os.write of a 64 MiB buffer + fsync, the state's bytes (1 stream, and
+                        2 streams in parallel, one per rank): the disk's limit
+  dcp.save              plain torch.distributed.checkpoint.save of get_state_dict
+  ckpttool sync         Checkpointer.save (DCP + manifest + commit record + rename)
+  dcp.async_save        plain torch, on a gloo process group of its own (dist.new_group)
+  ckpttool async        Checkpointer(async_save=True).save
+
+In each save case, every rank builds the model and then:
+
+  1. runs 4 warm-up steps (AdamW state exists after the first); VmHWM is reset after the first,
+     and the peak of the other 3 is the memory baseline;
+  2. resets VmHWM again, then makes --prior-saves (default 1) untimed saves of step 0, 1, ... with
+     the same method, each fully waited (ckpttool: save() then wait(); dcp.async_save: the
+     future's result()), to a step/directory of its own: the measured save is then a steady-state
+     one (the checkpoint process group exists, ckpttool's staging buffer is reused). With
+     --prior-saves 0 the measured save is the processes' first (set-up costs included);
+  3. reference window A: --steps steps (default 10), each step's duration recorded;
+  4. the measured save: "save() blocks" is how long the call takes;
+  5. keeps stepping until the background save is done on every rank, and at least --steps steps:
+     each rank adds a "still running" flag to the loss all-reduce of every step (a 2-element SUM
+     all-reduce [loss, running]), so all ranks stop after the same step k (FSDP's collectives
+     need them to agree). Done means: ckpttool async, its writer thread has committed and ended;
+     dcp.async_save, the future is done; sync methods, save() has returned, so k = --steps;
+  6. waits (wait()/result(): "wait s", ~0 by now), then reference window B: --steps more steps.
+
+  extra loop time = sum of the k overlapping steps - k x the median step of windows A and B.
+  The sync methods overlap nothing: their extra loop time is the measurement's noise floor (it
+  can be negative). The commit time runs from the save() call to the durable commit (taken where
+  it happens, in the writer thread for async). Peak RSS per rank is VmHWM from before the prior
+  saves to the end of window B; "added by save" is that peak minus the warm-up steps' peak, so
+  ckpttool's staging copy counts even when a prior save made it. ckpttool's blocking and
+  background phases of the measured save are timed by wrapping its internals from this script
+  (the library is not changed). Raw writes build their 64 MiB buffers before the clock; the 2
+  streams start together behind a barrier and are timed from the first start to the last end.
+
+Each case runs --repeat times, rounds interleaved; one representative run is reported (the median
+extra loop time with >= 3 runs, else the faster commit) and every value of a row comes from it;
+the JSON keeps each key's value in every run (KEY_all) and all the runs.
+
+    .venv/bin/python bench/save.py --sizes 1 --md docs/bench/save.md --plot docs/img/bench-save.png
+
+Targets (issue "async save"): async blocking <= 2% of the sync save's time; extra loop time while
+the async save runs <= 25% of the sync save's time; sync save >= 0.85x raw write bandwidth; async adds
+at most one copy of the rank's state to host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import (  # noqa: E402
+    GB,
+    MiB,
+    child_argv,
+    drop_caches,
+    machine_facts,
+    pattern_buffer,
+    proc_status,
+    raw_write,
+    remove,
+    reset_peak_rss,
+    run_child,
+    write_json,
+)
+from _dist import (  # noqa: E402
+    add_rank_args,
+    can_drop_caches,
+    best_of,
+    f,
+    finish_rank,
+    init_rank,
+    md_table,
+    measure_ranks,
+    model_dims,
+    text_table,
+    verdict_lines,
+    md_header,
+    verdict_md,
+    wait_for_convert,
+)
+
+SCRIPT = os.path.abspath(__file__)
+WORLD = 2
+WARMUP_STEPS = 4  # before anything is measured; AdamW state exists after the first
+METHODS = {
+    "dcp_save": "plain dcp.save",
+    "ckpt_sync": "ckpttool sync save",
+    "dcp_async": "plain dcp.async_save (own gloo group)",
+    "ckpt_async": "ckpttool async save",
+}
+SYNC_METHODS = ("dcp_save", "ckpt_sync")  # done when save() returns: their extra loop time is the noise floor
+
+
+def n_params(cfg: dict[str, int]) -> int:
+    d, v, s = cfg["dim"], cfg["vocab_size"], cfg["seq_len"]
+    per_layer = 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d
+    return 2 * v * d + s * d + cfg["n_layers"] * per_layer + 2 * d
+
+
+# --- the rank body ----------------------------------------------------------------------------------
+
+
+class Timeline:
+    """(name, start, end, thread) of wrapped calls, relative to a t0 set by the caller."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.events: list[tuple[str, float, float, str]] = []
+        self.lock = threading.Lock()
+
+    def wrap(self, name: str, fn):
+        depth = threading.local()
+
+        def timed(*a, **k):
+            outer = getattr(depth, "n", 0) == 0  # recursive functions (_stage): the outermost call only
+            depth.n = getattr(depth, "n", 0) + 1
+            s = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                e = time.perf_counter()
+                depth.n -= 1
+                if outer:
+                    with self.lock:
+                        self.events.append((name, s - self.t0, e - self.t0, threading.current_thread().name))
+
+        return timed
+
+    def rows(self) -> list[list[Any]]:
+        return [[n, round(s, 4), round(e, 4), round(e - s, 4), t] for n, s, e, t in sorted(self.events, key=lambda x: x[1])]
+
+
+def rank_case(args) -> None:
+    rank, world = init_rank(args)
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ckpttool.checkpointer as ckmod
+    from ckpttool import Checkpointer
+    from ckpttool.trainer.model import ModelConfig, build_fsdp_model, local_batch
+    from _dist import make_mesh, state_nbytes
+
+    method, root, nsteps, nprior = args._case, args._root, args.steps, args.prior_saves
+    config = ModelConfig(**json.loads(args._cfg))
+    mesh = make_mesh(str(world))
+    tb = time.perf_counter()
+    model = build_fsdp_model(config, mesh, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    build_s = time.perf_counter() - tb
+    criterion = nn.CrossEntropyLoss()
+    batch = args.batch_size
+    counter = iter(range(1 << 30))  # the training step number (the batch), across all phases
+
+    def train_step(running=None) -> tuple[float, int]:
+        """One step of the loop; returns its duration and how many ranks' saves were still running
+        at its loss all-reduce (``running()`` is this rank's flag, piggybacked on the all-reduce:
+        the ranks agree on when to stop stepping, as FSDP's collectives need)."""
+        t = time.perf_counter()
+        x, y = local_batch(next(counter), rank, world, batch, config, 0)
+        loss = criterion(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        g = torch.stack([loss.detach().float(), torch.tensor(1.0 if running is not None and running() else 0.0)])
+        dist.all_reduce(g)  # SUM: [loss of every rank, ranks whose save is still running]
+        _loss_sum, still = g.tolist()
+        return time.perf_counter() - t, int(round(still))
+
+    train_step()  # warm-up 1 of WARMUP_STEPS: AdamW state exists after the first step
+    msd, osd = get_state_dict(model, optimizer)
+    rank_bytes = state_nbytes({"model": msd, "optim": osd})
+    del msd, osd
+
+    tl = Timeline()
+    ck = None
+    pg = None
+    done_at: list[float] = []
+    if method == "dcp_async":
+        pg = dist.new_group(backend="gloo")  # set-up, as a job would do once
+    if method.startswith("ckpt_"):
+        if os.environ.get("CKB_WRITER_NICE"):  # A/B of the async writer's priority (ckpttool.checkpointer._WRITER_NICE)
+            ckmod._WRITER_NICE = int(os.environ["CKB_WRITER_NICE"])
+        ck = Checkpointer(root, async_save=(method == "ckpt_async"))
+        # Where ckpttool's time goes: wrap its phases (main thread: blocking; writer thread: background).
+        ckmod._training_state = tl.wrap("get_state_dict (_training_state)", ckmod._training_state)
+        ckmod._stage = tl.wrap("stage copy (_stage)", ckmod._stage)
+        ckmod._manifest_of_own_file = tl.wrap("manifest hash (_manifest_of_own_file)", ckmod._manifest_of_own_file)
+        ckmod.dcp.save = tl.wrap("dcp.save inside ckpttool", dcp.save)
+        ck._prepare_step_dir = tl.wrap("prepare step dir (broadcast)", ck._prepare_step_dir)
+        ck._commit = tl.wrap("commit (barrier, record, rename)", ck._commit)
+        ck._write_and_commit = tl.wrap("write_and_commit (all)", ck._write_and_commit)
+        dist.new_group = tl.wrap("dist.new_group (first async save)", dist.new_group)
+        ck.wait = tl.wrap("wait()", ck.wait)
+        if method == "ckpt_async":
+            orig = ck._write_and_commit
+
+            def committed(*a, **k):  # the moment of the commit, in the writer thread
+                r = orig(*a, **k)
+                done_at.append(time.perf_counter())
+                return r
+
+            ck._write_and_commit = committed
+
+    def dcp_dir(step: int) -> str:
+        return os.path.join(root, f"dcp-step-{step}")
+
+    def start_save(step: int):
+        """Start a save of ``step`` with this case's method; returns dcp.async_save's future or None."""
+        extra = {"step": step, "note": "bench/save.py"}
+        if method == "dcp_save":
+            msd, osd = get_state_dict(model, optimizer)
+            dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=dcp_dir(step))
+            del msd, osd
+            done_at.append(time.perf_counter())
+        elif method == "ckpt_sync":
+            ck.save(step, model, optimizer, extra=extra)
+            done_at.append(time.perf_counter())
+        elif method == "dcp_async":
+            msd, osd = get_state_dict(model, optimizer)
+            fut = dcp.async_save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=dcp_dir(step), process_group=pg)
+            fut.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+            del msd, osd
+            return fut
+        elif method == "ckpt_async":
+            ck.save(step, model, optimizer, extra=extra)
+        else:
+            raise SystemExit(f"unknown method {method}")
+        return None
+
+    # the memory baseline: the peak of training steps before any save (the rest of the warm-up)
+    dist.barrier()
+    rss_base0 = reset_peak_rss()
+    for _ in range(WARMUP_STEPS - 1):
+        train_step()
+    base_hwm = proc_status("VmHWM") or 0
+
+    # from here on, the peak includes the prior saves: ckpttool's staging copy, made by the first
+    # async save and reused by the next, counts as memory added by saving
+    dist.barrier()
+    rss_save0 = reset_peak_rss()
+    prior_s = []
+    for step in range(nprior):  # untimed, fully waited: the measured save is a steady-state one
+        dist.barrier()
+        tp = time.perf_counter()
+        fut = start_save(step)
+        if fut is not None:
+            fut.result()
+        if ck is not None:
+            ck.wait()
+        prior_s.append(time.perf_counter() - tp)
+
+    dist.barrier()
+    win_a = [train_step()[0] for _ in range(nsteps)]  # reference window A
+
+    spy = None
+    if os.environ.get("CKB_PYSPY") and method in os.environ.get("CKB_PYSPY_CASES", method).split(","):
+        # diagnosis only (--pyspy): sample this rank's threads from the save call on
+        import subprocess
+
+        spy = subprocess.Popen([os.environ["CKB_PYSPY"], "record", "-p", str(os.getpid()), "--threads", "--idle", "-r", "200",
+                                "-f", "raw", "-o", f"{os.environ['CKB_PYSPY_OUT']}/{method}-rank{rank}.txt", "-d", "120"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+    dist.barrier()
+    done_at.clear()
+    tl.events.clear()  # the timeline is the measured save's
+    tl.t0 = t0 = time.perf_counter()
+    fut = start_save(nprior)  # the measured save
+    t1 = time.perf_counter()
+
+    def running() -> bool:
+        if method == "ckpt_async":
+            return ck._pending is not None and ck._pending.is_alive()
+        if method == "dcp_async":
+            return not fut.done()
+        return False  # sync: the save is done when save() returns
+
+    overlap: list[float] = []  # the steps that overlap the background save (at least nsteps)
+    while True:
+        d, still = train_step(running)
+        overlap.append(d)
+        if still == 0 and len(overlap) >= nsteps:
+            break
+    t2 = time.perf_counter()
+    if fut is not None:
+        fut.result()
+    if ck is not None:
+        ck.wait()
+    t3 = time.perf_counter()
+    win_b = [train_step()[0] for _ in range(nsteps)]  # reference window B: after the commit
+    dist.barrier()
+    save_hwm = proc_status("VmHWM") or 0
+    if spy is not None:
+        import signal
+
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        spy.wait(timeout=60)
+    if ck is not None:
+        ck.close()
+    if pg is not None:
+        dist.destroy_process_group(pg)
+    ref = statistics.median(win_a + win_b)
+    k = len(overlap)
+    commit_s = (max(done_at) if done_at else t3) - t0
+    finish_rank(args, {
+        "ok": True, "method": method, "build_s": build_s, "rank_state_bytes": rank_bytes, "prior_saves": nprior,
+        "prior_save_s": prior_s, "blocking_s": t1 - t0, "ref_step_s": ref, "k_steps": k, "overlap_s": sum(overlap),
+        "extra_s": sum(overlap) - k * ref, "wait_s": t3 - t2, "commit_s": commit_s,
+        "win_a_steps": win_a, "overlap_steps": overlap, "win_b_steps": win_b,
+        "rss_base0_kib": rss_base0, "base_hwm_kib": base_hwm, "rss_save0_kib": rss_save0, "save_hwm_kib": save_hwm,
+        "timeline": tl.rows(), "torch": torch.__version__,
+    })
+
+
+def raw_case(dst: str, nbytes: int, streams: int) -> dict[str, Any]:
+    """Raw write of ``nbytes``: the buffers are built before the clock; 2 streams start together
+    (a barrier) and their time is the span from the first start to the last end of the writes."""
+    rss0 = reset_peak_rss()
+    bufs = [pattern_buffer() for _ in range(streams)]
+    if streams == 1:
+        out = raw_write(dst, nbytes, buf=bufs[0])
+        seconds = out["seconds"]
+    else:
+        outs: list[dict[str, float] | None] = [None] * streams
+        parts = [nbytes // streams + (1 if i < nbytes % streams else 0) for i in range(streams)]
+        start = threading.Barrier(streams)
+
+        def write(i: int) -> None:
+            outs[i] = raw_write(f"{dst}.{i}", parts[i], buf=bufs[i], start=start)
+
+        ths = [threading.Thread(target=write, args=(i,)) for i in range(streams)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        if any(o is None for o in outs):
+            raise SystemExit("a raw write stream failed")
+        seconds = max(o["t_end"] for o in outs) - min(o["t_start"] for o in outs)
+        out = {"parts": outs}
+    for i in range(streams):
+        remove(f"{dst}.{i}")
+    remove(dst)
+    return {"ok": True, "seconds": seconds, "raw": out, "rss0_kib": rss0}
+
+
+# --- the parent ----------------------------------------------------------------------------------
+
+
+def summarise(name: str, run, nbytes: int) -> dict[str, Any]:
+    if name.startswith("raw"):
+        r = dict(run.result)
+        r.update(ok=run.rc == 0 and "seconds" in r, peak_kib=run.peak_kib, process_wall_s=run.wall_s)
+        if r["ok"]:
+            r["commit_s"] = r["seconds"]
+        return r
+    ranks = run.result.get("ranks", []) if run.result else []
+    if run.rc != 0 or not ranks or not all(x.get("ok") for x in ranks):
+        print(f"  !! {name} failed (exit {run.rc}):\n{run.log_tail[-6000:]}", file=sys.stderr)
+        return {"ok": False, "rc": run.rc}
+    mx = lambda k: max(x[k] for x in ranks)  # noqa: E731
+    added = [(x["save_hwm_kib"] - x["base_hwm_kib"]) for x in ranks]
+    return {
+        "ok": True, "prior_saves": ranks[0]["prior_saves"], "prior_save_s": [max(v) for v in zip(*(x["prior_save_s"] for x in ranks))],
+        "blocking_s": mx("blocking_s"), "ref_step_s": mx("ref_step_s"),
+        "k_steps": mx("k_steps"), "overlap_s": mx("overlap_s"), "extra_s": mx("extra_s"),
+        "extra_per_rank_s": [x["extra_s"] for x in ranks], "wait_s": mx("wait_s"), "commit_s": mx("commit_s"),
+        "rank_state_bytes": mx("rank_state_bytes"), "rank_peak_kib": max(x["save_hwm_kib"] for x in ranks),
+        "rank_base_peak_kib": max(x["base_hwm_kib"] for x in ranks), "added_kib": max(added),
+        "added_per_rank_kib": added, "tree_peak_kib": run.peak_kib, "process_wall_s": run.wall_s,
+        "build_s": mx("build_s"), "timeline_rank0": ranks[0].get("timeline", []),
+        "timeline_rank1": ranks[1].get("timeline", []) if len(ranks) > 1 else [],
+        "win_a_steps_rank0": ranks[0]["win_a_steps"], "overlap_steps_rank0": ranks[0]["overlap_steps"],
+        "win_b_steps_rank0": ranks[0]["win_b_steps"], "torch": ranks[0].get("torch"),
+    }
+
+
+def pick_run(ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """The representative run of a case: with >= 3 runs the one with the median extra loop time
+    (the lower median for an even count), else the one with the faster commit (raw cases: always)."""
+    with_extra = [r for r in ok if r.get("extra_s") is not None]
+    if len(with_extra) >= 3:
+        return sorted(with_extra, key=lambda r: r["extra_s"])[(len(with_extra) - 1) // 2]
+    return min(ok, key=lambda r: r["commit_s"])
+
+
+def measure(name: str, args, work: str, cfg: dict[str, int], nbytes: int, cold: bool) -> dict[str, Any]:
+    dropped = drop_caches() if cold else False
+    if name.startswith("raw"):
+        streams = 2 if name == "raw_write_2" else 1
+        dst = os.path.join(work, "raw.bin")
+        run = run_child(child_argv(SCRIPT, "--_raw", dst, str(nbytes), str(streams), "--_result", os.path.join(work, "raw.json")),
+                        os.path.join(work, "raw.json"), os.path.join(work, f"{name}.log"), timeout_s=args.case_timeout)
+    else:
+        root = os.path.join(work, name)
+        remove(root)
+        run = measure_ranks(SCRIPT, WORLD, ["--_case", name, "--_root", root, "--_cfg", json.dumps(cfg),
+                                            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                                            "--prior-saves", str(args.prior_saves)],
+                            work, name, timeout_s=args.case_timeout)
+        remove(root)
+    r = summarise(name, run, nbytes)
+    r["cache_dropped"] = dropped
+    return r
+
+
+def derive(size: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    cases, nbytes = size["cases"], size["state_bytes"]
+    raw1, raw2 = cases.get("raw_write_1", {}), cases.get("raw_write_2", {})
+    raw_s = min((x["commit_s"] for x in (raw1, raw2) if x.get("ok")), default=None)  # None: no raw case ran
+    sync = cases.get("ckpt_sync", {})
+    sync_s = sync.get("commit_s") if sync.get("ok") else None
+    plain_of = {"ckpt_sync": "dcp_save", "ckpt_async": "dcp_async"}
+    rows = []
+    for name, label in [("raw_write_1", "raw write, 1 stream (os.write+fsync)"), ("raw_write_2", "raw write, 2 streams in parallel")] + list(METHODS.items()):
+        if name not in cases:
+            continue
+        c = cases[name]
+        if not c.get("ok"):
+            rows.append({"case": name, "label": label, "failed": True})
+            continue
+        plain = cases.get(plain_of.get(name, ""), {})
+        row = {"case": name, "label": label, "commit_s": c["commit_s"], "gbps": nbytes / c["commit_s"] / GB,
+               "bw_vs_raw": raw_s / c["commit_s"] if raw_s else None,
+               "commit_vs_plain": (c["commit_s"] / plain["commit_s"]) if plain.get("ok") else None,
+               "peak_mib": (c.get("rank_peak_kib") or c.get("peak_kib") or 0) / 1024,
+               "tree_peak_mib": (c.get("tree_peak_kib") or c.get("peak_kib") or 0) / 1024, "runs": c.get("runs"),
+               "picked": c.get("picked")}
+        if not name.startswith("raw"):
+            row.update(blocking_s=c["blocking_s"], ref_step_s=c["ref_step_s"], k_steps=c["k_steps"], overlap_s=c["overlap_s"],
+                       extra_s=c["extra_s"], wait_s=c["wait_s"], noise_floor=name in SYNC_METHODS,
+                       blocking_pct_sync=100 * c["blocking_s"] / sync_s if sync_s else None,
+                       extra_pct_sync=100 * c["extra_s"] / sync_s if sync_s else None,
+                       added_mib=c["added_kib"] / 1024, rank_state_mib=c["rank_state_bytes"] / MiB,
+                       added_x_state=c["added_kib"] * 1024 / c["rank_state_bytes"],
+                       blocking_vs_plain=(c["blocking_s"] / plain["blocking_s"]) if plain.get("ok") else None,
+                       extra_s_all=c.get("extra_s_all"))
+        rows.append(row)
+    checks = []
+    tag = f"@ {nbytes / GB:.2f} GB"
+    by = {r["case"]: r for r in rows if not r.get("failed")}
+    a, s = by.get("ckpt_async"), by.get("ckpt_sync")
+    if a and s:
+        checks.append({"target": "async save() blocks <= 2% of sync save time", "case": f"ckpttool async {tag}",
+                       "value": f"{a['blocking_s']:.3f} s = {a['blocking_pct_sync']:.1f}% of {s['commit_s']:.2f} s",
+                       "pass": a["blocking_pct_sync"] <= 2})
+        checks.append({"target": "extra loop time during the save <= 25% of sync save", "case": f"ckpttool async {tag}",
+                       "value": f"{a['extra_s']:+.2f} s over {a['k_steps']} steps = {a['extra_pct_sync']:.0f}% of {s['commit_s']:.2f} s "
+                                f"(noise floor, sync: {s['extra_s']:+.2f} s)",
+                       "pass": a["extra_pct_sync"] <= 25})
+        checks.append({"target": "async adds <= 1 copy of the rank's state (+5%)", "case": f"ckpttool async {tag}",
+                       "value": f"+{a['added_mib']:.0f} MiB = {a['added_x_state']:.2f}x of {a['rank_state_mib']:.0f} MiB",
+                       "pass": a["added_x_state"] <= 1.05})
+    if s and s.get("bw_vs_raw") is not None:
+        checks.append({"target": "sync save bandwidth >= 0.85x raw write", "case": f"ckpttool sync {tag}",
+                       "value": f"{s['gbps']:.2f} GB/s = {s['bw_vs_raw']:.2f}x", "pass": s["bw_vs_raw"] >= 0.85})
+    return rows, checks
+
+
+def measured_save(prior_saves: int) -> str:
+    """What the measured save was, in words (printed with every table)."""
+    if prior_saves <= 0:
+        return "the measured save is the first save of the processes (--prior-saves 0: set-up costs included)"
+    return (f"the measured save follows {prior_saves} untimed, fully waited prior save{'s' if prior_saves > 1 else ''} of the same "
+            "method (steady state: process groups exist, ckpttool's staging buffer is reused)")
+
+
+def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    head = ["case", "save() blocks s", "loop: ref ms/step × steps during save", "extra loop s (sync: noise floor)", "commit s",
+            "GB/s", "BW / raw", "commit × plain", "blocks % of sync", "extra % of sync", "peak RSS/rank MiB",
+            "added by save MiB (× rank state)"]
+    lines = []
+    for r in rows:
+        if r.get("failed"):
+            lines.append([r["label"], "failed"] + [""] * (len(head) - 2))
+            continue
+        if r["case"].startswith("raw"):
+            lines.append([r["label"], "–", "–", "–", f(r["commit_s"]), f(r["gbps"]), f(r["bw_vs_raw"]), "–", "–", "–", f(r["peak_mib"], ".0f"), "–"])
+            continue
+        extra = f(r["extra_s"], "+.2f") + (" (noise)" if r.get("noise_floor") else "")
+        lines.append([r["label"], f(r["blocking_s"], ".3f"), f"{1000 * r['ref_step_s']:.0f} × {r['k_steps']}", extra,
+                      f(r["commit_s"]), f(r["gbps"]), f(r["bw_vs_raw"]), f(r["commit_vs_plain"]), f(r["blocking_pct_sync"], ".1f"),
+                      f(r["extra_pct_sync"], ".0f"), f(r["peak_mib"], ".0f"), f"+{r['added_mib']:.0f} ({r['added_x_state']:.2f}x)"])
+    return (md_table if markdown else text_table)(head, lines)
+
+
+def breakdown(results: dict[str, Any]) -> str:
+    """ckpttool's phases of the measured save (rank 0, representative run): where the blocking and the background time go."""
+    out = []
+    for size in results["sizes"]:
+        for name in ("ckpt_sync", "ckpt_async"):
+            c = size["cases"].get(name, {})
+            if not c.get("ok"):
+                continue
+            out.append(f"\n{METHODS[name]} @ {size['state_bytes'] / GB:.2f} GB, rank 0 (seconds from the save() call):\n")
+            out.append(md_table(["phase", "start", "end", "duration", "thread"], [[str(x) for x in row] for row in c["timeline_rank0"]],
+                                left=(0, 4)))
+            out.append("")
+    return "\n".join(out)
+
+
+def plot(results: dict[str, Any], path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    if not results["sizes"]:
+        return "no results: no plot"
+    size = results["sizes"][-1]
+    rows = [r for r in size.get("rows", []) if not r.get("failed")]
+    saves = [r for r in rows if not r["case"].startswith("raw")]
+    if not saves:
+        return "no save case succeeded: no plot"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    y = range(len(saves))
+    ax1.barh([i - 0.27 for i in y], [r["blocking_s"] for r in saves], height=0.25, label="save() blocks", color="#d62728")
+    ax1.barh(list(y), [r["extra_s"] for r in saves], height=0.25, color="#ff7f0e",
+             label="extra loop time while the save runs (sync rows: noise floor; may be < 0)")
+    ax1.barh([i + 0.27 for i in y], [r["commit_s"] for r in saves], height=0.25, label="time to durable commit", color="#1f77b4")
+    raws = [r["commit_s"] for r in rows if r["case"].startswith("raw")]
+    if raws:
+        ax1.axvline(min(raws), color="grey", ls=":", label=f"raw write + fsync ({min(raws):.2f} s)")
+    ax1.axvline(0, color="k", lw=0.6)
+    ax1.set_yticks(list(y))
+    ax1.set_yticklabels([r["label"] for r in saves], fontsize=8)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("seconds")
+    ax1.legend(fontsize=8)
+    ax1.grid(axis="x", alpha=0.3)
+    prior = results.get("prior_saves", 0)
+    ax1.set_title(f"{size['state_bytes'] / GB:.2f} GB state on {WORLD} ranks: what a save costs the loop "
+                  f"({'after %d prior save(s)' % prior if prior else 'first save'})", fontsize=9)
+    ax2.barh(list(y), [r["peak_mib"] for r in saves], color="#1f77b4", label="peak RSS per rank")
+    ax2.barh(list(y), [r["added_mib"] for r in saves], color="#ff7f0e", label="added by saving (over training steps without)")
+    st = saves[0]["rank_state_mib"]
+    ax2.axvline(st, color="r", ls="-.", label=f"one copy of the rank's state ({st:.0f} MiB)")
+    ax2.set_yticks(list(y))
+    ax2.set_yticklabels([r["label"] for r in saves], fontsize=8)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("MiB")
+    ax2.legend(fontsize=8)
+    ax2.grid(axis="x", alpha=0.3)
+    ax2.set_title("memory per rank", fontsize=9)
+    m = results["machine"]
+    fig.suptitle(f"ckpttool save vs disk and plain torch {results.get('torch', '')}: {m.get('cpus')} cores, {m.get('mem_total_gib')} GiB RAM, "
+                 f"{m.get('disk_fs')} on {m.get('disk_device')}", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot written to {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1", help="state sizes in GB, comma-separated (default 1)")
+    p.add_argument("--out-dir", default="/tmp/ckpttool-bench-save", help="where checkpoints go (the disk under test)")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each case, rounds interleaved; one representative run is "
+                   "reported: the median extra loop time with >= 3 runs, else the faster commit (default 2)")
+    p.add_argument("--steps", type=int, default=10, help="steps of each reference window, and the least number of steps "
+                   "counted as overlapping the save (default 10)")
+    p.add_argument("--prior-saves", type=int, default=1, help="untimed, fully waited saves of the same method before the "
+                   "measured one, so it is a steady-state save (default 1; 0: measure the first save)")
+    p.add_argument("--batch-size", type=int, default=2, help="global batch size (default 2; seq_len 32)")
+    p.add_argument("--cases", default="raw_write_1,raw_write_2,dcp_save,ckpt_sync,dcp_async,ckpt_async")
+    p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for a running bench/convert.py")
+    p.add_argument("--case-timeout", type=float, default=1800)
+    p.add_argument("--json", help="results JSON (default OUT_DIR/save-results.json)")
+    p.add_argument("--md", help="write the Markdown results here")
+    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--pyspy", metavar="DIR", help="diagnosis: sample every rank with py-spy (raw stacks into DIR); "
+                   "slows the ranks down, so its timings are not results")
+    p.add_argument("--pyspy-bin", default="py-spy")
+    add_rank_args(p)
+    p.add_argument("--_case", help=argparse.SUPPRESS)
+    p.add_argument("--_root", help=argparse.SUPPRESS)
+    p.add_argument("--_cfg", help=argparse.SUPPRESS)
+    p.add_argument("--_raw", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.prior_saves < 0 or args.steps < 1:
+        p.error("--prior-saves must be >= 0 and --steps >= 1")
+
+    if args._raw:
+        write_json(args._result, raw_case(args._raw[0], int(args._raw[1]), int(args._raw[2])))
+        return 0
+    if args._rank is not None:
+        rank_case(args)
+        return 0
+
+    if args.pyspy:
+        os.makedirs(args.pyspy, exist_ok=True)
+        os.environ.update(CKB_PYSPY=args.pyspy_bin, CKB_PYSPY_OUT=os.path.abspath(args.pyspy),
+                          CKB_PYSPY_CASES=",".join(c for c in args.cases.split(",") if not c.startswith("raw")))
+    out_dir = os.path.abspath(args.out_dir)
+    work = os.path.join(out_dir, "work")
+    os.makedirs(work, exist_ok=True)
+    cold = not args.warm and can_drop_caches()  # checked without dropping: a colleague's run may be going on
+    machine = machine_facts(out_dir)
+    results: dict[str, Any] = {
+        "command": " ".join([os.path.relpath(sys.executable), os.path.relpath(SCRIPT), *(argv if argv is not None else sys.argv[1:])]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine, "cold": cold, "repeat": args.repeat,
+        "world": WORLD, "steps": args.steps, "warmup_steps": WARMUP_STEPS, "prior_saves": args.prior_saves,
+        "measured_save": measured_save(args.prior_saves), "batch_size": args.batch_size, "sizes": [],
+    }
+    json_path = args.json or os.path.join(out_dir, "save-results.json")
+    print(f"machine: {json.dumps(machine)}", flush=True)
+    print(measured_save(args.prior_saves), flush=True)
+    names = [c for c in args.cases.split(",") if c]
+    for size_gb in [float(s) for s in args.sizes.split(",") if s]:
+        cfg = model_dims(size_gb)
+        params = n_params(cfg)
+        nbytes = 12 * params + 4 * (5 + 16 * cfg["n_layers"])  # + AdamW's 0-d step counters
+        print(f"\n== {size_gb:g} GB: {cfg}, {params / 1e6:.1f}M params, {nbytes / GB:.2f} GB of state", flush=True)
+        if size_gb > 0.5 and not args.no_wait:
+            wait_for_convert()
+        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        for rnd in range(args.repeat):
+            for name in names:
+                r = measure(name, args, work, cfg, nbytes, cold)
+                runs[name].append(r)
+                if r.get("ok"):
+                    extra = "" if name.startswith("raw") else (
+                        f"  blocks {r['blocking_s']:.3f} s  loop {r['extra_s']:+.2f} s over {r['k_steps']} steps"
+                        f" (ref {1000 * r['ref_step_s']:.0f} ms/step)  wait {r['wait_s']:.2f} s"
+                        f"  added +{r['added_kib'] / 1024:.0f} MiB/rank of {r['rank_state_bytes'] / MiB:.0f}")
+                    print(f"   [{rnd + 1}/{args.repeat}] {name:<12} commit {r['commit_s']:7.2f} s {nbytes / r['commit_s'] / GB:6.2f} GB/s{extra}", flush=True)
+        cases = {n: best_of(rs, ["commit_s", "blocking_s", "extra_s", "k_steps", "ref_step_s", "overlap_s", "wait_s"],
+                            ["rank_peak_kib", "added_kib", "tree_peak_kib", "peak_kib"], pick=pick_run) for n, rs in runs.items()}
+        size = {"size_gb": size_gb, "cfg": cfg, "params": params, "state_bytes": nbytes, "cases": cases, "all_runs": runs}
+        results["sizes"].append(size)
+        write_json(json_path, results)  # the runs are safe before anything is derived from them
+        size["rows"], size["checks"] = derive(size)
+        write_json(json_path, results)
+    results["torch"] = next((r.get("torch") for s in results["sizes"] for r in s["cases"].values() if r.get("torch")), None)
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    write_json(json_path, results)
+    for size in results["sizes"]:
+        print(f"\n{size['state_bytes'] / GB:.2f} GB state ({size['params'] / 1e6:.1f}M params), {WORLD} ranks; "
+              f"{measured_save(results['prior_saves'])}:")
+        print(render(size["rows"], markdown=False))
+        print()
+        print("\n".join(verdict_lines(size["checks"])))
+    print(breakdown(results))
+    print(f"\nresults: {json_path}")
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(md_header("Benchmark: save from the training loop (sync and async)", results))
+            fh.write(f"Method: {results['measured_save']}; {WARMUP_STEPS} warm-up steps; reference windows of {args.steps} steps "
+                     f"before the save and after its commit; extra loop time = time of the k steps that overlap the save "
+                     f"(k >= {args.steps}) - k × the median step of the reference windows; one representative run per case "
+                     f"of {args.repeat}.\n\n")
+            for size in results["sizes"]:
+                fh.write(f"### {size['state_bytes'] / GB:.2f} GB of state ({size['params'] / 1e6:.1f}M params), {WORLD} ranks\n\n")
+                fh.write(render(size["rows"], markdown=True) + "\n\n" + verdict_md(size["checks"]) + "\n\n")
+            fh.write("### Where ckpttool's time goes\n" + breakdown(results) + "\n")
+        print(f"markdown: {args.md}")
+    if args.plot:
+        print(plot(results, args.plot))
+    remove(work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
