@@ -95,30 +95,30 @@ def _children_by_scan(pid: int) -> list[int]:
     return out
 
 
-def proc_pss_kib(pid: int | str) -> int | None:
-    """Proportional set size of ``pid`` in KiB (``Pss`` of ``/proc/PID/smaps_rollup``): its private
-    pages plus its share of pages it shares with others; None if unreadable."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
+def proc_private_kib(pid: int | str) -> int | None:
+    """Anonymous plus shared-memory resident pages of ``pid`` in KiB (``RssAnon + RssShmem`` of
+    ``/proc/PID/status``): what the process itself allocated, without the file-backed pages of the
+    libraries it maps (libtorch's, shared by every rank). None if unreadable.
+
+    Not PSS: ``smaps_rollup`` walks every mapping and page table, which for a multi-GB rank costs
+    enough CPU at a 50 ms poll to slow the ranks being measured on a 2-core machine."""
+    anon, shmem = proc_status("RssAnon", pid), proc_status("RssShmem", pid)
+    if anon is None:
         return None
-    return None
+    return anon + (shmem or 0)
 
 
 def tree_rss_kib(pid: int) -> int:
-    """Memory of ``pid`` and all its descendants in KiB: the sum of their PSS (shared pages, e.g.
-    the torch libraries mapped by every rank, counted once in all), each process's VmRSS where its
-    ``smaps_rollup`` cannot be read."""
+    """Memory of ``pid`` and all its descendants in KiB: the sum of their anonymous and shmem
+    resident pages (file-backed library pages, mapped by every rank, are not counted), each
+    process's VmRSS where those fields are missing."""
     total, todo, seen = 0, [pid], set()
     while todo:
         p = todo.pop()
         if p in seen:
             continue
         seen.add(p)
-        kib = proc_pss_kib(p)
+        kib = proc_private_kib(p)
         if kib is None:
             kib = proc_status("VmRSS", p)
         total += kib or 0
@@ -134,7 +134,7 @@ class ChildRun:
     rc: int
     wall_s: float  # from spawn to exit, interpreter start and imports included
     maxrss_kib: int  # getrusage-style peak RSS of the child and its waited-for descendants (wait4): the largest single process
-    tree_peak_kib: int  # highest sum of PSS over the process tree seen by polling (VmRSS where smaps_rollup is unreadable)
+    tree_peak_kib: int  # highest sum of RssAnon+RssShmem over the process tree seen by polling
     result: dict[str, Any] = field(default_factory=dict)  # what the child wrote to its result file
     log_tail: str = ""
     user_s: float = 0.0  # CPU time of the child and its waited-for descendants (wait4)
@@ -144,7 +144,7 @@ class ChildRun:
     @property
     def peak_kib(self) -> int:
         """The peak memory of the process tree: the larger of the two measurements (the largest
-        single process's peak RSS, the polled peak of the tree's summed PSS)."""
+        single process's peak RSS, the polled peak of the tree's summed anonymous+shmem pages)."""
         return max(self.maxrss_kib, self.tree_peak_kib)
 
 
@@ -153,7 +153,7 @@ def run_child(argv: list[str], result_file: str, log_file: str, env: dict[str, s
     """Run ``argv`` as a fresh process; measure its wall time and the peak memory of its process tree.
 
     Two measurements of the peak: ``wait4``'s ``ru_maxrss`` (exact, but the peak RSS of the largest
-    *single* process in the tree) and a poll, every ``poll_s``, of the tree's summed PSS
+    *single* process in the tree) and a poll, every ``poll_s``, of the tree's summed RssAnon + RssShmem
     (``/proc/PID/smaps_rollup``: shared pages such as the torch libraries every rank maps are
     counted once, not once per process; VmRSS for a process whose smaps_rollup cannot be read). The
     poll catches concurrent children and may miss a spike shorter than the interval.

@@ -14,7 +14,7 @@ first with the page cache dropped before the processes start (cold; after the lo
 rank 0 drops the page cache again, and all ranks wait for it, before verify_loaded is timed, so
 the cold check reads cold too), then the same load and check again in the same processes (warm:
 every byte was just read). Peak RSS per rank (VmHWM, reset before each phase) and of the whole
-process tree (sum of the processes' PSS, both phases together).
+process tree (sum of the processes' anonymous + shmem pages, both phases together).
 
 Each case runs ``--repeat`` times; the run with the smallest load time is reported, every value
 of a row (verify time and memory included) from that run; the JSON keeps each key's value in every
@@ -192,7 +192,7 @@ def mesh_label(mesh: str) -> str:
 
 def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     head = ["load on", "saved on", "cache", "load s", "GB/s", "× same layout", f"× load on {SAVED_ON}", "verify_loaded s",
-            "verify / load", "peak RSS/rank MiB", "added by load MiB/rank (rank state)", "added by verify MiB", "tree peak ΣPSS MiB"]
+            "verify / load", "peak RSS/rank MiB", "added by load MiB/rank (rank state)", "added by verify MiB", "tree peak anon+shmem MiB"]
     lines = []
     for r in rows:
         if r.get("failed"):

@@ -17,7 +17,7 @@ Times: the work inside the processes (after imports; online: load + save after t
 built, slowest rank) and each case's whole process time (spawn to exit: interpreter, imports,
 model build). Every output is fsync'ed inside the timed work (ckpttool and DCP fsync their files;
 an fsync of the tree follows). Peak memory: the whole process tree (the larger of the largest
-single process's peak RSS and the polled peak of the tree's summed PSS, shared pages counted once).
+single process's peak RSS and the polled peak of the tree's summed anonymous + shmem pages, so shared library pages do not count).
 One run per case is reported, the fastest, with every value from that run.
 
     .venv/bin/python bench/reshard.py --size 4 --md docs/bench/reshard.md --plot docs/img/bench-reshard.png
@@ -236,7 +236,7 @@ def label(name: str) -> str:
 
 def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     head = ["case", "work s", "GB/s", "× copy time", "online / this (work)", "whole processes s", "online / this (whole)",
-            "peak MiB (tree, ΣPSS)", "detail"]
+            "peak MiB (tree, anon+shmem)", "detail"]
     lines = []
     for r in rows:
         if r.get("failed"):

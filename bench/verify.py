@@ -12,7 +12,7 @@ files read just before it (warm):
   ckpttool verify CLI ``ckpttool verify STEP -q`` as a whole process (imports included)
 
 Times are the work inside the child (after imports) except for the CLI row. Peak RSS: the process
-tree (the larger of its largest process's peak RSS and the polled peak of its summed PSS). One
+tree (the larger of its largest process's peak RSS and the polled peak of its summed anonymous + shmem pages). One
 run per case is reported, the fastest, with every value from that run.
 
     .venv/bin/python bench/verify.py --size 4 --md docs/bench/verify.md --plot docs/img/bench-verify.png
