@@ -199,8 +199,6 @@ def rank_case(args) -> None:
     if method == "dcp_async":
         pg = dist.new_group(backend="gloo")  # set-up, as a job would do once
     if method.startswith("ckpt_"):
-        if os.environ.get("CKB_WRITER_NICE"):  # A/B of the async writer's priority (ckpttool.checkpointer._WRITER_NICE)
-            ckmod._WRITER_NICE = int(os.environ["CKB_WRITER_NICE"])
         ck = Checkpointer(root, async_save=(method == "ckpt_async"))
         # Where ckpttool's time goes: wrap its phases (main thread: blocking; writer thread: background).
         ckmod._training_state = tl.wrap("get_state_dict (_training_state)", ckmod._training_state)
