@@ -38,3 +38,6 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q -m ''
+
+clean-demo:
+	rm -rf $(DEMO)

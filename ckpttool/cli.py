@@ -376,6 +376,8 @@ def train(ctx: click.Context, nproc: int) -> None:
            "-m", "ckpttool.trainer.train", *ctx.args]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if _debug(ctx):
+        env["CKPTTOOL_DEBUG"] = "1"  # the ranks print their tracebacks too
     ctx.exit(_run_torchrun(cmd, env, _debug(ctx)))
 
 

@@ -6,7 +6,7 @@ these instead of ``assert`` or bare ``RuntimeError`` so that callers can tell us
 
 from __future__ import annotations
 
-#: Exit codes shared by every command (documented in README and docs/cli.md).
+#: Exit codes shared by every command (documented in README.md, 'Command line').
 EXIT_OK = 0
 EXIT_DIFFERENCE = 1
 EXIT_BAD_INPUT = 2
