@@ -1,0 +1,37 @@
+"""Benchmark: the checksums a manifest could use, on one core, over 256 MiB of random bytes in memory.
+
+Why the manifest (``ckpttool/manifest.py``) hashes with xxh3: it must not slow a save or a verify that
+already moves every byte once. Best of 3 per algorithm:
+
+    .venv/bin/python bench/hashes.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import zlib
+
+import xxhash
+
+
+def rate(fn, nbytes: int, reps: int = 3) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def main() -> None:
+    buf = memoryview(os.urandom(256 << 20))
+    for name, fn in [("xxh3_64 (xxhash)", lambda: xxhash.xxh3_64(buf).hexdigest()),
+                     ("CRC-32 (zlib)", lambda: zlib.crc32(buf)),
+                     ("SHA-256 (hashlib)", lambda: hashlib.sha256(buf).hexdigest())]:
+        print(f"{name:20s} {rate(fn, len(buf)):5.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
