@@ -193,6 +193,18 @@ class RangeReader:
     def __init__(self, loc: Location):
         self.loc = loc
         self._f: IO[bytes] | None = None
+        self._held: tuple[int, bytes] | None = None  # bytes fetched once that later reads may use
+
+    def hold(self, offset: int, data: bytes) -> None:
+        """Serve later reads that fall inside ``data`` (the bytes at ``offset``) from memory.
+
+        On an object store every read is a request; a DCP record fetched whole in one request can
+        then answer its header and its tensor data reads too. One range at a time; ``release`` frees it.
+        """
+        self._held = (offset, data)
+
+    def release(self) -> None:
+        self._held = None
 
     def _file(self) -> IO[bytes]:
         if self._f is None:
@@ -212,8 +224,13 @@ class RangeReader:
 
     def readinto(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes at ``offset``; a short file is a corrupt checkpoint."""
-        f = self._file()
         want = out.nbytes
+        if self._held is not None:
+            start, data = self._held
+            if start <= offset and offset + want <= start + len(data):
+                out[:] = memoryview(data)[offset - start : offset - start + want]
+                return
+        f = self._file()
         got = 0
         if self.loc.is_local:
             fd = f.fileno()

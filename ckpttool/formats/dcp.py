@@ -36,7 +36,7 @@ from ..layout import Box, intersect, relative, whole
 from ..safe_pickle import load_dcp_metadata
 from ..storage import Location, RangeReader, resolve
 from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, split, stream_tensor
-from .torchzip import Archive, ArchiveWriter, read_archive, read_tensor_box
+from .torchzip import Archive, ArchiveWriter, REMOTE_RECORD, read_archive, read_tensor_box
 
 METADATA_FILE = ".metadata"
 DCP_VERSION = "1.0.0"
@@ -208,7 +208,12 @@ class DcpSource(Source):
         arch = self._archives.get(cache_key)
         if arch is None:
             where = f"{self.location.child(info.relative_path).url} (record of {key!r} at byte {info.offset})"
-            arch = read_archive(self._reader(info.relative_path), info.offset, info.length, where)
+            reader = self._reader(info.relative_path)
+            for other in self._readers.values():  # at most one record held in memory per source
+                if other is not reader:
+                    other.release()
+            arch = read_archive(reader, info.offset, info.length, where,
+                                whole_up_to=0 if self.location.is_local else REMOTE_RECORD)
             self._archives[cache_key] = arch
             if len(self._archives) > 4096:
                 self._archives.popitem(last=False)

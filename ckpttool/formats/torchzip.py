@@ -26,6 +26,7 @@ from ..storage import RangeReader
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. extra length (30 bytes)
 _SMALL_ARCHIVE = 1 << 20  # read archives up to this size in one request
+REMOTE_RECORD = 16 << 20  # on an object store, DCP records up to this size are fetched whole (one request)
 _TAIL = 64 * 1024  # the zip directory of a torch archive is a few hundred bytes per record
 ALIGN = 64  # torch aligns storage records to 64 bytes so they can be mmap'ed
 
@@ -99,12 +100,19 @@ class _Window(io.RawIOBase):
         return data
 
 
-def read_archive(reader: RangeReader, start: int = 0, length: int | None = None, where: str = "") -> Archive:
-    """Parse the archive at ``[start, start+length)``: its pickle (allow-listed) and its storages."""
+def read_archive(reader: RangeReader, start: int = 0, length: int | None = None, where: str = "",
+                 whole_up_to: int = 0) -> Archive:
+    """Parse the archive at ``[start, start+length)``: its pickle (allow-listed) and its storages.
+
+    An archive up to ``whole_up_to`` bytes is fetched in one read and kept by the reader for the
+    data reads that follow (DCP records on an object store: one request per record, not three).
+    """
     where = where or reader.loc.url
     if length is None:
         length = reader.loc.size() - start
-    prefetched = reader.read(start, length) if length <= _SMALL_ARCHIVE else None
+    prefetched = reader.read(start, length) if length <= max(_SMALL_ARCHIVE, whole_up_to) else None
+    if prefetched is not None and whole_up_to:
+        reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
     window = _Window(reader, start, length, prefetched)
     try:
         zf = zipfile.ZipFile(window)

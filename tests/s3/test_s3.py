@@ -85,3 +85,25 @@ def test_bad_remote_input_exits_2_naming_the_url(s3_server, s3_server_with_auth,
     assert wrong.returncode == 2 and "permission denied" in wrong.stderr and f"s3://{bucket}/ck" in wrong.stderr
     for r in (missing_bucket, missing_key, wrong):
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_dcp_records_on_s3_cost_one_request_each(s3_server, bucket, tmp_path):
+    """A record fetched whole (head, pickle, data) answers its tensor data read too: converting a DCP
+    checkpoint off s3 makes one ranged GET per record (it used to be three: head, tail, data)."""
+    torch.manual_seed(0)
+    n = 8
+    state = {"model": {f"w{i}": torch.randn(3 << 18) for i in range(n)}}  # 3 MiB each: past the 1 MiB "small" records
+    torch.save(state, tmp_path / "s.pt")
+    url = f"s3://{bucket}/onereq"
+    convert(str(tmp_path / "s.pt"), url)
+    before = s3_server.log_text().count("/onereq/__0_0.distcp")
+    convert(url, str(tmp_path / "back.safetensors"))
+    text = re.sub(r"\x1b\[[0-9;]*m", "", s3_server.log_text())
+    lines = [ln for ln in text.splitlines() if "/onereq/__0_0.distcp" in ln][before:]
+    gets = [ln for ln in lines if '"GET ' in ln]
+    assert all('" 206 ' in ln for ln in gets), gets
+    assert len(gets) <= n + 1, len(gets)
+    from safetensors.torch import load_file
+
+    back = load_file(str(tmp_path / "back.safetensors"))
+    assert all(torch.equal(back[f"model.w{i}"], state["model"][f"w{i}"]) for i in range(n))
