@@ -216,26 +216,25 @@ def _manifest_row(manifest, info, url: str, key: str, report: Report) -> tuple[i
     return row
 
 
-def _compare_digest(row: tuple[int, str] | None, hasher: Any, info, url: str, key: str, report: Report) -> None:
-    if row is not None and hasher.hexdigest() != row[1]:
+def _compare_digest(row: tuple[int, str] | None, digest: str, info, url: str, key: str, report: Report) -> None:
+    if row is not None and digest != row[1]:
         report.add(f"record at byte {info.offset} does not match the manifest's checksum", url, key,
                    hint="the bytes changed after the save committed; restore the file")
 
 
 def _check_manifest_only(source, manifest, info, key: str, report: Report, buf: memoryview) -> None:
-    from .manifest import new_hasher
+    from .manifest import hash_range
 
     url = source.location.child(info.relative_path).url
     row = _manifest_row(manifest, info, url, key, report)
     if row is None:
         return
-    hasher = new_hasher()
     try:
-        _scan(source._reader(info.relative_path), info.offset, info.length, buf, hasher=hasher)
+        digest = hash_range(source._reader(info.relative_path), info.offset, info.length, buf)
     except CkptError as exc:
         report.add(exc.what, exc.where or url, key, exc.hint)
         return
-    _compare_digest(row, hasher, info, url, key, report)
+    _compare_digest(row, digest, info, url, key, report)
 
 
 def _files_of(entry) -> set[str]:
@@ -274,7 +273,8 @@ def _check_dcp_chunk(source, key: str, entry: TensorEntry, chunk, manifest, repo
             report.add(f"tensor data of the chunk at {list(chunk.offsets)} does not match its CRC-32 "
                        f"(stored {storage.crc32:08x}, computed {crc:08x})", url, key,
                        hint="the bytes changed after they were written (bit rot, a bad copy); restore the file")
-        _compare_digest(row, hasher, info, url, key, report)
+        if hasher is not None:
+            _compare_digest(row, hasher.hexdigest(), info, url, key, report)
     except CkptError as exc:
         report.add(exc.what, exc.where or url, key, exc.hint)
     except Exception as exc:  # noqa: BLE001 - a corrupt record must be reported, never crash the check
