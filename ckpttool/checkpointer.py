@@ -36,10 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import dist
 from .errors import CkptError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
-from .formats.dcp import SafeLoadPlanner, dcp_reader, dcp_writer, read_metadata
+from .formats.dcp import read_metadata
+from .formats.dcp.online import SafeLoadPlanner, dcp_reader, dcp_writer, hash_records
 from .index import unflatten
 from .steps import COMMIT_FILE, commit_record, list_root, retention_victims, step_name
-from .storage import Location, resolve, temp_sibling
+from .storage import Location, resolve
 
 log = logging.getLogger("ckpttool")
 
@@ -125,7 +126,7 @@ class Checkpointer:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         blocking = not self.async_save if blocking is None else blocking
         self.wait()
-        state = _training_state(model, optimizer, extra)
+        state = training_state(model, optimizer, extra)
         final = self.root.child(step_name(step))
         tmp = self._prepare_step_dir(step, final)
         if blocking:
@@ -202,15 +203,15 @@ class Checkpointer:
                     )
                 # Filesystems rename a finished temp directory into place; object stores have no
                 # atomic rename, so there the step is written in place and the commit record,
-                # written last, is what makes it count.
-                tmp = temp_sibling(final) if self.root.is_local else final
+                # written last, is what makes it count (the root's commit policy decides).
+                tmp = self.root.commit_policy.staging(final)
                 tmp.makedirs()
             except CkptError as exc:
                 error = exc
         error = dist.first_error(error)
         if error is not None:
             raise error
-        return Location(self.root.fs, dist.broadcast(tmp.path if tmp else None))
+        return self.root.child(dist.broadcast(tmp.name if tmp else None))
 
     def _commit(self, step: int, tmp: Location, final: Location, manifest: dict[str, Any], group: Any = None) -> None:
         dist.barrier("ckpttool.commit", group)
@@ -219,8 +220,7 @@ class Checkpointer:
             try:
                 tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size(), {"manifest": manifest}))
                 _pause_point("before-rename")
-                if tmp != final:
-                    tmp.rename_to(final)
+                self.root.commit_policy.publish(tmp, final)
             except CkptError as exc:
                 error = exc
         error = dist.first_error(error, group)
@@ -314,9 +314,7 @@ def _same_layout(t: torch.Tensor, other: Any) -> bool:
 def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
     """Each rank hashes the records of its own data file (read back while the page cache still
     holds them); rank 0 gets them all for the commit record. Documented in docs/format.md."""
-    from .manifest import hash_records
-
-    mine = hash_records(step_dir, f"__{dist.rank()}_")
+    mine = hash_records(step_dir, dist.rank())
     records: dict[str, Any] = {}
     for part in dist.all_gather(mine, group):
         records.update(part["records"])
@@ -343,7 +341,7 @@ def _single_process_quiet():
         yield
 
 
-def _training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None) -> dict[str, Any]:
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None) -> dict[str, Any]:
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": msd, "optim": osd}
@@ -362,7 +360,7 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     """
     loc = resolve(path, storage_options)
     metadata = read_metadata(loc)
-    state = _training_state(model, optimizer, None)
+    state = training_state(model, optimizer, None)
     _check_fits(state, metadata, loc)
     extra_template = _extra_template(metadata)
     if extra_template:

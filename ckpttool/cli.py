@@ -15,6 +15,8 @@ from typing import Any
 
 import click
 
+from . import formats
+from .choices import CAST_DTYPES
 from .errors import EXIT_BAD_INPUT, CkptError
 
 SIZE_HELP = "sizes like 512MiB, 2GB or plain bytes"
@@ -173,9 +175,9 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", type=click.Choice(["dcp", "torch", "safetensors"]), help="Output format (default: from DST's suffix).")
+@click.option("--to", type=click.Choice(formats.names()), help="Output format (default: from DST's suffix).")
 @click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix (e.g. --only model).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
+@click.option("--dtype", type=click.Choice(CAST_DTYPES), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
 @click.option("--max-shard-size", metavar="SIZE", help=f"Write HF-sharded safetensors with files up to SIZE ({SIZE_HELP}).")
 @click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, help="Most tensor data held in memory at once.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
@@ -187,10 +189,11 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
     """Convert SRC to DST between DCP, torch.save and safetensors.
 
     \b
-    The output format comes from --to, else from DST's suffix: .safetensors -> safetensors,
-    .pt/.pth/.bin -> torch, anything else -> a DCP directory. Tensors stream slab by slab, so
-    memory stays under --memory-budget whatever the checkpoint's size (a DCP record or a torch
-    file is read by byte range; every format streams, none needs a whole tensor in memory).
+    The output format comes from --to, else from DST's suffix:
+      {suffixes}.
+    Tensors stream slab by slab, so memory stays under --memory-budget whatever the checkpoint's
+    size (a DCP record or a torch file is read by byte range; every format streams, none needs a
+    whole tensor in memory).
     The output is written under a temporary name and appears only when complete.
     safetensors holds tensors; other entries go into its header metadata when they are JSON-able,
     and the command lists those it had to drop.
@@ -217,6 +220,16 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
     click.echo(f"wrote {report.dst} ({report.dst_format}): {report.tensors} tensors, {_human(report.bytes)}, {report.objects} objects")
     if report.dropped:
         click.echo(f"dropped {len(report.dropped)} non-tensor entries that {report.dst_format} cannot hold: {', '.join(report.dropped)}", err=True)
+
+
+def _suffix_help() -> str:
+    """'.safetensors -> safetensors, .pt/.pth/.bin -> torch, anything else -> a dcp directory', from the registry."""
+    parts = [f"{'/'.join(r.suffixes)} -> {r.name}" for r in formats.registrations() if r.suffixes]
+    default = next(r.name for r in formats.registrations() if r.default)
+    return ", ".join([*parts, f"anything else -> a {default} directory"])
+
+
+convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 
 
 @main.command()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from .errors import UsageError
 
@@ -127,6 +128,58 @@ def stored_boxes(shape: Sequence[int], mesh: Mesh, sharded: bool = True) -> list
 def rank_box(shape: Sequence[int], mesh: Mesh, rank: int) -> Box | None:
     """The box a given rank holds (in memory) under FSDP2 on ``mesh``."""
     return fsdp_box(shape, mesh.shard, rank % mesh.shard)
+
+
+# --- output layouts: which rank's file stores which box ----------------------------------------
+
+
+class Layout(Protocol):
+    """Where each tensor of an output goes: a list of (rank, box), each box stored once."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def boxes(self, key: str, shape: tuple[int, ...]) -> list[tuple[int, Box]]: ...
+
+
+@dataclass(frozen=True)
+class SingleRank:
+    """Everything whole, in rank 0's file (what a converted checkpoint holds)."""
+
+    world_size: int = 1
+
+    def boxes(self, key: str, shape: tuple[int, ...]) -> list[tuple[int, Box]]:
+        return [(0, whole(shape))]
+
+
+@dataclass(frozen=True)
+class FsdpLayout:
+    """FSDP2's ``Shard(0)`` boxes on ``mesh``, each stored once; ``replicated`` keys (buffers,
+    scalars) stay whole on rank 0."""
+
+    mesh: Mesh
+    replicated: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    def boxes(self, key: str, shape: tuple[int, ...]) -> list[tuple[int, Box]]:
+        return stored_boxes(shape, self.mesh, sharded=key not in self.replicated)
+
+
+def stored_replicated(shape: Sequence[int], chunks: Sequence[Box], source: Mesh) -> bool:
+    """Whether a checkpoint saved on ``source`` holds this tensor replicated (a buffer, a scalar).
+
+    It is when it is stored as one whole chunk although sharding it over ``source`` would have made
+    several. From a world-size-1 source that cannot be told, so the answer there is False.
+    """
+    shape = tuple(shape)
+    if not shape:
+        return True
+    if len(chunks) != 1 or tuple(chunks[0][1]) != shape:
+        return False
+    return len(stored_boxes(shape, source)) > 1
 
 
 # --- covering and slabs --------------------------------------------------------------------------

@@ -8,24 +8,21 @@ budget, so no more than about one slab (plus its cast) is in memory at once, wha
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .errors import OutputExistsError, UsageError
-from .formats import FORMATS, ObjectSpec, Sink, Source, TensorSpec, format_from_name, make_sink, open_source
-from .formats.base import SlabBuffers
-from .index import TensorEntry, dtype_size, key_of
-from .layout import Box, Mesh, stored_boxes, whole
-from .storage import Location, resolve
+from . import formats
+from .choices import CAST_DTYPES
+from .errors import FormatError, OutputExistsError, StorageError, UsageError
+from .formats.base import ObjectSpec, Progress, Sink, SinkOptions, SlabBuffers, Source, TensorSpec
+from .index import TensorEntry, dtype_size, strip_prefix
+from .layout import FsdpLayout, Mesh, stored_replicated
+from .storage import Location, describe_os_error, resolve
 
 DEFAULT_BUDGET = 1 << 30
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-#: progress(done_bytes, total_bytes, key) — the CLI renders it; nothing below the CLI prints.
-Progress = Callable[[int, int, str], None]
+DTYPE_NAMES = {name: getattr(torch, name) for name in CAST_DTYPES}
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -69,15 +66,10 @@ class Plan:
 def plan_entries(source: Source, only: str | None = None, dtype: torch.dtype | None = None) -> Plan:
     """Apply select and cast to the source's index; objects are read here (they are small)."""
     index = source.index()
+    selected = strip_prefix(index.paths, only) if only is not None else {k: (k, index.path(k)) for k in index}
     entries: list[TensorSpec | ObjectSpec] = []
     source_key: dict[str, str] = {}
-    for key in index:
-        path = index.path(key)
-        if only is not None:
-            if len(path) < 2 or str(path[0]) != only:
-                continue
-            path = path[1:]
-        out_key = key_of(path) if only is not None else key
+    for key, (out_key, path) in selected.items():
         entry = index[key]
         source_key[out_key] = key
         if isinstance(entry, TensorEntry):
@@ -100,9 +92,7 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
     index = source.index()
     scratch = SlabBuffers(2)  # reused from slab to slab: no fresh pages per slab
     try:
-        if sink.tmp == sink.location and sink.location.exists():
-            sink.location.remove()  # in-place output (object stores) replacing an old one: --force was given
-        sink.begin(plan.entries)
+        sink.start(plan.entries)
         for spec in tensors:
             src_key = plan.source_key[spec.key]
             src_dtype = index[src_key].dtype
@@ -122,21 +112,46 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
             if progress:
                 progress(done, total, spec.key)
         sink.finalize()
-    except BaseException:
-        sink.abort()
+    except OSError as exc:  # a write the storage refused (disk full): one line naming the output
+        sink.abort(exc)
+        raise StorageError(describe_os_error(exc, "write"), where=sink.location.url) from None
+    except BaseException as exc:
+        sink.abort(exc)
         raise
 
 
 @dataclass
-class ConvertReport:
+class WriteReport:
+    """What an offline command wrote (the CLI renders it; ``--json`` prints its fields)."""
+
     src: str
     dst: str
-    src_format: str
-    dst_format: str
     tensors: int
     objects: int
     bytes: int
-    dropped: list[str]
+
+    @classmethod
+    def of(cls, src: Location, dst: Location, plan: Plan, sink: Sink, **more: Any):
+        return cls(src=src.url, dst=dst.url, tensors=len(plan.tensors), objects=len(plan.objects) - len(sink.dropped),
+                   bytes=sum(s.nbytes for s in plan.tensors), **more)
+
+
+@dataclass
+class ConvertReport(WriteReport):
+    src_format: str = ""
+    dst_format: str = ""
+    dropped: list[str] = field(default_factory=list)
+
+
+_OPTION_FLAGS = {"max_shard_size": "--max-shard-size", "layout": "--world-size"}
+
+
+def _check_options(fmt: formats.Format, options: SinkOptions) -> None:
+    """An option the output format cannot honour is a usage error naming the formats that can."""
+    for name in sorted(options.given() - fmt.sink_options):
+        able = [f.name for f in formats.all_formats() if name in f.sink_options]
+        raise UsageError(f"{_OPTION_FLAGS.get(name, name)} applies to {' or '.join(able)} output only",
+                         hint=f"the output format here is {fmt.name}")
 
 
 def check_output(dst: Location, force: bool) -> None:
@@ -165,90 +180,49 @@ def convert(
     """
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
-    if to is not None and to not in FORMATS:
-        raise UsageError(f"unknown format {to!r} for --to", hint=f"choose one of {', '.join(FORMATS)}")
+    if to is not None and to not in formats.names():
+        raise UsageError(f"unknown format {to!r} for --to", hint=f"choose one of {', '.join(formats.names())}")
     if isinstance(dtype, str):
         if dtype not in DTYPE_NAMES:
             raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
         dtype = DTYPE_NAMES[dtype]
     budget = parse_size(memory_budget)
-    shard = parse_size(max_shard_size) if max_shard_size is not None else None
-    fmt = to or format_from_name(dst_loc)
-    if shard is not None and fmt != "safetensors":
-        raise UsageError("--max-shard-size applies to safetensors output only")
+    options = SinkOptions(max_shard_size=parse_size(max_shard_size) if max_shard_size is not None else None)
+    fmt = formats.get(formats.output_format(dst_loc.name, to))
+    _check_options(fmt, options)
     if src_loc.url == dst_loc.url:
         raise UsageError("source and destination are the same path", where=dst_loc.url)
-    with open_source(src_loc, src_format) as source:
+    with formats.open_source(src_loc, src_format) as source:
         check_output(dst_loc, force)
         plan = plan_entries(source, only, dtype)
-        sink = make_sink(dst_loc, fmt, max_shard_size=shard)
+        sink = fmt.make_sink(dst_loc, options)
         run(source, sink, plan, budget, progress)
-        return ConvertReport(
-            src=src_loc.url,
-            dst=dst_loc.url,
-            src_format=source.format,
-            dst_format=fmt,
-            tensors=len(plan.tensors),
-            objects=len(plan.objects) - len(sink.dropped),
-            bytes=sum(s.nbytes for s in plan.tensors),
-            dropped=list(sink.dropped),
-        )
+        return ConvertReport.of(src_loc, dst_loc, plan, sink, src_format=source.format, dst_format=fmt.name,
+                                dropped=list(sink.dropped))
 
 
 # --- reshard --------------------------------------------------------------------------------------
 
 
 @dataclass
-class ReshardReport:
-    src: str
-    dst: str
-    source_world_size: int
-    world_size: int
-    mesh: str
-    tensors: int
-    objects: int
-    bytes: int
-    bytes_per_rank: dict[int, int]
+class ReshardReport(WriteReport):
+    source_world_size: int = 1
+    world_size: int = 1
+    mesh: str = ""
+    bytes_per_rank: dict[int, int] = field(default_factory=dict)
 
 
-def source_world_size(source: Source) -> int:
-    """How many ranks wrote a DCP checkpoint, from its ``__<rank>_<i>.distcp`` file names."""
-    ranks = set()
-    for name in source.files():
-        m = re.match(r"^__(\d+)_\d+\.distcp$", name)
-        if m:
-            ranks.add(int(m.group(1)))
-    return max(ranks) + 1 if ranks else 1
-
-
-def fsdp_placement(source: Source, mesh: Mesh):
-    """Where each tensor goes on ``mesh``: FSDP2 ``Shard(0)`` boxes, each stored once, except
-    entries the source stores replicated (buffers, 0-d scalars), which stay whole on rank 0.
-
-    A tensor is taken as replicated when the source keeps it as one whole chunk although sharding
-    it over the source's world size would have made several. From a world-size-1 source that cannot
-    be told, so buffers are sharded like parameters there (plain DCP loads either way).
-    """
+def replicated_keys(source: Source, plan: Plan) -> frozenset[str]:
+    """Output keys of the tensors ``source`` stores replicated (buffers, 0-d scalars): they stay
+    whole on rank 0 when resharded, as FSDP2 saves them."""
     index = source.index()
-    w_src = source_world_size(source)
-    src_mesh = Mesh(1, w_src)
-
-    def replicated(key: str) -> bool:
-        entry = index[key]
-        if not entry.shape:
-            return True
-        if len(entry.chunks) != 1 or entry.chunks[0].sizes != entry.shape:
-            return False
-        return len(stored_boxes(entry.shape, src_mesh)) > 1
-
-    def place(spec: TensorSpec) -> list[tuple[int, Box]]:
-        src_key = source_keys.get(spec.key, spec.key)
-        if replicated(src_key):
-            return [(0, whole(spec.shape))]
-        return stored_boxes(spec.shape, mesh)
-
-    source_keys: dict[str, str] = {}
-    return place, source_keys
+    src_mesh = Mesh(1, source.world_size)
+    out = set()
+    for spec in plan.tensors:
+        entry = index[plan.source_key[spec.key]]
+        if stored_replicated(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks], src_mesh):
+            out.add(spec.key)
+    return frozenset(out)
 
 
 def reshard(
@@ -269,17 +243,15 @@ def reshard(
     One process, no process group, streaming under ``memory_budget``. Raises :class:`UsageError`
     for a bad world size or mesh, :class:`FormatError` when SRC is not DCP.
     """
-    from .errors import FormatError
-    from .formats.dcp import DcpSink
-
     target = Mesh.parse(world_size, mesh)
+    dcp = formats.get("dcp")
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
     budget = parse_size(memory_budget)
     if src_loc.url == dst_loc.url:
         raise UsageError("source and destination are the same path", where=dst_loc.url)
-    with open_source(src_loc, None) as source:
-        if source.format != "dcp":
+    with formats.open_source(src_loc) as source:
+        if source.format != dcp.name:
             raise FormatError(
                 f"reshard reads DCP checkpoints; this is {source.format}",
                 where=src_loc.url,
@@ -287,18 +259,9 @@ def reshard(
             )
         check_output(dst_loc, force)
         plan = plan_entries(source, only, None)
-        place, source_keys = fsdp_placement(source, target)
-        source_keys.update(plan.source_key)
-        sink = DcpSink(dst_loc, placement=place, world_size=target.world_size)
+        layout = FsdpLayout(target, replicated_keys(source, plan))
+        sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout))
         run(source, sink, plan, budget, progress)
-        return ReshardReport(
-            src=src_loc.url,
-            dst=dst_loc.url,
-            source_world_size=source_world_size(source),
-            world_size=target.world_size,
-            mesh=f"{target.replicate}x{target.shard}",
-            tensors=len(plan.tensors),
-            objects=len(plan.objects),
-            bytes=sum(s.nbytes for s in plan.tensors),
-            bytes_per_rank=dict(sorted(sink.bytes_per_rank.items())),
-        )
+        return ReshardReport.of(src_loc, dst_loc, plan, sink, source_world_size=source.world_size,
+                                world_size=target.world_size, mesh=f"{target.replicate}x{target.shard}",
+                                bytes_per_rank=dict(sorted(sink.bytes_per_rank.items())))

@@ -1,4 +1,7 @@
-"""Allow-listed unpickling of DCP metadata and of ``torch.save`` pickles, so no checkpoint runs code.
+"""Allow-listed unpickling of every pickle in a checkpoint, so no checkpoint runs code.
+
+One policy, ours, for DCP ``.metadata``, DCP object records and ``torch.save`` files (not
+``torch.load(weights_only=True)``, whose process-global allow-list changes between torch versions).
 
 ``pickle.Unpickler.find_class`` is the only door through which a pickle reaches code; ours admits
 a fixed list of classes and refuses everything else with :class:`UnsafePickleError` naming the file
@@ -19,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .errors import UnsafePickleError
+from .errors import CorruptCheckpointError, UnsafePickleError
+
 
 def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
     """How protocol-2 pickles spell ``bytes``: ``_codecs.encode(str, 'latin1')``; nothing else."""
@@ -46,10 +50,17 @@ _DCP_CLASSES = {
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
 }
 
+def _get_layout(name: str) -> torch.layout:
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.layout):
+        raise UnsafePickleError(f"unknown tensor layout {name!r}")
+    return value
+
+
 _COMMON = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): None,  # resolved lazily below
+    ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): pathlib.PurePosixPath,
     ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
@@ -74,13 +85,6 @@ def _torch_global(module: str, name: str) -> Any | None:
     return None
 
 
-def _get_layout(name: str) -> torch.layout:
-    value = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(value, torch.layout):
-        raise UnsafePickleError(f"unknown tensor layout {name!r}")
-    return value
-
-
 class _AllowListUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, source: str, extra: dict[tuple[str, str], Any] | None = None):
         super().__init__(io.BytesIO(data))
@@ -91,8 +95,6 @@ class _AllowListUnpickler(pickle.Unpickler):
         key = (module, name)
         if key in self._extra:
             return self._extra[key]
-        if key == ("torch.serialization", "_get_layout"):
-            return _get_layout
         if key in _COMMON:
             return _COMMON[key]
         if key in _DCP_CLASSES:
@@ -115,8 +117,6 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
     except UnsafePickleError:
         raise
     except Exception as exc:  # a truncated or random file: say so, with the file
-        from .errors import CorruptCheckpointError
-
         raise CorruptCheckpointError(
             f"cannot read DCP metadata ({type(exc).__name__}: {exc})",
             where=source,
@@ -214,14 +214,13 @@ _TORCH_REBUILDERS = {
 
 def load_torch_pickle(data: bytes, source: str) -> Any:
     """Unpickle a ``torch.save`` ``data.pkl``: containers and scalars as themselves, tensors as
-    :class:`TensorRef`. Admits what ``torch.load(weights_only=True)`` admits for plain state dicts."""
+    :class:`TensorRef`. Admits what ``torch.load(weights_only=True)`` admits for plain state dicts.
+    Used for ``torch.save`` files and for DCP's object records (each a ``torch.save`` archive)."""
     try:
         return _TorchSaveUnpickler(data, source, _TORCH_REBUILDERS).load()
     except UnsafePickleError:
         raise
     except Exception as exc:
-        from .errors import CorruptCheckpointError
-
         raise CorruptCheckpointError(
             f"cannot read the pickle ({type(exc).__name__}: {exc})",
             where=source,

@@ -1,17 +1,24 @@
 """Paths and bytes: local paths and fsspec URLs behind one small class; the only module that touches files.
 
-A :class:`Location` is a filesystem plus a path on it. It reads byte ranges (straight into a caller's
-buffer where the backend allows, so a tensor's bytes are copied once), lists, writes, and commits a
-directory that was written under a temporary name: rename where the filesystem has an atomic rename
-(local disks), copy-then-marker elsewhere.
+A :class:`Location` is a path on a *backend*. Backends implement a few primitives (stat, list,
+ranged reads into a caller's buffer, streamed writes, remove, rename): the local disk through
+``os`` (positioned reads straight into tensor memory, fsync before a commit), everything else
+through fsspec. Everything else here is built from those primitives, as fsspec's own base class
+builds rich operations from a few.
+
+A :class:`CommitPolicy`, chosen once per backend, says how an output of several files appears all
+at once or not at all: a rename of a hidden temporary directory on filesystems, in-place writes
+with the file written last as the marker on object stores (which have no atomic rename).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import posixpath
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
@@ -19,27 +26,287 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import NotFoundError, StorageError
+from .errors import CorruptCheckpointError, NotFoundError, StorageError
+
+log = logging.getLogger("ckpttool")
+
+
+# --- commit policies --------------------------------------------------------------------------
+
+
+class CommitPolicy(ABC):
+    """How an output written as several files becomes visible whole, or not at all."""
+
+    @abstractmethod
+    def staging(self, final: Location) -> Location:
+        """Where to write the output before it is committed (no I/O)."""
+
+    def prepare(self, staged: Location, final: Location) -> None:
+        """Called before the first byte is written, once replacing ``final`` was allowed (--force)."""
+
+    @abstractmethod
+    def publish(self, staged: Location, final: Location) -> None:
+        """Make the written output appear at ``final``."""
+
+    def discard(self, staged: Location) -> None:
+        """Remove a failed output. A removal that fails is logged with the path, not hidden."""
+        try:
+            staged.remove()
+        except Exception as exc:  # noqa: BLE001 - already failing; the original error matters more
+            log.warning("could not remove the partial output %s (%s); remove it by hand", staged.url, exc)
+
+
+class RenameCommit(CommitPolicy):
+    """Filesystems: write under a hidden sibling name, then rename it into place in one step."""
+
+    def staging(self, final: Location) -> Location:
+        return temp_sibling(final)
+
+    def publish(self, staged: Location, final: Location) -> None:
+        if final.exists():
+            final.remove()  # only reached when replacing was allowed; checked before writing began
+        staged.rename_to(final)
+
+
+class InPlaceCommit(CommitPolicy):
+    """Object stores: write at the final name, the file that makes the output complete last
+    (``.metadata``, an index, a commit record, or a single object, which does not exist until its
+    upload completes; a failed upload is aborted, never completed)."""
+
+    def staging(self, final: Location) -> Location:
+        return final
+
+    def prepare(self, staged: Location, final: Location) -> None:
+        if final.exists():
+            final.remove()  # replacing an old output: its files must not mix with the new ones
+
+    def publish(self, staged: Location, final: Location) -> None:
+        return None
+
+
+# --- backends -------------------------------------------------------------------------------
+
+
+class _Backend(ABC):
+    """The primitives a storage backend provides; :class:`Location` builds on them."""
+
+    commit: CommitPolicy
+    #: every read is a network request: callers fetch a whole small record in one read
+    batch_reads: bool
+
+    @abstractmethod
+    def url(self, path: str) -> str: ...
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def isdir(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def isfile(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def size(self, path: str) -> int: ...
+
+    @abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Sorted names inside a directory; [] when it is missing or not a directory."""
+
+    @abstractmethod
+    def read_bytes(self, path: str, start: int | None, end: int | None) -> bytes: ...
+
+    @abstractmethod
+    def open_read(self, path: str) -> Any:
+        """A handle for :meth:`pread`."""
+
+    @abstractmethod
+    def pread(self, handle: Any, offset: int, out: memoryview) -> int:
+        """Fill ``out`` from ``offset`` as far as the file goes; returns the bytes read."""
+
+    @abstractmethod
+    def open_write(self, path: str) -> Any:
+        """A context manager yielding a binary file; on an exception inside it nothing is committed."""
+
+    @abstractmethod
+    def makedirs(self, path: str) -> None: ...
+
+    @abstractmethod
+    def remove(self, path: str) -> None: ...
+
+    @abstractmethod
+    def rename(self, src: str, dst: str) -> None: ...
+
+    def local_path(self, path: str) -> str | None:
+        return None
+
+
+class _LocalDisk(_Backend):
+    commit = RenameCommit()
+    batch_reads = False
+
+    def url(self, path: str) -> str:
+        return path
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def isfile(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def read_bytes(self, path: str, start: int | None, end: int | None) -> bytes:
+        with open(path, "rb") as f:
+            if start:
+                f.seek(start)
+            return f.read() if end is None else f.read(end - (start or 0))
+
+    def open_read(self, path: str) -> Any:
+        return open(path, "rb", buffering=0)
+
+    def pread(self, handle: Any, offset: int, out: memoryview) -> int:
+        got, want, fd = 0, out.nbytes, handle.fileno()
+        while got < want:
+            n = os.preadv(fd, [out[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    @contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        with open(path, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())  # durable before a commit that follows
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def remove(self, path: str) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            import shutil
+
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def local_path(self, path: str) -> str | None:
+        return path
+
+
+class _Fsspec(_Backend):
+    commit = InPlaceCommit()
+    batch_reads = True
+
+    def __init__(self, fs: fsspec.AbstractFileSystem):
+        self.fs = fs
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Fsspec) and other.fs is self.fs
+
+    def __hash__(self) -> int:
+        return id(self.fs)
+
+    def url(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return self.fs.isdir(path)
+
+    def isfile(self, path: str) -> bool:
+        return self.fs.isfile(path)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def listdir(self, path: str) -> list[str]:
+        if not self.fs.isdir(path):
+            return []
+        return sorted(posixpath.basename(str(e).rstrip("/")) for e in self.fs.ls(path, detail=False))
+
+    def read_bytes(self, path: str, start: int | None, end: int | None) -> bytes:
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def open_read(self, path: str) -> Any:
+        return self.fs.open(path, "rb", block_size=1 << 20, cache_type="none")
+
+    def pread(self, handle: Any, offset: int, out: memoryview) -> int:
+        handle.seek(offset)
+        got, want = 0, out.nbytes
+        while got < want:
+            chunk = handle.read(want - got)
+            if not chunk:
+                break
+            out[got : got + len(chunk)] = chunk
+            got += len(chunk)
+        return got
+
+    @contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        f = self.fs.open(path, "wb")
+        try:
+            yield f
+        except BaseException:
+            _discard_upload(f)
+            raise
+        f.close()  # completes the upload: only now does the object exist
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def remove(self, path: str) -> None:
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.fs.mv(src, dst, recursive=True)
+
+
+def _discard_upload(f: Any) -> None:
+    """Abort an unfinished upload (S3: the multipart upload) instead of completing it on close."""
+    discard = getattr(f, "discard", None)
+    if callable(discard):
+        discard()
+    try:
+        f.closed = True  # fsspec's buffered files would otherwise complete the upload when collected
+    except (AttributeError, TypeError):
+        pass
+
+
+# --- Location -----------------------------------------------------------------------------------
 
 
 class Location:
-    """A path on a filesystem. Cheap to create; no I/O until a method needs it."""
+    """A path on a storage backend. Cheap to create; no I/O until a method needs it."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
-        self.fs = fs
+    def __init__(self, backend: _Backend, path: str):
+        self._backend = backend
         self.path = path.rstrip("/") if len(path) > 1 else path
 
     # --- naming -------------------------------------------------------------------------------
 
     @property
-    def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
-
-    @property
     def url(self) -> str:
-        if self.is_local:
-            return self.path
-        return self.fs.unstrip_protocol(self.path)
+        return self._backend.url(self.path)
 
     @property
     def name(self) -> str:
@@ -47,13 +314,27 @@ class Location:
 
     @property
     def parent(self) -> Location:
-        return Location(self.fs, posixpath.dirname(self.path) or "/")
+        return Location(self._backend, posixpath.dirname(self.path) or "/")
 
     def child(self, *parts: str) -> Location:
-        return Location(self.fs, posixpath.join(self.path, *parts))
+        return Location(self._backend, posixpath.join(self.path, *parts))
 
     def sibling(self, name: str) -> Location:
         return self.parent.child(name)
+
+    @property
+    def commit_policy(self) -> CommitPolicy:
+        return self._backend.commit
+
+    @property
+    def batch_reads(self) -> bool:
+        """True where every read is a network request (object stores): read small records whole."""
+        return self._backend.batch_reads
+
+    @property
+    def local_path(self) -> str | None:
+        """The path the operating system can open, or None for a remote location."""
+        return self._backend.local_path(self.path)
 
     def __str__(self) -> str:
         return self.url
@@ -62,56 +343,33 @@ class Location:
         return f"Location({self.url!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Location) and other.fs is self.fs and other.path == self.path
+        return isinstance(other, Location) and other._backend == self._backend and other.path == self.path
 
     def __hash__(self) -> int:
-        return hash((id(self.fs), self.path))
+        return hash((self._backend, self.path))
 
     # --- queries ------------------------------------------------------------------------------
 
     def exists(self) -> bool:
-        return self._call(self.fs.exists, self.path)
+        return self._call(self._backend.exists)
 
     def isdir(self) -> bool:
-        return self._call(self.fs.isdir, self.path)
+        return self._call(self._backend.isdir)
 
     def isfile(self) -> bool:
-        return self._call(self.fs.isfile, self.path)
+        return self._call(self._backend.isfile)
 
     def size(self) -> int:
-        if self.is_local:
-            try:
-                return os.path.getsize(self.path)
-            except FileNotFoundError:
-                raise NotFoundError("file does not exist", where=self.url) from None
-        return int(self._call(self.fs.size, self.path))
+        return int(self._call(self._backend.size, missing="file does not exist"))
 
     def listdir(self) -> list[str]:
         """Names (not paths) of the entries directly inside this directory, sorted."""
-        if self.is_local:
-            try:
-                return sorted(os.listdir(self.path))
-            except FileNotFoundError:
-                return []
-        if not self.isdir():
-            return []
-        entries = self._call(self.fs.ls, self.path, detail=False)
-        return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+        return self._call(self._backend.listdir)
 
     # --- reading ------------------------------------------------------------------------------
 
     def read_bytes(self, start: int | None = None, end: int | None = None) -> bytes:
-        if self.is_local:
-            try:
-                with open(self.path, "rb") as f:
-                    if start:
-                        f.seek(start)
-                    return f.read() if end is None else f.read(end - (start or 0))
-            except FileNotFoundError:
-                raise NotFoundError("file does not exist", where=self.url) from None
-            except OSError as exc:
-                raise StorageError(f"cannot read: {exc.strerror}", where=self.url) from None
-        return self._call(self.fs.cat_file, self.path, start=start, end=end)
+        return self._call(self._backend.read_bytes, start, end, missing="file does not exist", verb="read")
 
     def open_reader(self) -> RangeReader:
         return RangeReader(self)
@@ -119,26 +377,17 @@ class Location:
     # --- writing ------------------------------------------------------------------------------
 
     def makedirs(self) -> None:
-        self._call(self.fs.makedirs, self.path, exist_ok=True)
+        self._call(self._backend.makedirs, verb="write")
 
     @contextmanager
     def open_write(self) -> Iterator[IO[bytes]]:
-        """Open for writing; local files are fsync'ed before close so a commit that follows is durable."""
-        if self.is_local:
-            self.parent.makedirs()
-            try:
-                with open(self.path, "wb") as f:
-                    yield f
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as exc:
-                raise StorageError(_os_message(exc), where=self.url) from None
-            return
+        """Open for writing. Local files are fsync'ed before close so a commit that follows is
+        durable; an object store's upload completes only if the block exits without an error."""
         try:
-            with self.fs.open(self.path, "wb") as f:
+            with self._backend.open_write(self.path) as f:
                 yield f
         except OSError as exc:
-            raise StorageError(_os_message(exc), where=self.url) from None
+            raise StorageError(describe_os_error(exc, "write"), where=self.url) from None
 
     def write_bytes(self, data: bytes) -> None:
         with self.open_write() as f:
@@ -146,44 +395,39 @@ class Location:
 
     def remove(self) -> None:
         """Remove a file or a directory tree; a missing path is not an error."""
-        if not self.exists():
-            return
-        self._call(self.fs.rm, self.path, recursive=True)
+        self._call(self._backend.remove, verb="remove")
 
     def rename_to(self, target: Location) -> None:
         """Move this path to ``target``: one atomic rename on local disks, a copy then delete elsewhere."""
-        if self.is_local:
-            try:
-                os.replace(self.path, target.path)
-            except OSError as exc:
-                raise StorageError(_os_message(exc), where=target.url) from None
-            return
-        self._call(self.fs.mv, self.path, target.path, recursive=True)
+        try:
+            self._backend.rename(self.path, target.path)
+        except OSError as exc:
+            raise StorageError(describe_os_error(exc, "write"), where=target.url) from None
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _call(self, fn, *args, **kwargs) -> Any:
+    def _call(self, fn, *args: Any, missing: str = "does not exist", verb: str = "access") -> Any:
         try:
-            return fn(*args, **kwargs)
+            return fn(self.path, *args)
         except FileNotFoundError:
-            raise NotFoundError("does not exist", where=self.url) from None
+            raise NotFoundError(missing, where=self.url) from None
         except PermissionError as exc:
             raise StorageError(
                 f"permission denied ({exc})",
                 where=self.url,
                 hint="check the credentials (e.g. AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or --storage-option)"
-                if not self.is_local
+                if self.local_path is None
                 else "check the file's permissions",
             ) from None
         except OSError as exc:
-            raise StorageError(_os_message(exc), where=self.url) from None
+            raise StorageError(describe_os_error(exc, verb), where=self.url) from None
 
 
-def _os_message(exc: OSError) -> str:
+def describe_os_error(exc: OSError, verb: str = "access") -> str:
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         return f"no space to write ({exc.strerror}); free space or write elsewhere"
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"cannot write here: {exc.strerror}"
+        return f"cannot {verb} here: {exc.strerror}"
     return exc.strerror or str(exc)
 
 
@@ -192,8 +436,12 @@ class RangeReader:
 
     def __init__(self, loc: Location):
         self.loc = loc
-        self._f: IO[bytes] | None = None
+        self.where = loc.url
+        self._handle: Any = None
         self._held: tuple[int, bytes] | None = None  # bytes fetched once that later reads may use
+
+    def size(self) -> int:
+        return self.loc.size()
 
     def hold(self, offset: int, data: bytes) -> None:
         """Serve later reads that fall inside ``data`` (the bytes at ``offset``) from memory.
@@ -205,17 +453,6 @@ class RangeReader:
 
     def release(self) -> None:
         self._held = None
-
-    def _file(self) -> IO[bytes]:
-        if self._f is None:
-            try:
-                if self.loc.is_local:
-                    self._f = open(self.loc.path, "rb", buffering=0)
-                else:
-                    self._f = self.loc.fs.open(self.loc.path, "rb", block_size=1 << 20, cache_type="none")
-            except FileNotFoundError:
-                raise NotFoundError("file does not exist", where=self.loc.url) from None
-        return self._f
 
     def read(self, offset: int, length: int) -> bytes:
         buf = bytearray(length)
@@ -230,36 +467,56 @@ class RangeReader:
             if start <= offset and offset + want <= start + len(data):
                 out[:] = memoryview(data)[offset - start : offset - start + want]
                 return
-        f = self._file()
-        got = 0
-        if self.loc.is_local:
-            fd = f.fileno()
-            while got < want:
-                n = os.preadv(fd, [out[got:]], offset + got)
-                if n == 0:
-                    break
-                got += n
-        else:
-            f.seek(offset)
-            while got < want:
-                chunk = f.read(want - got)
-                if not chunk:
-                    break
-                out[got : got + len(chunk)] = chunk
-                got += len(chunk)
+        if self._handle is None:
+            self._handle = self.loc._call(self.loc._backend.open_read, missing="file does not exist", verb="read")
+        got = self.loc._backend.pread(self._handle, offset, out)
         if got != want:
-            from .errors import CorruptCheckpointError
-
             raise CorruptCheckpointError(
                 f"file is truncated: wanted bytes {offset}..{offset + want}, file ends at {offset + got}",
-                where=self.loc.url,
+                where=self.where,
                 hint="the file was cut short (interrupted copy or save?); restore it from a good copy",
             )
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+class BytesReader:
+    """The :class:`RangeReader` interface over bytes already in memory (a record DCP handed us)."""
+
+    def __init__(self, data: bytes, where: str):
+        self._data = memoryview(data)
+        self.where = where
+
+    def size(self) -> int:
+        return self._data.nbytes
+
+    def hold(self, offset: int, data: bytes) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def read(self, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.readinto(offset, memoryview(buf))
+        return bytes(buf)
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        want = out.nbytes
+        if offset < 0 or offset + want > self._data.nbytes:
+            raise CorruptCheckpointError(
+                f"record is truncated: wanted bytes {offset}..{offset + want} of {self._data.nbytes}", where=self.where
+            )
+        out[:] = self._data[offset : offset + want]
+
+    def close(self) -> None:
+        pass
+
+
+_LOCAL = _LocalDisk()
 
 
 def resolve(url: str | os.PathLike | Location, storage_options: dict[str, Any] | None = None) -> Location:
@@ -268,7 +525,7 @@ def resolve(url: str | os.PathLike | Location, storage_options: dict[str, Any] |
         return url
     url = os.fspath(url)
     if "://" not in url:
-        return Location(LocalFileSystem(), os.path.abspath(url))
+        return Location(_LOCAL, os.path.abspath(url))
     try:
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except ImportError as exc:
@@ -278,9 +535,11 @@ def resolve(url: str | os.PathLike | Location, storage_options: dict[str, Any] |
             where=url,
             hint=f"install it: pip install 'ckpttool[{protocol}]' or the fsspec backend for {protocol}",
         ) from None
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise StorageError(str(exc), where=url) from None
-    return Location(fs, path)
+    if isinstance(fs, LocalFileSystem):
+        return Location(_LOCAL, os.path.abspath(path))
+    return Location(_Fsspec(fs), path)
 
 
 def temp_sibling(loc: Location, tag: str = "tmp") -> Location:

@@ -1,103 +1,127 @@
-"""Formats (dcp, torch, safetensors) as Sources and Sinks, and detection of a path's format.
+"""The format registry: every checkpoint format is one module defining ``FORMAT`` (a
+:class:`~ckpttool.formats.base.Format`) plus one registration line below.
 
-Detection looks at content first (a ``.metadata`` file, a zip signature, a safetensors header) and
-falls back to the suffix only for outputs that do not exist yet.
+A registration names the format, its module and the output suffixes that imply it, so the CLI can
+list formats and choose an output format without importing torch; the module is imported on first
+use. ``detect``, ``convert``, ``inspect``, ``verify`` and ``reshard``, the conformance suite and
+the fuzz tests all iterate the registry.
+
+To add a format: write ``formats/NAME.py`` with a Source, a Sink and a Format subclass (``sniff``,
+``open_source``, ``make_sink``, ``check_integrity``), end it with ``FORMAT = NameFormat()``, and
+add one ``register(...)`` line here.
 """
 
 from __future__ import annotations
 
-import struct
-from typing import Any
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatError, NotACheckpointError, NotFoundError
-from ..storage import Location, resolve
-from .base import ObjectSpec, Sink, Source, TensorSpec
 
-FORMATS = ("dcp", "torch", "safetensors")
-TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+if TYPE_CHECKING:
+    from ..storage import Location
+    from .base import Format, Source
 
 
-def detect(loc: Location) -> str:
-    """The format of an existing checkpoint path; raises when it is none we know."""
+@dataclass(frozen=True)
+class Registration:
+    name: str
+    module: str  # defines FORMAT
+    suffixes: tuple[str, ...]  # output names ending so are written in this format
+    summary: str
+    default: bool  # the output format for a name with no known suffix (a directory)
+
+
+_REGISTRY: dict[str, Registration] = {}
+
+
+def register(name: str, module: str, *, suffixes: tuple[str, ...] = (), summary: str = "", default: bool = False) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"format {name!r} is registered twice")
+    _REGISTRY[name] = Registration(name, module, suffixes, summary, default)
+
+
+register("dcp", "ckpttool.formats.dcp", summary="torch.distributed.checkpoint directory", default=True)
+register("torch", "ckpttool.formats.torch_save", suffixes=(".pt", ".pth", ".bin"), summary="one torch.save file")
+register("safetensors", "ckpttool.formats.safetensors", suffixes=(".safetensors",),
+         summary="one .safetensors file, or an HF-sharded directory")
+
+
+def names() -> tuple[str, ...]:
+    """Registered format names, in registration (and detection) order. Imports no torch."""
+    return tuple(_REGISTRY)
+
+
+def registrations() -> tuple[Registration, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def get(name: str) -> Format:
+    """The format called ``name``; :class:`FormatError` naming the choices when there is none."""
+    reg = _REGISTRY.get(name)
+    if reg is None:
+        raise FormatError(f"unknown format {name!r}", hint=f"choose one of {', '.join(_REGISTRY)}")
+    fmt = importlib.import_module(reg.module).FORMAT
+    if fmt.name != name:
+        raise RuntimeError(f"{reg.module}.FORMAT is named {fmt.name!r}, registered as {name!r}")
+    return fmt
+
+
+def all_formats() -> list[Format]:
+    return [get(name) for name in _REGISTRY]
+
+
+def output_format(name: str, to: str | None = None) -> str:
+    """The format an output path implies by its suffix (``to`` overrides). Imports no torch."""
+    if to is not None:
+        get(to)  # a clear error for an unknown name
+        return to
+    lowered = name.lower()
+    for reg in _REGISTRY.values():
+        if reg.suffixes and lowered.endswith(reg.suffixes):
+            return reg.name
+    return next(reg.name for reg in _REGISTRY.values() if reg.default)
+
+
+def detect(loc: Location) -> Format:
+    """The format of an existing checkpoint, by content; a clear error when it is none we know."""
+    from ..steps import is_training_root
+    from .base import Probe
+
     if not loc.exists():
         raise NotFoundError("path does not exist", where=loc.url, hint="check the path or URL")
     if loc.isdir():
-        names = set(loc.listdir())
-        if ".metadata" in names:
-            return "dcp"
-        if "model.safetensors.index.json" in names or any(n.endswith(".safetensors") for n in names):
-            return "safetensors"
-        from ..steps import is_training_root
-
-        if is_training_root(loc):
-            raise NotACheckpointError(
-                "this is a training root (it holds step-<N> directories), not one checkpoint",
-                where=loc.url,
-                hint="name one step, e.g. PATH/step-100; `ckpttool inspect` lists them",
-            )
-        if any(n.endswith(".distcp") for n in names):
-            raise NotACheckpointError(
-                "DCP directory without .metadata (an interrupted save?)", where=loc.url, hint="use a complete checkpoint"
-            )
+        probe = Probe(loc, True, names=tuple(loc.listdir()))
+    else:
+        size = loc.size()
+        probe = Probe(loc, False, head=loc.read_bytes(0, min(16, size)), size=size)
+    formats = all_formats()
+    for fmt in formats:
+        if fmt.sniff(probe):
+            return fmt
+    if probe.is_dir and is_training_root(loc):
         raise NotACheckpointError(
-            "directory holds no checkpoint ckpttool knows", where=loc.url, hint="expected DCP (.metadata) or safetensors files"
+            "this is a training root (it holds step-<N> directories), not one checkpoint",
+            where=loc.url,
+            hint="name one step, e.g. PATH/step-100; `ckpttool inspect` lists them",
         )
-    head = loc.read_bytes(0, 16)
-    if head[:4] == b"PK\x03\x04":
-        return "torch"
-    if len(head) >= 9:
-        (n,) = struct.unpack("<Q", head[:8])
-        if head[8:9] == b"{" and 8 + n <= loc.size():
-            return "safetensors"
-    if head[:2] == b"\x80\x02" or head[:1] == b"\x80":
-        raise FormatError(
-            "legacy (pre-1.6, non-zip) torch.save file", where=loc.url, hint="load and re-save it with a current torch"
-        )
-    raise NotACheckpointError("not a checkpoint in any format ckpttool knows", where=loc.url, hint="expected DCP, torch.save or safetensors")
-
-
-def format_from_name(loc: Location) -> str:
-    """The format an output path implies by its suffix (``--to`` overrides)."""
-    name = loc.name.lower()
-    if name.endswith(".safetensors"):
-        return "safetensors"
-    if name.endswith(TORCH_SUFFIXES):
-        return "torch"
-    return "dcp"
+    for fmt in formats:
+        error = fmt.diagnose(probe)
+        if error is not None:
+            raise error
+    known = ", ".join(_REGISTRY)
+    if probe.is_dir:
+        raise NotACheckpointError("directory holds no checkpoint ckpttool knows", where=loc.url, hint=f"expected one of: {known}")
+    raise NotACheckpointError("not a checkpoint in any format ckpttool knows", where=loc.url, hint=f"expected one of: {known}")
 
 
 def open_source(path: str | Location, fmt: str | None = None, storage_options: dict[str, Any] | None = None) -> Source:
+    """Open a checkpoint for reading, in the format ``fmt`` or the one its content shows."""
+    from ..storage import resolve
+
     loc = resolve(path, storage_options)
-    fmt = fmt or detect(loc)
-    if fmt == "dcp":
-        from .dcp import DcpSource
-
-        return DcpSource(loc)
-    if fmt == "torch":
-        from .torch_save import TorchSaveSource
-
-        return TorchSaveSource(loc)
-    if fmt == "safetensors":
-        from .safetensors import SafetensorsSource
-
-        return SafetensorsSource(loc)
-    raise FormatError(f"unknown format {fmt!r}", hint=f"choose one of {', '.join(FORMATS)}")
+    return (get(fmt) if fmt else detect(loc)).open_source(loc)
 
 
-def make_sink(loc: Location, fmt: str, *, max_shard_size: int | None = None) -> Sink:
-    if fmt == "dcp":
-        from .dcp import DcpSink
-
-        return DcpSink(loc)
-    if fmt == "torch":
-        from .torch_save import TorchSaveSink
-
-        return TorchSaveSink(loc)
-    if fmt == "safetensors":
-        from .safetensors import SafetensorsSink
-
-        return SafetensorsSink(loc, max_shard_size=max_shard_size)
-    raise FormatError(f"unknown format {fmt!r}", hint=f"choose one of {', '.join(FORMATS)}")
-
-
-__all__ = ["FORMATS", "ObjectSpec", "Sink", "Source", "TensorSpec", "detect", "format_from_name", "make_sink", "open_source"]
+__all__ = ["Registration", "all_formats", "detect", "get", "names", "open_source", "output_format", "register", "registrations"]

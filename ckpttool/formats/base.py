@@ -1,26 +1,36 @@
-"""What every format implements: a Source (index + region reads) and a Sink (streamed writes).
+"""What every format implements: a Format (detection, integrity), a Source (index + region reads)
+and a Sink (streamed writes).
 
 Sources answer ``index()`` and ``read_tensor(key, box)`` for any box of a tensor, reading only the
 bytes that box needs, so callers control memory. Sinks are told up front what will be written
 (``begin``), then pull each tensor through a ``read(box)`` callback in slabs no bigger than the
-memory budget, and ``finalize()`` commits the output (written under a temporary name until then).
+memory budget, and ``finalize()`` commits the output (through the storage's commit policy: nothing
+looks complete at the destination until then).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, fields
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..index import Index, ObjPath, TensorEntry, dtype_size
-from ..layout import Box, slabs, whole
-from ..storage import Location, temp_sibling
+from ..errors import CkptError, FormatError
+from ..index import Entry, Index, ObjectEntry, ObjPath, TensorEntry, dtype_size
+from ..layout import Box, Layout, slabs, whole
+from ..storage import Location
+
+if TYPE_CHECKING:
+    from ..report import Report
 
 ReadFn = Callable[[Box], torch.Tensor]
+#: progress(done_bytes, total_bytes, key) — the CLI renders it; nothing below the CLI prints.
+Progress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -44,8 +54,30 @@ class ObjectSpec:
     value: Any
 
 
-def split(entries: list[TensorSpec | ObjectSpec]) -> tuple[list[TensorSpec], list[ObjectSpec]]:
+def split(entries: Sequence[TensorSpec | ObjectSpec]) -> tuple[list[TensorSpec], list[ObjectSpec]]:
     return [e for e in entries if isinstance(e, TensorSpec)], [e for e in entries if isinstance(e, ObjectSpec)]
+
+
+@dataclass(frozen=True)
+class SinkOptions:
+    """Output options a format may accept (``Format.sink_options`` names the ones it does)."""
+
+    max_shard_size: int | None = None  # split the output into files of at most this many bytes
+    layout: Layout | None = None  # which rank's file stores which box of each tensor
+
+    def given(self) -> set[str]:
+        return {f.name for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What detection looks at, gathered once: a directory's entries or a file's first bytes."""
+
+    loc: Location
+    is_dir: bool
+    names: tuple[str, ...] = ()
+    head: bytes = b""
+    size: int = 0
 
 
 class Source(ABC):
@@ -65,8 +97,26 @@ class Source(ABC):
         one, or ``out`` (of the box's shape and the entry's dtype) filled in place, so a caller
         streaming many slabs can reuse one buffer instead of faulting in fresh pages each time."""
 
+    def read_object(self, key: str) -> Any:
+        """The value of object ``key`` (formats whose index holds the values need not override this)."""
+        return self.entry(key, ObjectEntry).location
+
+    def entry(self, key: str, kind: type[Entry]) -> Any:
+        """The index entry of ``key``, which must be a ``kind`` (TensorEntry or ObjectEntry)."""
+        entry = self.index()[key]
+        if not isinstance(entry, kind):
+            raise FormatError(f"{key!r} is {'a tensor' if isinstance(entry, TensorEntry) else 'an object'}, "
+                              f"not {'a tensor' if kind is TensorEntry else 'an object'}", where=self.location.url)
+        return entry
+
     @abstractmethod
-    def read_object(self, key: str) -> Any: ...
+    def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
+        """(file, start, end) of the raw bytes of each stored chunk of tensor ``key``, in chunk order."""
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks wrote this checkpoint, where the format records it (else 1)."""
+        return 1
 
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         """The name of the file that holds a chunk (for inspect and error messages)."""
@@ -87,21 +137,47 @@ class Source(ABC):
 
 
 class Sink(ABC):
-    """An output being written under a temporary name; nothing at the destination until finalize."""
+    """An output being written where its commit policy stages it; nothing complete until finalize."""
 
     format: str = ""
 
     def __init__(self, location: Location):
         self.location = location
-        # Local disks: write under a hidden name and rename into place at the end. Object stores
-        # have no atomic rename: write in place, the file that makes the output complete last
-        # (.metadata, the index, or a single object whose upload completes at close).
-        self.tmp = temp_sibling(location) if location.is_local else location
+        self.policy = location.commit_policy
+        self.tmp = self.policy.staging(location)
         self.dropped: list[str] = []  # object keys the format could not hold
+        self._files = ExitStack()
+        self._current: ExitStack | None = None
+
+    def open_file(self, loc: Location) -> IO[bytes]:
+        """Open one file of the output: closed (an upload completed) by :meth:`finalize`,
+        discarded (an upload aborted) by :meth:`abort`."""
+        return self._files.enter_context(loc.open_write())
+
+    def enter(self, cm: Any) -> Any:
+        """Enter a context (an archive writer) that ends with the output's files: normally at
+        :meth:`finalize`, with the error at :meth:`abort`."""
+        return self._files.enter_context(cm)
+
+    def next_file(self, loc: Location) -> IO[bytes]:
+        """Close the file the previous call opened, then open ``loc``: for outputs written one
+        file after another (shards), so only one is open at a time."""
+        if self._current is not None:
+            self._current.close()
+        self._current = self._files.enter_context(ExitStack())
+        return self._current.enter_context(loc.open_write())
+
+    def close_files(self) -> None:
+        self._files.close()
 
     def order(self, tensors: list[TensorSpec]) -> list[TensorSpec]:
         """The order tensors will be written in (a format may need its own, e.g. for alignment)."""
         return tensors
+
+    def start(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+        """Prepare the destination (replacing an old output was checked before) and :meth:`begin`."""
+        self.policy.prepare(self.tmp, self.location)
+        self.begin(entries)
 
     @abstractmethod
     def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
@@ -111,29 +187,58 @@ class Sink(ABC):
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         """Write one tensor (tensors arrive in ``begin``'s order), pulling slabs of <= budget bytes."""
 
-    @abstractmethod
-    def _close(self) -> None:
-        """Flush and close what is open under ``self.tmp``."""
+    def complete(self) -> None:
+        """Write what makes the output complete (an index, a pickle, metadata) after the data; a
+        format whose marker must follow closed data files calls :meth:`close_files` first."""
 
     def finalize(self) -> None:
         """Commit: the output appears at its destination whole, or not at all."""
-        self._close()
-        if self.tmp == self.location:
-            return
-        if self.location.exists():
-            self.location.remove()  # only reached with force; checked before writing began
-        self.tmp.rename_to(self.location)
+        self.complete()
+        self.close_files()
+        self.policy.publish(self.tmp, self.location)
 
-    def abort(self) -> None:
-        """Remove the temporary output after a failure or interrupt."""
+    def abort(self, error: BaseException) -> None:
+        """Discard the output after ``error`` (or an interrupt): open uploads are aborted, never
+        completed, and what was written is removed."""
         try:
-            self._close()
-        except Exception:  # noqa: BLE001 - already failing; removing the temp output matters more
+            self._files.__exit__(type(error), error, error.__traceback__)
+        except BaseException:  # noqa: BLE001 - closing a half-written file may fail again; removal matters more
             pass
-        try:
-            self.tmp.remove()
-        except Exception:  # noqa: BLE001
-            pass
+        self.policy.discard(self.tmp)
+
+
+class Format(ABC):
+    """A checkpoint format: how to recognise it, read it, write it and check its integrity.
+
+    Subclasses are registered with one line in ``formats/__init__.py``; every command, the
+    conformance suite and the fuzz tests iterate the registry.
+    """
+
+    name: ClassVar[str]
+    #: whether the format stores checksums, so integrity checks catch a flipped bit in tensor data
+    checksums: ClassVar[bool] = False
+    #: the :class:`SinkOptions` fields its sink accepts
+    sink_options: ClassVar[frozenset[str]] = frozenset()
+
+    @abstractmethod
+    def sniff(self, probe: Probe) -> bool:
+        """Whether the path is in this format, by content."""
+
+    def diagnose(self, probe: Probe) -> CkptError | None:
+        """For a path that is almost this format (a DCP directory without ``.metadata``), the error
+        that says what is wrong with it; None otherwise."""
+        return None
+
+    @abstractmethod
+    def open_source(self, loc: Location) -> Source: ...
+
+    @abstractmethod
+    def make_sink(self, loc: Location, options: SinkOptions) -> Sink: ...
+
+    @abstractmethod
+    def check_integrity(self, source: Source, report: Report, keys: list[str], progress: Progress | None) -> None:
+        """This format's part of ``verify``: add a problem to ``report`` for everything wrong with
+        the entries ``keys`` (their files, byte ranges, tiling, decoding and checksums)."""
 
 
 class SlabBuffers:
@@ -154,6 +259,18 @@ class SlabBuffers:
         return self._bufs[which][:n].view(dtype).view(shape)
 
 
+def tensor_buffer(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (any dtype, no numpy)."""
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    array = (ctypes.c_char * n).from_address(t.data_ptr())
+    array.owner = t  # the view keeps the array alive, the array keeps the tensor alive
+    return memoryview(array).cast("B")
+
+
 def read_c_order_box(reader, offset: int, shape: tuple[int, ...], dtype: torch.dtype, box: Box,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Read ``box`` of a tensor stored C-contiguous at byte ``offset``, into ``out`` when given.
@@ -161,8 +278,6 @@ def read_c_order_box(reader, offset: int, shape: tuple[int, ...], dtype: torch.d
     A box spanning whole rows is one read straight into the destination; otherwise the rows it
     touches are read and the inner slice copied (so a region costs the rows, not the tensor).
     """
-    from .torchzip import tensor_buffer
-
     if out is None:
         out = torch.empty(box[1], dtype=dtype)
     if not shape:
@@ -181,8 +296,8 @@ def read_c_order_box(reader, offset: int, shape: tuple[int, ...], dtype: torch.d
     return out
 
 
-def stream_tensor(write: Callable[[torch.Tensor], None], spec: TensorSpec, read: ReadFn, budget: int, box: Box | None = None) -> None:
+def stream_tensor(write: Callable[[torch.Tensor], Any], spec: TensorSpec, read: ReadFn, budget: int, box: Box | None = None) -> None:
     """Feed the C-order slabs of ``box`` (default whole) of a tensor to ``write``, one at a time."""
     itemsize = dtype_size(spec.dtype)
     for slab in slabs(spec.shape, itemsize, budget, box if box is not None else whole(spec.shape)):
-        write(read(slab))
+        write(tensor_buffer(read(slab).contiguous()))

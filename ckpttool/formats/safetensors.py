@@ -2,9 +2,11 @@
 
 File layout (the format's spec): 8-byte little-endian header length N, N bytes of JSON (per tensor:
 ``dtype``, ``shape``, ``data_offsets`` relative to the data area; optional ``__metadata__`` of
-string values), then the data. We parse and write it ourselves so reads are byte ranges on any
-fsspec filesystem and writes stream slab by slab; the ``safetensors`` package reads what we write
-(the tests check it). Non-tensor entries ride in ``__metadata__`` as typed JSON when they can.
+string values), then the data. We parse and write it ourselves rather than through the
+``safetensors`` package: its ``safe_open`` memory-maps a local file (no fsspec URLs, no ranged
+reads of a remote object) and ``save_file`` needs every tensor in memory at once, while we read
+byte ranges on any filesystem and write slab by slab. The package reads what we write (the tests
+check it). Non-tensor entries ride in ``__metadata__`` as typed JSON when they can.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import torch
 from ..errors import CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ..layout import Box, whole
+from ..report import Report
 from ..storage import Location, RangeReader
-from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, read_c_order_box, split, stream_tensor
-from .torchzip import tensor_buffer
+from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, read_c_order_box, split, stream_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
 META_OBJECTS = "ckpttool.objects"
@@ -125,7 +127,7 @@ class SafetensorsSource(Source):
 
     def __init__(self, location: Location):
         super().__init__(location)
-        self._files: list[_File] = []
+        self.parts: list[_File] = []  # the parsed files
         if location.isdir():
             index_loc = location.child(INDEX_FILE)
             if index_loc.exists():
@@ -138,18 +140,18 @@ class SafetensorsSource(Source):
                 names = [n for n in location.listdir() if n.endswith(".safetensors")]
             if not names:
                 raise NotACheckpointError("directory holds no .safetensors files", where=location.url)
-            self._files = [_File(location.child(n)) for n in names]
+            self.parts = [_File(location.child(n)) for n in names]
         else:
-            self._files = [_File(location)]
-        meta = self._files[0].metadata
+            self.parts = [_File(location)]
+        meta = self.parts[0].metadata
         try:
             objects = json.loads(meta[META_OBJECTS]) if META_OBJECTS in meta else {}
             paths = json.loads(meta[META_PATHS]) if META_PATHS in meta else {}
         except ValueError as exc:
-            raise CorruptCheckpointError(f"bad ckpttool metadata ({exc})", where=self._files[0].loc.url) from None
+            raise CorruptCheckpointError(f"bad ckpttool metadata ({exc})", where=self.parts[0].loc.url) from None
         idx = Index()
         self._where: dict[str, _File] = {}
-        for f in self._files:
+        for f in self.parts:
             for key, (dtype, shape, begin, end) in f.tensors.items():
                 self._where[key] = f
                 idx.add(TensorEntry(key, shape, dtype, (Chunk(tuple(0 for _ in shape), shape, (f.loc.name, begin, end)),)), _path(paths, key))
@@ -161,7 +163,7 @@ class SafetensorsSource(Source):
         return self._index
 
     def files(self) -> list[str]:
-        return [f.loc.name for f in self._files]
+        return [f.loc.name for f in self.parts]
 
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return entry.chunks[0].location[0]
@@ -174,14 +176,15 @@ class SafetensorsSource(Source):
         box = box if box is not None else whole(shape)
         return read_c_order_box(f.reader, f.data_start + begin, shape, dtype, box, out)
 
-    def read_object(self, key: str) -> Any:
-        entry = self._index[key]
-        if not isinstance(entry, ObjectEntry):
-            raise FormatError(f"{key!r} is a tensor, not an object")
-        return entry.location
+    def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
+        f = self._where.get(key)
+        if f is None:
+            raise FormatError(f"{key!r} is not a tensor of this checkpoint")
+        _, _, begin, end = f.tensors[key]
+        return [(f.loc, f.data_start + begin, f.data_start + end)]
 
     def close(self) -> None:
-        for f in self._files:
+        for f in self.parts:
             f.reader.close()
 
 
@@ -212,8 +215,9 @@ class SafetensorsSink(Sink):
         self.max_shard_size = max_shard_size
         self._shards: list[list[TensorSpec]] = []
         self._metadata: dict[str, str] = {}
-        self._open: tuple[Any, Any] | None = None
+        self._open: tuple[int, Any] | None = None  # (shard index, open file)
         self._file_of: dict[str, int] = {}
+        self._started: set[int] = set()
 
     @property
     def sharded(self) -> bool:
@@ -270,36 +274,82 @@ class SafetensorsSink(Sink):
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * ((-len(raw)) % 8)
-        cm = self._shard_loc(i).open_write()
-        f = cm.__enter__()
+        f = self.next_file(self._shard_loc(i))
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        self._open = (i, cm, f)
+        self._open = (i, f)
 
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         if spec.dtype not in NAMES:
             raise FormatError(f"safetensors cannot hold dtype {spec.dtype} (key {spec.key!r})")
         i = self._file_of[spec.key]
         if self._open is None or self._open[0] != i:
-            self._close()
-            self._start_file(i)
-        f = self._open[2]
-        stream_tensor(lambda t: f.write(tensor_buffer(t.contiguous())), spec, read, budget)
+            self._started.add(i)
+            self._start_file(i)  # shards are written in order: the previous one is complete
+        stream_tensor(self._open[1].write, spec, read, budget)
 
-    def _close(self) -> None:
-        if self._open is not None:
-            _, cm, _ = self._open
-            self._open = None
-            cm.__exit__(None, None, None)
-
-    def finalize(self) -> None:
-        self._close()
-        for i, shard in enumerate(self._shards):  # files with no tensor written yet (empty checkpoint)
-            if not self._shard_loc(i).exists():
+    def complete(self) -> None:
+        for i in range(len(self._shards)):  # files with no tensor written yet (empty checkpoint)
+            if i not in self._started:
                 self._start_file(i)
-                self._close()
+        self.close_files()  # the index, written last, is what makes a sharded output complete
         if self.sharded:
             weight_map = {spec.key: self._shard_name(i) for i, shard in enumerate(self._shards) for spec in shard}
             index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
             self.tmp.child(INDEX_FILE).write_bytes(json.dumps(index, indent=2).encode())
-        super().finalize()
+
+
+class SafetensorsFormat(Format):
+    name = "safetensors"
+    checksums = False  # the format stores none: a flipped bit in tensor data cannot be detected
+    sink_options = frozenset({"max_shard_size"})
+
+    def sniff(self, probe: Probe) -> bool:
+        if probe.is_dir:
+            return INDEX_FILE in probe.names or any(n.endswith(".safetensors") for n in probe.names)
+        if len(probe.head) < 9:
+            return False
+        (n,) = struct.unpack("<Q", probe.head[:8])
+        return probe.head[8:9] == b"{" and 8 + n <= probe.size
+
+    def open_source(self, loc: Location) -> SafetensorsSource:
+        return SafetensorsSource(loc)
+
+    def make_sink(self, loc: Location, options: SinkOptions) -> SafetensorsSink:
+        return SafetensorsSink(loc, max_shard_size=options.max_shard_size)
+
+    def check_integrity(self, source: SafetensorsSource, report: Report, keys: list[str], progress: Progress | None) -> None:
+        """Every file's data area tiled by its tensors (no hole, no overlap, nothing trailing) and
+        the index's weight map agreeing with the files. There are no checksums to check."""
+        for f in source.parts:
+            spans = sorted((begin, end, key) for key, (_, _, begin, end) in f.tensors.items())
+            pos = 0
+            for begin, end, key in spans:
+                if begin < pos:
+                    report.add(f"data of {key!r} overlaps the tensor before it", f.loc.url, key)
+                elif begin > pos:
+                    report.add(f"{begin - pos} bytes before {key!r} belong to no tensor (a hole)", f.loc.url, key)
+                pos = max(pos, end)
+            if pos != f.data_size:
+                report.add(f"header describes {pos} data bytes but the file holds {f.data_size}", f.loc.url,
+                           hint="the file is truncated or has trailing bytes")
+            report.tensors_checked += len(f.tensors)
+            report.bytes_checked += sum(end - begin for (_, _, begin, end) in f.tensors.values())
+        index_loc = source.location.child(INDEX_FILE) if source.location.isdir() else None
+        if index_loc is not None and index_loc.exists():
+            try:
+                weight_map = json.loads(index_loc.read_bytes())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                report.add(f"index file is not valid ({exc})", index_loc.url)
+                return
+            where = {key: f.loc.name for f in source.parts for key in f.tensors}
+            for key, fname in weight_map.items():
+                if where.get(key) != fname:
+                    report.add(f"index maps it to {fname} but it is in {where.get(key, 'no file')}", index_loc.url, key)
+            for key in where.keys() - weight_map.keys():
+                report.add(f"tensor in {where[key]} is missing from the index", index_loc.url, key)
+        report.note("safetensors stores no checksums: a flipped bit in tensor data cannot be detected")
+        report.objects_checked += sum(1 for _ in source.index().objects())
+
+
+FORMAT = SafetensorsFormat()

@@ -1,4 +1,4 @@
-"""One ``torch.save`` file of a nested state dict, as a Source and a Sink.
+"""One ``torch.save`` file of a nested state dict: the registered format, its Source and Sink.
 
 Reading never materialises the file: the archive's pickle is unpickled through the allow-list with
 tensors as references, and each tensor's bytes are read by range. Writing streams each tensor into
@@ -9,17 +9,21 @@ nested dict, and memory holds one slab at a time.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from ..errors import FormatError
-from ..index import Chunk, Index, ObjectEntry, TensorEntry, flatten, unflatten
+from ..checksums import new_block, scan
+from ..errors import CkptError, CorruptCheckpointError, FormatError
+from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, flatten, unflatten
 from ..layout import Box, whole
+from ..report import Report
 from ..safe_pickle import TensorRef
 from ..storage import Location
-from .base import ObjectSpec, ReadFn, Sink, Source, TensorSpec, stream_tensor
-from .torchzip import ArchiveWriter, read_archive, read_tensor_box, tensor_buffer
+from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, stream_tensor
+from .torchzip import ArchiveWriter, StoredStorage, read_archive, read_tensor_box, span_bytes
+
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def _is_ref(value: Any) -> bool:
@@ -31,8 +35,8 @@ class TorchSaveSource(Source):
 
     def __init__(self, location: Location):
         super().__init__(location)
-        self._reader = location.open_reader()
-        self._archive = read_archive(self._reader, 0, None, location.url)
+        self.reader = location.open_reader()
+        self._archive = read_archive(self.reader, 0, None, location.url)
         obj = self._archive.obj
         if isinstance(obj, TensorRef):
             obj = {"tensor": obj}
@@ -41,7 +45,6 @@ class TorchSaveSource(Source):
                 f"top level of the file is a {type(obj).__name__}, not a dict", where=location.url, hint="ckpttool reads state dicts"
             )
         flat, paths = flatten(obj, is_tensor=_is_ref)
-        self._values = flat
         idx = Index()
         for key, value in flat.items():
             if isinstance(value, TensorRef):
@@ -53,25 +56,27 @@ class TorchSaveSource(Source):
     def index(self) -> Index:
         return self._index
 
-    def storage_of(self, ref: TensorRef):
-        return self._archive.storages[ref.storage.key]
+    def storage_of(self, ref: TensorRef, key: str) -> StoredStorage:
+        """Where the bytes of the storage ``ref`` views lie."""
+        storage = self._archive.storages.get(ref.storage.key)
+        if storage is None:
+            raise CorruptCheckpointError("tensor's storage record is missing from the archive", where=f"{self.location.url} (key {key!r})")
+        return storage
+
+    def _ref(self, key: str) -> TensorRef:
+        return self.entry(key, TensorEntry).chunks[0].location
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        entry = self._index[key]
-        if not isinstance(entry, TensorEntry):
-            raise FormatError(f"{key!r} is an object, not a tensor")
-        ref: TensorRef = entry.chunks[0].location
-        box = box if box is not None else whole(entry.shape)
-        return read_tensor_box(self._reader, ref, self.storage_of(ref), box, f"{self.location.url} (key {key!r})", out)
+        ref = self._ref(key)
+        box = box if box is not None else whole(ref.shape)
+        return read_tensor_box(self.reader, ref, self.storage_of(ref, key), box, f"{self.location.url} (key {key!r})", out)
 
-    def read_object(self, key: str) -> Any:
-        entry = self._index[key]
-        if not isinstance(entry, ObjectEntry):
-            raise FormatError(f"{key!r} is a tensor, not an object")
-        return entry.location
+    def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
+        storage = self.storage_of(self._ref(key), key)
+        return [(self.location, storage.offset, storage.offset + storage.nbytes)]
 
     def close(self) -> None:
-        self._reader.close()
+        self.reader.close()
 
 
 class TorchSaveSink(Sink):
@@ -79,16 +84,13 @@ class TorchSaveSink(Sink):
 
     def __init__(self, location: Location):
         super().__init__(location)
-        self._cm = None
-        self._f = None
         self._writer: ArchiveWriter | None = None
         self._flat: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
 
     def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
-        self._cm = self.tmp.open_write()
-        self._f = self._cm.__enter__()
-        self._writer = ArchiveWriter(self._f, name="archive")
+        f: IO[bytes] = self.open_file(self.tmp)
+        self._writer = self.enter(ArchiveWriter(f, name="archive"))
         for spec in entries:  # the pickled dict keeps the source's key order
             self._flat[spec.key] = spec.value if isinstance(spec, ObjectSpec) else None
             self._paths[spec.key] = tuple(spec.path)
@@ -96,14 +98,62 @@ class TorchSaveSink(Sink):
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         placeholder, stream = self._writer.new_tensor(spec.dtype, spec.shape)
         with stream:
-            stream_tensor(lambda t: stream.write(tensor_buffer(t.contiguous())), spec, read, budget)
+            stream_tensor(stream.write, spec, read, budget)
         self._flat[spec.key] = placeholder
 
-    def finalize(self) -> None:
+    def complete(self) -> None:
         self._writer.finish(unflatten(self._flat, self._paths))
-        super().finalize()
 
-    def _close(self) -> None:
-        if self._cm is not None:
-            cm, self._cm = self._cm, None
-            cm.__exit__(None, None, None)
+
+class TorchSaveFormat(Format):
+    name = "torch"
+    checksums = True  # the zip's CRC-32 of every storage record
+
+    def sniff(self, probe: Probe) -> bool:
+        return not probe.is_dir and probe.head[:4] == ZIP_MAGIC
+
+    def diagnose(self, probe: Probe) -> FormatError | None:
+        if not probe.is_dir and probe.head[:1] == b"\x80":
+            return FormatError("legacy (pre-1.6, non-zip) torch.save file", where=probe.loc.url,
+                               hint="load and re-save it with a current torch")
+        return None
+
+    def open_source(self, loc: Location) -> TorchSaveSource:
+        return TorchSaveSource(loc)
+
+    def make_sink(self, loc: Location, options: SinkOptions) -> TorchSaveSink:
+        return TorchSaveSink(loc)
+
+    def check_integrity(self, source: TorchSaveSource, report: Report, keys: list[str], progress: Progress | None) -> None:
+        """The zip's CRC-32 of every storage record the entries use, and each tensor inside its record."""
+        buf = new_block()
+        checked: set[str] = set()
+        index = source.index()
+        total = sum(index[k].nbytes for k in keys if isinstance(index[k], TensorEntry))
+        done = 0
+        for key in keys:
+            entry = index[key]
+            if not isinstance(entry, TensorEntry):
+                report.objects_checked += 1
+                continue
+            ref = entry.chunks[0].location
+            try:
+                storage = source.storage_of(ref, key)
+            except CkptError as exc:
+                report.add(exc.what, source.location.url, key)
+                continue
+            if storage.name not in checked:
+                checked.add(storage.name)
+                crc = scan(source.reader, storage.offset, storage.nbytes, buf)
+                if crc != storage.crc32:
+                    report.add(f"data of {storage.name} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
+                               source.location.url, key, hint="the file changed after it was written; restore it")
+            if ref.storage_offset * dtype_size(ref.dtype) + span_bytes(ref) > storage.nbytes:
+                report.add("tensor extends past its storage record", source.location.url, key)
+            report.checked_tensor(entry.nbytes)
+            done += entry.nbytes
+            if progress:
+                progress(done, total, key)
+
+
+FORMAT = TorchSaveFormat()

@@ -9,7 +9,6 @@ writing it ourselves lets a tensor stream into the archive slab by slab.
 
 from __future__ import annotations
 
-import ctypes
 import io
 import pickle
 import struct
@@ -21,8 +20,10 @@ from typing import IO, Any
 import torch
 
 from ..errors import CorruptCheckpointError, FormatError
+from ..index import dtype_size
 from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
 from ..storage import RangeReader
+from .base import read_c_order_box, tensor_buffer
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. extra length (30 bytes)
 _SMALL_ARCHIVE = 1 << 20  # read archives up to this size in one request
@@ -107,9 +108,9 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
     An archive up to ``whole_up_to`` bytes is fetched in one read and kept by the reader for the
     data reads that follow (DCP records on an object store: one request per record, not three).
     """
-    where = where or reader.loc.url
+    where = where or reader.where
     if length is None:
-        length = reader.loc.size() - start
+        length = reader.size() - start
     prefetched = reader.read(start, length) if length <= max(_SMALL_ARCHIVE, whole_up_to) else None
     if prefetched is not None and whole_up_to:
         reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
@@ -150,25 +151,11 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
     return Archive(obj, storages, byteorder)
 
 
-def tensor_buffer(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (any dtype, no numpy)."""
-    if not t.is_contiguous():
-        raise ValueError("tensor must be contiguous")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    array = (ctypes.c_char * n).from_address(t.data_ptr())
-    array.owner = t  # the view keeps the array alive, the array keeps the tensor alive
-    return memoryview(array).cast("B")
-
-
 def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage, box, where: str,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``box`` of the tensor ``ref`` describes, reading only the rows it touches (into ``out``)."""
-    from .base import read_c_order_box
-
-    item = torch.empty((), dtype=ref.dtype).element_size()
-    if ref.storage_offset * item + _span_bytes(ref, item) > storage.nbytes:
+    item = dtype_size(ref.dtype)
+    if ref.storage_offset * item + span_bytes(ref) > storage.nbytes:
         raise CorruptCheckpointError(
             f"tensor needs more bytes than its record holds ({storage.nbytes})", where=where
         )
@@ -185,10 +172,33 @@ def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage,
     return out
 
 
-def _span_bytes(ref: TensorRef, item: int) -> int:
+def span_bytes(ref: TensorRef) -> int:
+    """Bytes from a tensor's first element to its last, as its strides lay them out."""
     if any(s == 0 for s in ref.shape):
         return 0
-    return (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))) * item
+    return (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))) * dtype_size(ref.dtype)
+
+
+def load_object_record(reader: RangeReader, start: int, length: int, where: str) -> Any:
+    """The value a ``torch.save`` archive holds (a DCP object record), through the allow-list;
+    tensors inside it (a tuple of tensors is one object to DCP) are read from the record."""
+    arch = read_archive(reader, start, length, where)
+
+    def materialise(value: Any) -> Any:
+        if isinstance(value, TensorRef):
+            storage = arch.storages.get(value.storage.key)
+            if storage is None:
+                raise CorruptCheckpointError("object record lacks the data of a tensor it holds", where=where)
+            return read_tensor_box(reader, value, storage, (tuple(0 for _ in value.shape), value.shape), where)
+        if isinstance(value, dict):
+            return type(value)((k, materialise(v)) for k, v in value.items())
+        if isinstance(value, list):
+            return [materialise(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(materialise(v) for v in value)
+        return value
+
+    return materialise(arch.obj)
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -255,7 +265,18 @@ class ArchiveWriter:
         self._zip = zipfile.ZipFile(self._out, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True)
         self._name = name
         self._next_key = 0
-        self._crc: dict[str, int] = {}
+
+    def __enter__(self) -> ArchiveWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            # The output is being discarded: end the zip now, while its stream is open, so that
+            # ZipFile.__del__ has nothing left to write into a closed file later.
+            try:
+                self._zip.close()
+            except Exception:  # noqa: BLE001 - the archive is garbage; the error in flight matters
+                pass
 
     def new_tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_Placeholder, IO[bytes]]:
         """Open the record for a new tensor; write its C-order bytes into the returned stream, close it,
@@ -263,9 +284,9 @@ class ArchiveWriter:
         key = str(self._next_key)
         self._next_key += 1
         p = _Placeholder(key, dtype, shape)
-        nbytes = torch.empty((), dtype=dtype).element_size()
-        for s in shape:
-            nbytes *= s
+        nbytes = dtype_size(dtype)
+        for size in shape:
+            nbytes *= size
         return p, self._open_record(f"data/{key}", nbytes)
 
     def _open_record(self, name: str, nbytes: int) -> IO[bytes]:
@@ -342,7 +363,8 @@ __all__ = [
     "StorageRef",
     "StoredStorage",
     "TensorRef",
+    "load_object_record",
     "read_archive",
     "read_tensor_box",
-    "tensor_buffer",
+    "span_bytes",
 ]

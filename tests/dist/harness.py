@@ -54,13 +54,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, e
     """``fn(*args, **kwargs)`` on ranks 0..W-1 of a gloo group; returns each rank's result by rank.
     ``env`` is set in each rank before ``fn`` runs."""
     with tempfile.TemporaryDirectory(prefix="ckpttool-rdzv-") as tmp:
-        out = _CTX.Queue()
-        procs = [
-            _CTX.Process(target=_child, args=(fn, r, world_size, os.path.join(tmp, "rdzv"), args, kwargs, out, env), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
+        procs, out = spawn_ranks(fn, world_size, tmp, *args, env=env, **kwargs)
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout

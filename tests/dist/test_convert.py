@@ -7,7 +7,7 @@ import torch
 
 from ckpttool import convert
 
-from ..unit.test_formats import assert_same_nested
+from ..helpers import assert_same_nested
 from .harness import run_ranks
 from .workloads import plain_torch_load
 

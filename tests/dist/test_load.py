@@ -28,9 +28,8 @@ def test_verify_loaded_names_a_corrupted_box_on_every_rank(saved, tmp_path):
     with open_source(f"{root}/step-3") as src:
         entry = src.index()["model.layers.1.attention.wq.weight"]
         chunk = entry.chunks[1]  # the second shard: rank 1's box on 2 ranks
-        arch = src.archive(chunk.location, entry.key)
-        st = arch.storages[arch.obj.storage.key]
-        flip = (chunk.location.relative_path, st.offset + 8)
+        file, start, _ = src.data_spans(entry.key)[1]
+        flip = (file.name, start + 8)
     results = run_ranks(load_and_verify, 2, root, None, flip)
     assert results[0]["mismatches"] == results[1]["mismatches"]
     assert not results[0]["ok"]
@@ -46,7 +45,7 @@ def test_model_whose_shapes_differ_gets_a_typed_error_on_every_rank(saved):
 @pytest.mark.parametrize("w_save", [1, 4])
 @pytest.mark.parametrize("w_load,mesh", [(1, None), (3, None), (4, (2, 2))])
 def test_odd_shapes_bf16_and_buffers_through_the_checkpointer(tmp_path, w_save, w_load, mesh):
-    from ..unit.test_formats import assert_same_nested
+    from ..helpers import assert_same_nested
     from .workloads import oddnet_ckpt_load, oddnet_ckpt_save
 
     root = str(tmp_path / "run")

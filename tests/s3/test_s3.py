@@ -17,8 +17,8 @@ from ckpttool.verify import verify_against, verify_path
 
 from ..dist.harness import run_ranks
 from ..dist.workloads import assert_same, load_into_fresh, train_run
-from ..unit.test_formats import assert_same_nested
-from ..conftest import reference_state
+from ..helpers import assert_same_nested
+from ..helpers import reference_state
 
 
 def cli(*args, env=None):

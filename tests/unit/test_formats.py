@@ -3,48 +3,65 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ckpttool import convert
-from ckpttool.formats import FORMATS, detect, open_source
+from ckpttool import convert, formats
+from ckpttool.describe import inspect_path
+from ckpttool.errors import CkptError
+from ckpttool.formats import detect, open_source
 from ckpttool.index import TensorEntry, flatten
 from ckpttool.storage import resolve
+from ckpttool.verify import verify_path
 
-from ..conftest import reference_state
+from ..helpers import (
+    assert_bitwise,
+    assert_same_checkpoint,
+    assert_same_nested,
+    assert_same_value,
+    data_files,
+    flip_bit,
+    output_name,
+    reference_state,
+    tensor_data_spans,
+)
+
+REF_TENSORS = [k for k, v in flatten(reference_state())[0].items() if isinstance(v, torch.Tensor)]
 
 
-def bits(t):
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+def copy_of(path, dst):
+    if os.path.isdir(path):
+        shutil.copytree(path, dst)
+    else:
+        shutil.copy(path, dst)
+    return dst
 
 
-def assert_bitwise(a, b, key=""):
-    assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), f"{key}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-    assert torch.equal(bits(a), bits(b)), key
-
-
-OUTPUT_NAMES = {"dcp": "out_dcp", "torch": "out.pt", "safetensors": "out.safetensors"}
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", formats.names())
 class TestConformance:
-    """Write the reference through each Sink (from a plain torch.save file), read back through its Source."""
+    """Generated from the registry: every format writes the reference through its Sink (from a plain
+    torch.save file), reads it back through its Source, and has its integrity checks and its
+    handling of damaged input tested the same way."""
 
     def written(self, tmp_path, ref_pt, fmt, **kw):
-        dst = tmp_path / OUTPUT_NAMES[fmt]
+        dst = tmp_path / output_name(fmt)
         report = convert(str(ref_pt), str(dst), **kw)
         return dst, report
 
     def test_detect_and_every_tensor_bitwise(self, tmp_path, ref_pt, fmt):
         dst, _ = self.written(tmp_path, ref_pt, fmt)
-        assert detect(resolve(str(dst))) == fmt
+        assert detect(resolve(str(dst))).name == fmt
         flat, _ = flatten(reference_state())
         with open_source(str(dst)) as src:
+            assert src.format == fmt
             idx = src.index()
+            assert list(idx) == list(flat)  # every key, in the saved order
             for key, value in flat.items():
                 if isinstance(value, torch.Tensor):
                     entry = idx[key]
@@ -58,9 +75,7 @@ class TestConformance:
         with open_source(str(dst)) as src:
             for key, value in flat.items():
                 if not isinstance(value, torch.Tensor):
-                    got = src.read_object(key)
-                    assert got == value or (value != value and got != got), key
-                    assert type(got) is type(value), key
+                    assert_same_value(src.read_object(key), value, key)
 
     def test_region_reads_equal_slicing(self, tmp_path, ref_pt, fmt):
         dst, _ = self.written(tmp_path, ref_pt, fmt)
@@ -78,7 +93,7 @@ class TestConformance:
 
     def test_tiny_budget_gives_same_bytes(self, tmp_path, ref_pt, fmt):
         big, _ = self.written(tmp_path, ref_pt, fmt)
-        small = tmp_path / ("small_" + OUTPUT_NAMES[fmt])
+        small = tmp_path / output_name(fmt, "small")
         convert(str(ref_pt), str(small), memory_budget=8)
         with open_source(str(big)) as a, open_source(str(small)) as b:
             for e in a.index().tensors():
@@ -86,50 +101,102 @@ class TestConformance:
 
     def test_round_trip_through_every_other_format(self, tmp_path, ref_pt, fmt):
         first, _ = self.written(tmp_path, ref_pt, fmt)
-        for other in FORMATS:
-            mid = tmp_path / ("mid_" + OUTPUT_NAMES[other])
-            back = tmp_path / ("back_" + OUTPUT_NAMES[fmt])
-            convert(str(first), str(mid))
+        for other in formats.names():
+            mid = tmp_path / output_name(other, "mid")
+            back = tmp_path / output_name(fmt, "back")
+            convert(str(first), str(mid), force=True)
             convert(str(mid), str(back), force=True)
-            with open_source(str(first)) as a, open_source(str(back)) as b:
-                assert list(a.index()) == list(b.index()) or sorted(a.index()) == sorted(b.index())
-                for key in a.index():
-                    if isinstance(a.index()[key], TensorEntry):
-                        assert_bitwise(a.read_tensor(key), b.read_tensor(key), f"{fmt}->{other}->{fmt}: {key}")
-                    else:
-                        assert a.read_object(key) == b.read_object(key) or key.endswith("inf") is False
+            assert_same_checkpoint(first, back, f"{fmt}->{other}->{fmt}")
 
     def test_memory_filesystem_both_sides(self, tmp_path, ref_pt, fmt):
         import fsspec
 
         fs = fsspec.filesystem("memory")
         fs.put(str(ref_pt), "/conf/ref.pt")
-        dst = f"memory://conf/{fmt}/" + OUTPUT_NAMES[fmt]
+        dst = f"memory://conf/{fmt}/" + output_name(fmt)
         convert("memory://conf/ref.pt", dst)
         back = tmp_path / "back.pt"
         convert(dst, f"file://{back}")
         assert_same_nested(torch.load(back, weights_only=True), reference_state())
         fs.rm("/conf", recursive=True)
 
+    # --- integrity: what verify must find in every format ----------------------------------------
 
-def assert_same_nested(a, b, where="state"):
-    if isinstance(b, torch.Tensor):
-        assert_bitwise(a, b, where)
-    elif isinstance(b, dict):
-        assert isinstance(a, dict) and list(a) == list(b), f"{where}: {list(a)} vs {list(b)}"
-        for k in b:
-            assert_same_nested(a[k], b[k], f"{where}.{k}")
-    elif isinstance(b, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_nested(x, y, f"{where}[{i}]")
-    else:
-        assert a == b and type(a) is type(b), f"{where}: {a!r} vs {b!r}"
+    def test_fresh_output_verifies(self, tmp_path, ref_pt, fmt):
+        dst, _ = self.written(tmp_path, ref_pt, fmt)
+        report = verify_path(str(dst))
+        assert report.ok, [p.line() for p in report.problems]
+        assert report.tensors_checked == len(REF_TENSORS)
+
+    def test_flipped_bit_in_each_tensor(self, tmp_path, ref_pt, fmt):
+        """data_spans names every tensor's bytes; a flip there changes what is read and, where the
+        format stores checksums, verify names that key and nothing else."""
+        dst, _ = self.written(tmp_path, ref_pt, fmt)
+        spans = tensor_data_spans(dst)
+        flat, _ = flatten(reference_state())
+        assert sorted({s[3] for s in spans}) == sorted(k for k in REF_TENSORS if flat[k].numel())
+        for i, (file, start, end, key) in enumerate(spans):
+            assert end - start == flat[key].numel() * flat[key].element_size(), key  # the span is exactly the data
+            work = copy_of(dst, tmp_path / f"flip{i}-{dst.name}")
+            flip_bit(os.path.join(work, os.path.relpath(file, dst)) if os.path.isdir(dst) else work, (start, end - 1)[i % 2], 3)
+            with open_source(str(work)) as src:
+                assert not torch.equal(src.read_tensor(key).reshape(-1).view(torch.uint8),
+                                       flat[key].contiguous().reshape(-1).view(torch.uint8)), key
+            report = verify_path(str(work))
+            if formats.get(fmt).checksums:
+                assert report.problems and {p.key for p in report.problems} == {key}, (key, [p.line() for p in report.problems])
+            else:
+                assert report.ok and any("no checksums" in n for n in report.notes)
+
+    def test_truncated_or_missing_file_is_named(self, tmp_path, ref_pt, fmt):
+        dst, _ = self.written(tmp_path, ref_pt, fmt)
+        for i, file in enumerate(data_files(dst)):
+            for damage in ("truncate", "remove"):
+                work = copy_of(dst, tmp_path / f"{damage}{i}-{dst.name}")
+                victim = os.path.join(work, os.path.basename(file)) if os.path.isdir(dst) else str(work)
+                if damage == "truncate":
+                    with open(victim, "r+b") as f:
+                        f.truncate(os.path.getsize(victim) * 2 // 3)
+                else:
+                    os.remove(victim)
+                try:
+                    report = verify_path(str(work))
+                except CkptError as exc:
+                    assert os.path.basename(victim) in str(exc), (damage, victim, str(exc))
+                    continue
+                assert not report.ok, (damage, victim)
+                assert any(os.path.basename(victim) in (p.file or "") for p in report.problems), (
+                    damage, victim, [p.line() for p in report.problems])
+
+    def test_damage_never_crashes_a_command(self, tmp_path, ref_pt, fmt):
+        """Flips and cuts anywhere: inspect, verify and convert to every format give a result or a
+        typed error (exit 1/2 with one line), never another exception."""
+        dst, _ = self.written(tmp_path, ref_pt, fmt)
+        files = data_files(dst)
+        rnd = random.Random(f"damage-{fmt}")
+        for i in range(24):
+            work = copy_of(dst, tmp_path / f"d{i}-{dst.name}")
+            victim = os.path.join(work, os.path.basename(rnd.choice(files))) if os.path.isdir(dst) else str(work)
+            size = os.path.getsize(victim)
+            if i % 3 == 0:
+                with open(victim, "r+b") as f:
+                    f.truncate(rnd.randrange(size))
+            else:
+                for _ in range(1 + i % 4):
+                    flip_bit(victim, rnd.randrange(size), rnd.randrange(8))
+            for run in ([lambda: inspect_path(str(work))], [lambda: verify_path(str(work))],
+                        [lambda o=o: convert(str(work), str(tmp_path / output_name(o, f"c{i}")), force=True)
+                         for o in formats.names()]):
+                for call in run:
+                    try:
+                        call()
+                    except CkptError:
+                        pass
 
 
 def test_torch_output_is_what_torch_save_would_write(tmp_path, ref_pt):
     for via in ("dcp", "safetensors"):
-        mid = tmp_path / OUTPUT_NAMES[via]
+        mid = tmp_path / output_name(via)
         convert(str(ref_pt), str(mid))
         out = tmp_path / f"from_{via}.pt"
         convert(str(mid), str(out))

@@ -22,6 +22,9 @@ from ckpttool.index import TensorEntry
 from ckpttool.storage import resolve
 from ckpttool.verify import verify_against, verify_path
 
+from .. import helpers
+from ..helpers import flip_bit
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures")
 
 
@@ -37,24 +40,8 @@ def dcp_dir(request, tmp_path, ref_pt):
 
 
 def tensor_data_spans(path) -> list[tuple[str, int, int, str]]:
-    """(file, start, end, key) of every chunk's raw tensor bytes."""
-    spans = []
-    with open_source(str(path)) as src:
-        for e in src.index().tensors():
-            for c in e.chunks:
-                arch = src.archive(c.location, e.key)
-                st = arch.storages[arch.obj.storage.key]
-                if st.nbytes:
-                    spans.append((c.location.relative_path, st.offset, st.offset + st.nbytes, e.key))
-    return spans
-
-
-def flip_bit(path, byte: int, bit: int = 0) -> None:
-    with open(path, "r+b") as f:
-        f.seek(byte)
-        b = f.read(1)[0]
-        f.seek(byte)
-        f.write(bytes([b ^ (1 << bit)]))
+    """(file name, start, end, key) of every chunk's raw tensor bytes."""
+    return [(os.path.basename(file), start, end, key) for file, start, end, key in helpers.tensor_data_spans(path)]
 
 
 def test_untouched_checkpoints_pass(dcp_dir, ref_pt, tmp_path):
@@ -139,13 +126,7 @@ def test_flips_anywhere_never_crash_the_verifier(tmp_path):
 
 
 def test_torch_file_bit_flip_and_truncation(tmp_path, ref_pt):
-    spans = []
-    with open_source(str(ref_pt)) as src:
-        for e in src.index().tensors():
-            st = src.storage_of(e.chunks[0].location)
-            if st.nbytes:
-                spans.append((st.offset, st.offset + st.nbytes, e.key))
-    start, end, key = spans[0]
+    _, start, end, key = tensor_data_spans(ref_pt)[0]
     bad = tmp_path / "bad.pt"
     shutil.copy(ref_pt, bad)
     flip_bit(bad, start + 1)
@@ -174,6 +155,15 @@ def test_safetensors_header_size_and_index_problems(tmp_path, ref_pt):
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     report = verify_path(str(hf))
     assert any(p.key == key and "index maps it" in p.what for p in report.problems)
+
+
+def test_safetensors_trailing_bytes_are_reported(tmp_path, ref_pt):
+    one = tmp_path / "one.safetensors"
+    convert(str(ref_pt), str(one))
+    with open(one, "ab") as f:
+        f.write(b"\0" * 8)
+    report = verify_path(str(one))
+    assert [("one.safetensors" in p.file, "file holds" in p.what) for p in report.problems] == [(True, True)]
 
 
 def test_against_finds_one_changed_element(tmp_path, ref_pt):

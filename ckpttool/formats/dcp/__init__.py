@@ -1,0 +1,46 @@
+"""DCP (``torch.distributed.checkpoint``) directories: the registered format.
+
+``.metadata`` plus ``__<rank>_<i>.distcp`` files (metadata.py); read offline by range (source.py),
+written offline for any layout (sink.py), checked by ``verify`` (integrity.py), and saved/loaded
+online through torch's own reader and writer with our rules (online.py).
+"""
+
+from __future__ import annotations
+
+from ...errors import NotACheckpointError
+from ...report import Report
+from ...storage import Location
+from ..base import Format, Probe, Progress, SinkOptions
+from . import integrity
+from .metadata import METADATA_FILE, data_file_name, read_metadata
+from .sink import DcpSink
+from .source import DcpSource
+
+
+class DcpFormat(Format):
+    name = "dcp"
+    checksums = True  # torch's CRC-32 of every record, and ckpttool's manifest
+    sink_options = frozenset({"layout"})
+
+    def sniff(self, probe: Probe) -> bool:
+        return probe.is_dir and METADATA_FILE in probe.names
+
+    def diagnose(self, probe: Probe) -> NotACheckpointError | None:
+        if probe.is_dir and any(n.endswith(".distcp") for n in probe.names):
+            return NotACheckpointError("DCP directory without .metadata (an interrupted save?)", where=probe.loc.url,
+                                       hint="use a complete checkpoint")
+        return None
+
+    def open_source(self, loc: Location) -> DcpSource:
+        return DcpSource(loc)
+
+    def make_sink(self, loc: Location, options: SinkOptions) -> DcpSink:
+        return DcpSink(loc, layout=options.layout)
+
+    def check_integrity(self, source: DcpSource, report: Report, keys: list[str], progress: Progress | None) -> None:
+        integrity.check_integrity(source, report, keys, progress)
+
+
+FORMAT = DcpFormat()
+
+__all__ = ["FORMAT", "METADATA_FILE", "DcpSink", "DcpSource", "data_file_name", "read_metadata"]

@@ -1,0 +1,155 @@
+"""DCP's part of ``verify``: files present, records inside them, chunks tiling each shape, records
+decoding to what ``.metadata`` says, torch's CRC-32 of the tensor data, and ckpttool's manifest.
+
+Each record is read once for both checksums (CRC-32 over its tensor data, the manifest's xxh3 over
+the whole record), so a cold verify reads each byte from disk once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ...checksums import ALGORITHM, hash_range, new_block, new_hasher, scan
+from ...errors import CkptError
+from ...index import TensorEntry, dtype_size
+from ...layout import tiles_exactly
+from ...report import Report
+from ...steps import read_commit_record
+from ..base import Progress
+from .metadata import METADATA_FILE
+from .source import DcpSource
+
+#: (file, offset) -> (length, hex digest) of every record, from the step's commit record
+Manifest = dict[tuple[str, int], tuple[int, str]]
+
+
+def check_integrity(source: DcpSource, report: Report, keys: list[str], progress: Progress | None) -> None:
+    index = source.index()
+    sizes: dict[str, int | None] = {}
+    for name in source.files():
+        loc = source.location.child(name)
+        sizes[name] = loc.size() if loc.exists() else None
+        if sizes[name] is None:
+            lost = sorted(k for k in index if name in _files_of(index[k]))
+            report.add("data file is missing", loc.url, lost[0] if lost else None,
+                       hint=f"{len(lost)} entries lose their data; restore the file")
+    buf = new_block()
+    manifest = _load_manifest(source, report)
+    total = sum(index[k].nbytes for k in keys if isinstance(index[k], TensorEntry))
+    done = 0
+    for key in keys:
+        entry = index[key]
+        infos = [c.location for c in entry.chunks] if isinstance(entry, TensorEntry) else [entry.location]
+        if not _records_inside_files(source, key, infos, sizes, report):
+            continue
+        if isinstance(entry, TensorEntry):
+            gap = tiles_exactly(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
+            if gap:
+                report.add(f"chunks do not tile the shape {list(entry.shape)}: {gap}", source.location.child(METADATA_FILE).url,
+                           key, hint="the .metadata is inconsistent; the checkpoint cannot be trusted")
+            for chunk in entry.chunks:
+                _check_chunk(source, key, entry, chunk, manifest, report, buf)
+            report.checked_tensor(entry.nbytes)
+            done += entry.nbytes
+            if progress:
+                progress(done, total, key)
+        else:
+            _check_object(source, key, entry.location, manifest, report, buf)
+
+
+def _records_inside_files(source: DcpSource, key: str, infos: list[Any], sizes: dict[str, int | None], report: Report) -> bool:
+    ok = True
+    for info in infos:
+        size = sizes.get(info.relative_path)
+        if size is None:
+            ok = False
+        elif info.offset < 0 or info.offset + info.length > size:
+            report.add(f"record at bytes {info.offset}..{info.offset + info.length} lies past the end of the file ({size} bytes)",
+                       source.location.child(info.relative_path).url, key, hint="the file is truncated; restore it from a good copy")
+            ok = False
+    return ok
+
+
+def _files_of(entry: Any) -> set[str]:
+    if isinstance(entry, TensorEntry):
+        return {c.location.relative_path for c in entry.chunks}
+    return {entry.location.relative_path}
+
+
+def _load_manifest(source: DcpSource, report: Report) -> Manifest | None:
+    """The manifest of the step's commit record, when ckpttool wrote one."""
+    record = read_commit_record(source.location)
+    manifest = (record or {}).get("manifest")
+    if not manifest:
+        return None
+    if manifest.get("algorithm") != ALGORITHM:
+        report.note(f"manifest uses {manifest.get('algorithm')}, this install hashes with {ALGORITHM}: not checked")
+        return None
+    report.note(f"checked against the manifest ({ALGORITHM}) of the commit record")
+    return {(name, off): (length, digest) for name, rows in manifest.get("records", {}).items() for off, length, digest in rows}
+
+
+def _manifest_row(manifest: Manifest | None, info: Any, url: str, key: str, report: Report) -> tuple[int, str] | None:
+    """The manifest's (length, hash) of this record; reports a record the manifest does not know."""
+    if manifest is None:
+        return None
+    row = manifest.get((info.relative_path, info.offset))
+    if row is None or row[0] != info.length:
+        report.add("record is not in the manifest written at commit", url, key, hint="the .metadata changed after the save")
+        return None
+    return row
+
+
+def _compare_digest(row: tuple[int, str] | None, digest: str, info: Any, url: str, key: str, report: Report) -> None:
+    if row is not None and digest != row[1]:
+        report.add(f"record at byte {info.offset} does not match the manifest's checksum", url, key,
+                   hint="the bytes changed after the save committed; restore the file")
+
+
+def _check_object(source: DcpSource, key: str, info: Any, manifest: Manifest | None, report: Report, buf: memoryview) -> None:
+    url = source.location.child(info.relative_path).url
+    row = _manifest_row(manifest, info, url, key, report)
+    try:
+        if row is not None:
+            _compare_digest(row, hash_range(source.reader(info.relative_path), info.offset, info.length, buf), info, url, key, report)
+        source.read_object(key)
+        report.objects_checked += 1
+    except CkptError as exc:
+        report.add(exc.what, exc.where or url, key, exc.hint)
+
+
+def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, manifest: Manifest | None, report: Report,
+                 buf: memoryview) -> None:
+    """Decode the chunk's record header, then read the record once for its CRC-32 and manifest hash."""
+    info = chunk.location
+    url = source.location.child(info.relative_path).url
+    row = _manifest_row(manifest, info, url, key, report)
+    hasher = new_hasher() if row is not None else None
+    try:
+        arch = source.archive(info, key)
+        ref = arch.obj
+        if not hasattr(ref, "shape") or tuple(ref.shape) != tuple(chunk.sizes) or ref.dtype != entry.dtype:
+            report.add(f"record at byte {info.offset} holds {getattr(ref, 'dtype', type(ref).__name__)}"
+                       f"{list(getattr(ref, 'shape', []))}, .metadata says {entry.dtype}{list(chunk.sizes)}", url, key)
+            return
+        storage = arch.storages.get(ref.storage.key)
+        need = (ref.storage_offset + math.prod(ref.shape)) * dtype_size(ref.dtype) if ref.shape else dtype_size(ref.dtype)
+        if storage is None or storage.nbytes < need:
+            report.add("record's data is shorter than its tensor", url, key)
+            return
+        reader = source.reader(info.relative_path)
+        if hasher is not None:
+            crc = scan(reader, info.offset, info.length, buf, crc_span=(storage.offset, storage.offset + storage.nbytes), hasher=hasher)
+        else:
+            crc = scan(reader, storage.offset, storage.nbytes, buf)
+        if crc != storage.crc32:
+            report.add(f"tensor data of the chunk at {list(chunk.offsets)} does not match its CRC-32 "
+                       f"(stored {storage.crc32:08x}, computed {crc:08x})", url, key,
+                       hint="the bytes changed after they were written (bit rot, a bad copy); restore the file")
+        if hasher is not None:
+            _compare_digest(row, hasher.hexdigest(), info, url, key, report)
+    except CkptError as exc:
+        report.add(exc.what, exc.where or url, key, exc.hint)
+    except Exception as exc:  # noqa: BLE001 - a corrupt record must be reported, never crash the check
+        report.add(f"cannot decode the record at byte {info.offset}: {type(exc).__name__}: {exc}", url, key)

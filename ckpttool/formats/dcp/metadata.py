@@ -1,0 +1,74 @@
+"""DCP's ``.metadata``: read through the allow-list and checked, and the data files' naming.
+
+Layout (FileSystemWriter): ``.metadata`` (a pickle of ``Metadata``: per key the global shape, dtype
+and chunks; per chunk the file, offset and length of its record) and ``__<rank>_<i>.distcp`` files,
+each a run of ``torch.save`` archives, one per chunk or object.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ...errors import CorruptCheckpointError, NotACheckpointError, NotFoundError
+from ...safe_pickle import load_dcp_metadata
+from ...storage import Location
+
+METADATA_FILE = ".metadata"
+DCP_VERSION = "1.0.0"
+_DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def data_file_name(rank: int) -> str:
+    """The file a rank writes (one per rank, as ``FileSystemWriter(single_file_per_rank=True)``)."""
+    return f"__{rank}_0.distcp"
+
+
+def file_rank(name: str) -> int | None:
+    """The rank that wrote a ``__<rank>_<i>.distcp`` file (None for another name)."""
+    m = _DATA_FILE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def writer_world_size(file_names: list[str]) -> int:
+    """How many ranks wrote a DCP checkpoint, from its ``__<rank>_<i>.distcp`` file names."""
+    ranks = {r for r in map(file_rank, file_names) if r is not None}
+    return max(ranks) + 1 if ranks else 1
+
+
+def read_metadata(loc: Location) -> Metadata:
+    """``.metadata`` of a DCP directory, unpickled through the allow-list."""
+    md_loc = loc.child(METADATA_FILE)
+    if not loc.exists():
+        raise NotFoundError("checkpoint does not exist", where=loc.url, hint="check the path")
+    if not md_loc.exists():
+        raise NotACheckpointError(
+            "directory has no .metadata, so it is not a complete DCP checkpoint",
+            where=loc.url,
+            hint="the save may have been interrupted; use an earlier step or `ckpttool inspect` the root",
+        )
+    metadata = load_dcp_metadata(md_loc.read_bytes(), md_loc.url)
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError("the .metadata file does not hold DCP metadata", where=md_loc.url)
+    return metadata
+
+
+def check_tensor_metadata(key: str, md: Any, where: str) -> None:
+    """Types and ranks of one entry, so a damaged .metadata is a clear error, not a crash later."""
+    dtype = getattr(getattr(md, "properties", None), "dtype", None)
+    size = getattr(md, "size", None)
+    ok = isinstance(dtype, torch.dtype) and isinstance(size, (tuple, list)) and all(isinstance(s, int) and s >= 0 for s in size)
+    if ok:
+        for c in md.chunks:
+            offs, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
+            if not (isinstance(offs, (tuple, list)) and isinstance(sizes, (tuple, list)) and len(offs) == len(sizes) == len(size)
+                    and all(isinstance(x, int) and x >= 0 for x in (*offs, *sizes))):
+                ok = False
+                break
+    if not ok:
+        raise CorruptCheckpointError(
+            f"entry {key!r} in .metadata is malformed", where=where, hint="the .metadata file is damaged; restore it"
+        )

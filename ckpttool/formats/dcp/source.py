@@ -1,0 +1,166 @@
+"""Reading a DCP directory offline: its index from ``.metadata``, tensor regions and objects by range.
+
+Each chunk or object is a ``torch.save`` archive inside a ``__<rank>_<i>.distcp`` file; we parse
+the archive's zip directory and pickle through the allow-list and read only the bytes a region needs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from ...errors import CorruptCheckpointError, FormatError, NotFoundError
+from ...index import Chunk, Index, ObjectEntry, TensorEntry
+from ...layout import Box, intersect, relative, whole
+from ...storage import Location, RangeReader
+from ..base import Source
+from ..torchzip import REMOTE_RECORD, Archive, load_object_record, read_archive, read_tensor_box
+from .metadata import METADATA_FILE, check_tensor_metadata, read_metadata, writer_world_size
+
+
+class DcpSource(Source):
+    format = "dcp"
+
+    def __init__(self, location: Location):
+        super().__init__(location)
+        self.metadata = read_metadata(location)
+        self._storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+        for mi, info in (self.metadata.storage_data or {}).items():
+            self._storage[(mi.fqn, None if mi.offset is None else tuple(mi.offset))] = info
+        self._readers: dict[str, RangeReader] = {}
+        self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
+        self._index: Index | None = None
+
+    def index(self) -> Index:
+        if self._index is not None:
+            return self._index
+        paths = self.metadata.planner_data if isinstance(self.metadata.planner_data, dict) else {}
+        md_url = self.location.child(METADATA_FILE).url
+        idx = Index()
+        stored = self.metadata.state_dict_metadata
+        # the order of the saved state dict (planner_data keeps it), not the order ranks reported in
+        order = {k: i for i, k in enumerate(paths)}
+        for key in sorted(stored, key=lambda k: order.get(k, len(order))):
+            md = stored[key]
+            path = tuple(paths.get(key, (key,)))
+            if isinstance(md, TensorStorageMetadata):
+                check_tensor_metadata(key, md, md_url)
+                chunks = []
+                for c in md.chunks:
+                    offs = tuple(int(o) for o in c.offsets)
+                    info = self._storage.get((key, offs))
+                    if info is None:
+                        raise CorruptCheckpointError(f"tensor {key!r}: chunk at {offs} has no storage entry in .metadata", where=md_url)
+                    chunks.append(Chunk(offs, tuple(int(s) for s in c.sizes), info))
+                idx.add(TensorEntry(key, tuple(int(s) for s in md.size), md.properties.dtype, tuple(chunks)), path)
+            elif isinstance(md, BytesStorageMetadata):
+                info = self._storage.get((key, None))
+                if info is None:
+                    raise CorruptCheckpointError(f"object {key!r} has no storage entry in .metadata", where=self.location.url)
+                idx.add(ObjectEntry(key, info), path)
+            else:
+                raise FormatError(f"unknown entry type {type(md).__name__} for {key!r}", where=self.location.url)
+        self._index = idx
+        return idx
+
+    @property
+    def world_size(self) -> int:
+        return writer_world_size(self.files())
+
+    def files(self) -> list[str]:
+        names = {getattr(info, "relative_path", "?") for info in self._storage.values()}
+        return sorted(names)
+
+    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+        return entry.chunks[chunk_index].location.relative_path
+
+    def reader(self, relative_path: str) -> RangeReader:
+        """The open reader of one data file (kept open: a file holds many records)."""
+        r = self._readers.get(relative_path)
+        if r is None:
+            loc = self.location.child(relative_path)
+            if not loc.exists():
+                raise NotFoundError(
+                    "data file named in .metadata is missing", where=loc.url, hint="restore the file or use another checkpoint"
+                )
+            r = self._readers[relative_path] = loc.open_reader()
+        return r
+
+    def record_where(self, info: Any, key: str) -> str:
+        return f"{self.location.child(info.relative_path).url} (record of {key!r} at byte {info.offset})"
+
+    def archive(self, info: Any, key: str) -> Archive:
+        """The parsed record behind a storage entry (cached: many reads hit the same chunk)."""
+        if getattr(info, "transform_descriptors", None):
+            raise FormatError(
+                f"record of {key!r} uses storage transforms {info.transform_descriptors}",
+                where=self.location.child(info.relative_path).url,
+                hint="ckpttool reads plain DCP records only",
+            )
+        cache_key = (info.relative_path, info.offset)
+        arch = self._archives.get(cache_key)
+        if arch is None:
+            reader = self.reader(info.relative_path)
+            for other in self._readers.values():  # at most one record held in memory per source
+                if other is not reader:
+                    other.release()
+            arch = read_archive(reader, info.offset, info.length, self.record_where(info, key),
+                                whole_up_to=REMOTE_RECORD if self.location.batch_reads else 0)
+            self._archives[cache_key] = arch
+            if len(self._archives) > 4096:
+                self._archives.popitem(last=False)
+        return arch
+
+    def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk):
+        """(reference, storage) of a chunk's record, checked against what ``.metadata`` says."""
+        arch = self.archive(chunk.location, key)
+        ref = arch.obj
+        where = f"{self.location.child(chunk.location.relative_path).url} (key {key!r})"
+        if tuple(getattr(ref, "shape", ())) != chunk.sizes or getattr(ref, "dtype", None) != entry.dtype:
+            raise CorruptCheckpointError(
+                f"record of {key!r} at {chunk.offsets} holds {getattr(ref, 'dtype', '?')}{list(getattr(ref, 'shape', []))}, "
+                f".metadata says {entry.dtype}{list(chunk.sizes)}",
+                where=where,
+            )
+        storage = arch.storages.get(ref.storage.key)
+        if storage is None:
+            raise CorruptCheckpointError(f"record of {key!r} lacks its data", where=where)
+        return ref, storage
+
+    def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        entry = self.entry(key, TensorEntry)
+        box = box if box is not None else whole(entry.shape)
+        if out is None:
+            out = torch.empty(box[1], dtype=entry.dtype)
+        for chunk in entry.chunks:
+            part = intersect((chunk.offsets, chunk.sizes), box)
+            if part is None:
+                continue
+            ref, storage = self.tensor_record(key, entry, chunk)
+            where = f"{self.location.child(chunk.location.relative_path).url} (key {key!r})"
+            local = tuple(s.start for s in relative(part, (chunk.offsets, chunk.sizes)))
+            # read straight into the destination when its slice is contiguous (whole rows)
+            read_tensor_box(self.reader(chunk.location.relative_path), ref, storage, (local, part[1]), where,
+                            out=out[relative(part, box)])
+        return out
+
+    def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
+        entry = self.entry(key, TensorEntry)
+        spans = []
+        for chunk in entry.chunks:
+            _, storage = self.tensor_record(key, entry, chunk)
+            spans.append((self.location.child(chunk.location.relative_path), storage.offset, storage.offset + storage.nbytes))
+        return spans
+
+    def read_object(self, key: str) -> Any:
+        info = self.entry(key, ObjectEntry).location
+        return load_object_record(self.reader(info.relative_path), info.offset, info.length,
+                                  f"{self.location.child(info.relative_path).url} (object {key!r})")
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
