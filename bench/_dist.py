@@ -1,13 +1,16 @@
-"""Helpers for the multi-rank benchmarks (bench/save.py, load.py, reshard.py, verify.py).
+"""Helpers for the multi-rank benchmarks (bench/save.py, load.py, reshard.py, verify.py, and the
+checkpoint writer of convert.py): launching a case's ranks, a rank's set-up, the model
+configurations and a fast checkpoint generator.
 
 Two halves:
 
 * the parent side (standard library only, like ``_common.py``): :func:`measure_ranks` runs one
   case as a fresh *launcher* process that spawns W rank processes (gloo, file rendezvous) and waits
   for them; ``_common.run_child`` measures the launcher's whole process tree (peak RSS of the sum of
-  all ranks) and each rank reports its own timings and ``VmHWM``;
-* the rank side (imports torch lazily): process-group set-up, the model configurations, a fast
-  checkpoint generator and the formatting helpers the benchmark scripts share.
+  all ranks) and each rank reports its own timings and ``VmHWM``; the checkpoints a benchmark
+  reads are written (or, with ``--keep``, reused) by :func:`checkpoint`;
+* the rank side (imports torch lazily): process-group set-up, the model built on a mesh with
+  random training state, and the checkpoint generator's rank.
 
 Run as a script, this file is the launcher:
 ``python bench/_dist.py --launch SCRIPT WORLD RESULT LOGPREFIX -- ARGS...`` starts ``WORLD``
@@ -18,20 +21,21 @@ kills the others as soon as one fails, and writes ``{"rcs": [...], "ranks": [res
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import GB, MiB, ChildRun, child_argv, proc_status, remove, run_child, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    GB, ChildRun, add_hidden_args, child_argv, proc_status, remove, report_failure, run_child, write_json,
+)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 DIST = os.path.abspath(__file__)
 
 
@@ -58,6 +62,15 @@ def measure_ranks(script: str, world: int, args: list[str], work: str, name: str
                     tails += f"--- rank {r} ---\n" + f.read()[-3000:]
         run.log_tail += "\n" + tails
     return run
+
+
+def rank_results(name: str, run: ChildRun) -> list[dict[str, Any]] | None:
+    """Each rank's result of a multi-rank case; None (after printing why) when any rank failed."""
+    ranks = run.result.get("ranks", []) if run.result else []
+    if run.rc != 0 or not ranks or not all(r.get("ok") for r in ranks):
+        report_failure(name, run)
+        return None
+    return ranks
 
 
 def launch(script: str, world: int, result: str, log_prefix: str, args: list[str]) -> int:
@@ -99,103 +112,134 @@ def launch(script: str, world: int, result: str, log_prefix: str, args: list[str
     return 0 if all(rc == 0 for rc in rcs) else 1
 
 
-def wait_for_convert(poll_s: float = 60, quiet: bool = False) -> None:
-    """Block while a ``bench/convert.py`` run (a colleague's benchmark) is going on."""
-    me = os.getpid()
-    while True:
-        out = subprocess.run(["pgrep", "-f", "bench/convert.py"], capture_output=True, text=True).stdout.split()
-        others = [p for p in out if int(p) != me]
-        if not others:
-            return
-        if not quiet:
-            print(f"   waiting: bench/convert.py is running (pids {' '.join(others)}); polling every {poll_s:.0f} s", flush=True)
-        time.sleep(poll_s)
-
-
-def can_drop_caches() -> bool:
-    """Whether ``_common.drop_caches`` would work here (root), without dropping anything."""
-    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
-
-
-def add_rank_args(p) -> None:
-    """The hidden arguments every rank process receives from the launcher."""
-    import argparse
-
+def add_rank_args(p: argparse.ArgumentParser, *hidden: str, gen: bool = False) -> None:
+    """The hidden arguments a rank process receives from the launcher, the script's own ``hidden``
+    ones and, with ``gen``, ``--_gen`` (a rank of the checkpoint generator: :func:`gen_mode`)."""
     p.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_world", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_rdzv", default="", help=argparse.SUPPRESS)
     p.add_argument("--_result", default="", help=argparse.SUPPRESS)
+    add_hidden_args(p, *hidden)
+    if gen:
+        p.add_argument("--_gen", nargs=4, help=argparse.SUPPRESS)
 
 
-def best_of(runs: list[dict[str, Any]], time_keys: list[str], peak_keys: list[str],
-            pick: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One representative run of a case; every reported value comes from that run.
+# --- the checkpoints a benchmark reads -----------------------------------------------------------
 
-    ``pick`` chooses it among the successful runs (default: the smallest ``time_keys[0]``, the
-    fastest run); values of different runs are never mixed into one row. For the spread, every
-    key in ``time_keys`` and ``peak_keys`` also gets ``KEY_all``: its value in each successful run,
-    in run order. ``picked`` is the index of the chosen run among them, ``runs`` their number.
-    """
-    ok = [r for r in runs if r.get("ok")]
-    if not ok:
-        return {"failed": True, "runs": runs}
-    if pick is not None:
-        rep = pick(ok)
+
+def checkpoint(script: str, out_dir: str, size_gb: float, mesh: str, keep: bool, work: str) -> tuple[str, dict[str, Any]]:
+    """A ckpttool training root of ``size_gb`` GB saved on ``mesh`` in ``out_dir``, and its facts
+    (kept next to it, ``ROOT.json``): with ``keep`` an earlier run's is reused, else it is written
+    now through ``script``'s ``--_gen`` ranks (:func:`generate`)."""
+    root = os.path.join(out_dir, f"ckpt-{size_gb:g}GB-on-{mesh}")
+    info_path = root + ".json"
+    if keep and os.path.exists(info_path) and os.path.isdir(root):
+        with open(info_path) as fh:
+            info = json.load(fh)
+        print(f"reusing {root}", flush=True)
     else:
-        key = time_keys[0]
-        timed = [r for r in ok if r.get(key) is not None]
-        rep = min(timed, key=lambda r: r[key]) if timed else ok[0]
-    out = dict(rep)
-    for k in [*time_keys, *peak_keys]:
-        if any(r.get(k) is not None for r in ok):
-            out[k + "_all"] = [r.get(k) for r in ok]
-    out["picked"] = next(i for i, r in enumerate(ok) if r is rep)
-    out["runs"] = len(ok)
-    return out
+        print(f"saving {size_gb:g} GB with ckpttool on {mesh_label(mesh)} ...", flush=True)
+        info = generate(script, root, model_dims(size_gb), mesh, "ckpttool", work, f"gen-{mesh}")
+        write_json(info_path, info)
+    return root, info
 
 
-def pick_smallest(key: str) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
-    """A ``best_of`` pick: the run with the smallest ``key``."""
-    return lambda ok: min(ok, key=lambda r: r[key] if r.get(key) is not None else float("inf"))
+def existing_checkpoint(src: str) -> tuple[str, dict[str, Any]]:
+    """``--src``: the DCP directory of an existing checkpoint (or training root), and the facts a
+    benchmark wrote next to it (``SRC.json``) if there are any."""
+    info_path = os.path.abspath(src).rstrip("/") + ".json"
+    info = {}
+    if os.path.exists(info_path):
+        with open(info_path) as fh:
+            info = json.load(fh)
+    return dcp_dir_of(os.path.abspath(src)), info
 
 
-def md_table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i in left else "---:" for i in range(len(head))) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
+def remove_checkpoint(root: str) -> None:
+    """Remove a generated checkpoint and its facts."""
+    remove(root)
+    remove(root + ".json")
 
 
-def text_table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-
-def f(x: float | None, fmt: str = ".2f") -> str:
-    return "–" if x is None else format(x, fmt)
+def run_writer(script: str, dst: str, world: int, args: list[str], work: str, name: str,
+               timeout_s: float | None = None) -> ChildRun:
+    """Write the checkpoint ``dst`` anew with ``world`` ranks of ``script ARGS``: the set-up of a
+    benchmark, not a case; if it fails the benchmark cannot run, and stops here."""
+    remove(dst)
+    run = measure_ranks(script, world, args, work, name, timeout_s=timeout_s)
+    if run.rc != 0:
+        raise SystemExit(f"writing the checkpoint {dst} failed (exit {run.rc}):\n{run.log_tail}")
+    return run
 
 
-def md_header(title: str, results: dict[str, Any]) -> str:
-    """The top of a results file: what ran, where, when."""
-    m = results.get("machine", {})
-    facts = (f"{m.get('cpus')} cores ({m.get('cpu_model', '?')}), {m.get('mem_total_gib')} GiB RAM, swap {m.get('swap_gib')} GiB, "
-             f"{m.get('disk_fs')} on {m.get('disk_device')} (rotational: {m.get('disk_rotational')}), kernel {m.get('kernel')}, "
-             f"Python {m.get('python')}, torch {results.get('torch')}")
-    return (f"# {title}\n\n"
-            f"Command (from the repository root): `{results.get('command')}`\n\n"
-            f"Run {results.get('started')} – {results.get('finished')} on: {facts}.\n\n")
+def generate(script: str, dst: str, cfg: dict[str, int], mesh_spec: str, how: str, work: str, name: str) -> dict[str, Any]:
+    """Write a checkpoint with ``mesh_spec`` ranks through ``script``'s ``--_gen`` rank mode."""
+    run = run_writer(script, dst, mesh_world(mesh_spec), ["--_gen", dst, json.dumps(cfg), mesh_spec, how], work, name)
+    info = dict(run.result["ranks"][0])
+    info.update(cfg=cfg, mesh=mesh_spec, how=how, gen_wall_s=run.wall_s, path=dst)
+    return info
 
 
-def verdict_lines(checks: list[dict[str, Any]]) -> list[str]:
-    return [f"{'PASS' if c['pass'] else 'FAIL'}  {c['target']:<48} {c['case']:<40} {c['value']}" for c in checks]
+def dcp_dir_of(path: str) -> str:
+    """The DCP directory: ``path`` itself, or the newest ``step-<N>`` of a ckpttool training root."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return path
+    steps = sorted((n for n in os.listdir(path) if n.startswith("step-")), key=lambda n: int(n.split("-")[1]))
+    return os.path.join(path, steps[-1])
 
 
-def verdict_md(checks: list[dict[str, Any]]) -> str:
-    rows = [[c["target"], c["case"], c["value"], "pass" if c["pass"] else "**FAIL**"] for c in checks]
-    return md_table(["target", "case", "measured", ""], rows, left=(0, 1, 2, 3))
+def dcp_files(path: str) -> list[str]:
+    """The DCP files of a checkpoint directory (``.metadata`` and the ``.distcp`` files)."""
+    return sorted(os.path.join(path, n) for n in os.listdir(path) if n == ".metadata" or n.endswith(".distcp"))
+
+
+def dcp_bytes(path: str) -> int:
+    """Bytes of the DCP files of a checkpoint directory: what a raw read or copy of it moves."""
+    return sum(os.path.getsize(p) for p in dcp_files(path))
+
+
+def mesh_label(mesh: str) -> str:
+    """A layout in words: ``1 rank``, ``3 ranks``, ``HSDP 2x2``."""
+    return f"HSDP {mesh}" if "x" in mesh else f"{mesh} rank" + ("s" if mesh != "1" else "")
+
+
+def mesh_world(spec: str) -> int:
+    """The number of ranks of a layout (``"4"``, ``"2x2"``)."""
+    if "x" in spec:
+        r, s = (int(x) for x in spec.split("x"))
+        return r * s
+    return int(spec)
+
+
+def n_params(cfg: dict[str, int]) -> int:
+    """Parameters of the bundled Transformer with config ``cfg`` (a checkpoint of its fp32 params
+    and AdamW state holds 12 bytes for each)."""
+    d, v, s = cfg["dim"], cfg["vocab_size"], cfg["seq_len"]
+    per_layer = 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d
+    return 2 * v * d + s * d + 2 * d + cfg["n_layers"] * per_layer
+
+
+def fit_layers(cfg: dict[str, int], size_gb: float) -> dict[str, int]:
+    """``cfg`` with as many blocks (at least one) as bring its fp32 params + AdamW exp_avg +
+    exp_avg_sq (12 bytes/param) closest to ``size_gb`` GB."""
+    fixed = n_params({**cfg, "n_layers": 0})
+    per_layer = n_params({**cfg, "n_layers": 1}) - fixed
+    cfg["n_layers"] = max(1, round((size_gb * GB / 12 - fixed) / per_layer))
+    return cfg
+
+
+def model_dims(size_gb: float, seq_len: int = 32) -> dict[str, int]:
+    """A Transformer config whose fp32 params + AdamW exp_avg + exp_avg_sq (12 bytes/param) come
+    close to ``size_gb`` GB. dim 768 (12 heads, vocab 8192) up to ~2 GB, as the ``1g`` preset, so
+    training steps on CPU stay short; dim 2048 above (as bench/convert.py); a short ``seq_len``
+    keeps a training step cheap (the sequence does not change the state's size much)."""
+    if size_gb <= 2:
+        cfg = dict(vocab_size=8192, dim=768, n_layers=1, n_heads=12, seq_len=seq_len)
+    else:
+        cfg = dict(vocab_size=8192, dim=2048, n_layers=1, n_heads=16, seq_len=seq_len)
+    if size_gb < 0.5:
+        cfg.update(dim=384, n_heads=6, vocab_size=4096)
+    return fit_layers(cfg, size_gb)
 
 
 # --- rank side -----------------------------------------------------------------------------------
@@ -213,6 +257,7 @@ def init_rank(args) -> tuple[int, int]:
 
 
 def finish_rank(args, doc: dict[str, Any]) -> None:
+    """Hand this rank's result (with its rank and peak RSS) to the launcher and leave the group."""
     import torch.distributed as dist
 
     doc.setdefault("rank", args._rank)
@@ -223,6 +268,17 @@ def finish_rank(args, doc: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
+def gen_mode(args) -> bool:
+    """Run this process as a rank of the checkpoint generator if the launcher started it as one
+    (``--_gen``, from :func:`generate`); True if it did."""
+    if not args._gen:
+        return False
+    init_rank(args)
+    dst, cfg, mesh, how = args._gen
+    finish_rank(args, gen_rank(dst, json.loads(cfg), mesh, how))
+    return True
+
+
 def make_mesh(spec: str):
     """``"4"``: a 1-D mesh of 4 ranks (FSDP2); ``"2x2"``: (replicate=2, shard=2), HSDP."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -231,31 +287,6 @@ def make_mesh(spec: str):
         r, s = (int(x) for x in spec.split("x"))
         return init_device_mesh("cpu", (r, s), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh("cpu", (int(spec),))
-
-
-def mesh_world(spec: str) -> int:
-    if "x" in spec:
-        r, s = (int(x) for x in spec.split("x"))
-        return r * s
-    return int(spec)
-
-
-def model_dims(size_gb: float, seq_len: int = 32) -> dict[str, int]:
-    """A Transformer config whose fp32 params + AdamW exp_avg + exp_avg_sq (12 bytes/param) come
-    close to ``size_gb`` GB. dim 768 (12 heads, vocab 8192) up to ~2 GB, as the ``1g`` preset, so
-    training steps on CPU stay short; dim 2048 above (as bench/convert.py); a short ``seq_len``
-    keeps a training step cheap (the sequence does not change the state's size much)."""
-    if size_gb <= 2:
-        cfg = dict(vocab_size=8192, dim=768, n_layers=1, n_heads=12, seq_len=seq_len)
-    else:
-        cfg = dict(vocab_size=8192, dim=2048, n_layers=1, n_heads=16, seq_len=seq_len)
-    if size_gb < 0.5:
-        cfg.update(dim=384, n_heads=6, vocab_size=4096)
-    d, v, s = cfg["dim"], cfg["vocab_size"], cfg["seq_len"]
-    per_layer = 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d
-    fixed = 2 * v * d + s * d + 2 * d
-    cfg["n_layers"] = max(1, round((size_gb * GB / 12 - fixed) / per_layer))
-    return cfg
 
 
 def state_nbytes(state: Any) -> int:
@@ -307,7 +338,21 @@ def shell_model(cfg: dict[str, int], mesh):
     return model
 
 
-def gen_rank(args, dst: str, cfg: dict[str, int], mesh_spec: str, how: str, step: int = 1) -> dict[str, Any]:
+def random_training_state(cfg: dict[str, int], mesh_spec: str):
+    """An FSDP2 model on ``mesh_spec`` and its AdamW optimizer, holding random training state
+    (:func:`fill_state`); the replicas of a shard (HSDP) hold the same values, as after training."""
+    import torch
+    import torch.distributed as dist
+
+    mesh = make_mesh(mesh_spec)
+    model = shell_model(cfg, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    shard_rank = mesh.get_local_rank(mesh.ndim - 1) if mesh.ndim > 1 else dist.get_rank()
+    fill_state(model, opt, 1000 + shard_rank)
+    return model, opt
+
+
+def gen_rank(dst: str, cfg: dict[str, int], mesh_spec: str, how: str, step: int = 1) -> dict[str, Any]:
     """One rank of a checkpoint writer: random state on ``mesh_spec``, saved with ckpttool's
     Checkpointer (``how="ckpttool"``: ``dst`` is a training root, the step is ``dst/step-<step>``)
     or plain ``dcp.save`` (``how="dcp"``: ``dst`` is the checkpoint directory)."""
@@ -316,12 +361,7 @@ def gen_rank(args, dst: str, cfg: dict[str, int], mesh_spec: str, how: str, step
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    mesh = make_mesh(mesh_spec)
-    model = shell_model(cfg, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    # replicas of a shard (HSDP) hold the same values, as they would after training
-    shard_rank = mesh.get_local_rank(mesh.ndim - 1) if mesh.ndim > 1 else dist.get_rank()
-    fill_state(model, opt, 1000 + shard_rank)
+    model, opt = random_training_state(cfg, mesh_spec)
     msd, osd = get_state_dict(model, opt)
     nbytes = state_nbytes({"model": msd, "optim": osd})
     dist.barrier()
@@ -342,32 +382,8 @@ def gen_rank(args, dst: str, cfg: dict[str, int], mesh_spec: str, how: str, step
             "params": params, "tensors": 3 * len(list(model.parameters())), "torch": torch.__version__}
 
 
-def generate(script: str, dst: str, cfg: dict[str, int], mesh_spec: str, how: str, work: str, name: str) -> dict[str, Any]:
-    """Write a checkpoint with ``mesh_spec`` ranks through ``script``'s ``--_gen`` rank mode."""
-    remove(dst)
-    world = mesh_world(mesh_spec)
-    run = measure_ranks(script, world, ["--_gen", dst, json.dumps(cfg), mesh_spec, how], work, name)
-    if run.rc != 0:
-        raise SystemExit(f"writing the checkpoint {dst} failed (exit {run.rc}):\n{run.log_tail}")
-    info = dict(run.result["ranks"][0])
-    info.update(cfg=cfg, mesh=mesh_spec, how=how, gen_wall_s=run.wall_s, path=dst)
-    return info
-
-
-def dcp_dir_of(path: str) -> str:
-    """The DCP directory: ``path`` itself, or the newest ``step-<N>`` of a ckpttool training root."""
-    if os.path.exists(os.path.join(path, ".metadata")):
-        return path
-    steps = sorted((n for n in os.listdir(path) if n.startswith("step-")), key=lambda n: int(n.split("-")[1]))
-    return os.path.join(path, steps[-1])
-
-
-def dcp_files(path: str) -> list[str]:
-    """The DCP files of a checkpoint directory (``.metadata`` and the ``.distcp`` files)."""
-    return sorted(os.path.join(path, n) for n in os.listdir(path) if n == ".metadata" or n.endswith(".distcp"))
-
-
 def main() -> int:
+    """The launcher's command line (see above); anything else prints this module's help."""
     argv = sys.argv[1:]
     if len(argv) >= 5 and argv[0] == "--launch":
         script, world, result, log_prefix = argv[1], int(argv[2]), argv[3], argv[4]

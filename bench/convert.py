@@ -35,25 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import (  # noqa: E402
-    GB,
-    MiB,
-    ChildRun,
-    child_argv,
-    code_version,
-    drop_caches,
-    fsync_tree,
-    machine_facts,
-    path_bytes,
-    pattern_buffer,
-    raw_copy,
-    raw_read,
-    raw_write,
-    remove,
-    reset_peak_rss,
-    proc_status,
-    run_child,
-    write_json,
+    GB, MiB, ChildRun, add_run_args, bar_labels, code_version, cold_cache, drop_caches, failed_row, fsync_tree, f,
+    json_path, machine_brief, measure_child, now, parse_size, parser, path_bytes, pattern_buffer, plot_file, print_results,
+    proc_status, raw_copy, raw_read, raw_write, remove, report_failure, reset_peak_rss, run_header, run_rounds, start_run,
+    table, verdict_md, write_json, write_markdown,
 )
+from _dist import add_rank_args, finish_rank, fit_layers, init_rank, random_training_state, run_writer  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(SCRIPT))
@@ -75,47 +62,19 @@ def model_config(size_gb: float, large: bool = False) -> dict[str, int]:
         cfg = dict(vocab_size=196608 if large else 8192, dim=2048, n_layers=1, n_heads=16, seq_len=1024)
     else:
         cfg = dict(vocab_size=16384 if large else 2048, dim=512, n_layers=1, n_heads=8, seq_len=256)
-    d, v, s = cfg["dim"], cfg["vocab_size"], cfg["seq_len"]
-    per_layer = 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d
-    fixed = 2 * v * d + s * d + 2 * d
-    cfg["n_layers"] = max(1, round((size_gb * GB / 12 - fixed) / per_layer))
-    return cfg
+    return fit_layers(cfg, size_gb)
 
 
-def gen_rank(rank: int, rdzv: str, dst: str, size_gb: float, large: bool, info_path: str) -> None:
-    """One rank of the writer: FSDP2 model on meta -> to_empty -> fill; AdamW state set directly
-    (exp_avg, exp_avg_sq filled, step=1: what one optimizer step leaves); plain ``dcp.save``."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+def gen_rank(dst: str, size_gb: float, large: bool) -> dict[str, Any]:
+    """One rank of the writer: an FSDP2 model with random parameters and AdamW state
+    (``_dist.random_training_state``: what one optimizer step leaves), saved with plain ``dcp.save``;
+    returns the checkpoint's facts."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from ckpttool.trainer.model import ModelConfig, Transformer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=WORLD)
-    mesh = init_device_mesh("cpu", (WORLD,))
-    cfg = ModelConfig(**model_config(size_gb, large))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(1000 + rank)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tensor_bytes = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().uniform_(-0.05, 0.05, generator=gen)
-            avg, sq = torch.empty_like(p), torch.empty_like(p)
-            avg.to_local().uniform_(-1e-3, 1e-3, generator=gen)
-            sq.to_local().uniform_(0, 1e-6, generator=gen)
-            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": avg, "exp_avg_sq": sq}
-            tensor_bytes += 3 * p.numel() * p.element_size() + 4
+    cfg = model_config(size_gb, large)
+    model, opt = random_training_state(cfg, str(WORLD))
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd, "extra": {"step": 1, "data_seed": 7, "note": "bench/convert.py"}}
     dist.barrier()
@@ -123,56 +82,18 @@ def gen_rank(rank: int, rdzv: str, dst: str, size_gb: float, large: bool, info_p
     dcp.save(state, checkpoint_id=dst)
     dist.barrier()
     seconds = time.perf_counter() - t0
-    if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
-        largest = max(p.numel() * p.element_size() for p in model.parameters())
-        info = {"size_gb": size_gb, "large": large, "config": model_config(size_gb, large), "params": params,
-                "tensor_bytes": tensor_bytes, "largest_tensor_bytes": largest,
-                "tensors": 3 * len(list(model.parameters())), "dcp_save_s": seconds, "world_size": WORLD}
-        write_json(info_path, info)
-    dist.destroy_process_group()
+    params = list(model.parameters())
+    return {"size_gb": size_gb, "large": large, "config": cfg, "params": sum(p.numel() for p in params),
+            "tensor_bytes": sum(3 * p.numel() * p.element_size() + 4 for p in params),
+            "largest_tensor_bytes": max(p.numel() * p.element_size() for p in params),
+            "tensors": 3 * len(params), "dcp_save_s": seconds, "world_size": WORLD}
 
 
 def generate(dst: str, size_gb: float, large: bool, work: str, info_path: str, timeout_s: float | None = None) -> dict[str, Any]:
-    """Write the DCP checkpoint with 2 rank processes; their tree's peak RSS is recorded too.
-
-    The ranks are polled: when one fails (the other would wait for it forever) or ``timeout_s``
-    runs out, every rank still running is killed."""
-    import subprocess
-
-    remove(dst)
-    rdzv = os.path.join(work, f"rdzv-{os.getpid()}-{time.time_ns()}")
-    logs = [open(os.path.join(work, f"gen-rank{r}.log"), "w") for r in range(WORLD)]
-    t0 = time.perf_counter()
-    procs = [subprocess.Popen(child_argv(SCRIPT, "--_gen", str(r), rdzv, dst, str(size_gb), str(int(large)), info_path),
-                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(WORLD)]
-    rcs: list[int | None] = [None] * WORLD
-    why = ""
-    try:
-        while any(rc is None for rc in rcs):
-            rcs = [p.poll() for p in procs]
-            if any(rc not in (None, 0) for rc in rcs):
-                why = "a rank failed"
-                break
-            if timeout_s and time.perf_counter() - t0 > timeout_s:
-                why = f"timed out after {timeout_s:g} s"
-                break
-            time.sleep(0.05)
-    finally:
-        for i, p in enumerate(procs):  # whatever is still running: a failed peer or the time ran out
-            if p.poll() is None:
-                p.kill()
-            rcs[i] = p.wait()
-    wall = time.perf_counter() - t0
-    for f in logs:
-        f.close()
-    remove(rdzv)
-    if any(rcs):
-        tails = "".join(open(f.name).read()[-3000:] for f in logs)
-        raise SystemExit(f"writing the checkpoint failed ({why or 'a rank failed'}; exit codes {rcs}):\n{tails}")
-    with open(info_path) as f:
-        info = json.load(f)
-    info["gen_wall_s"] = wall
+    """Write the DCP checkpoint with WORLD rank processes (``_dist.run_writer``); its facts go to ``info_path`` too."""
+    run = run_writer(SCRIPT, dst, WORLD, ["--_gen", dst, str(size_gb), str(int(large))], work, "gen", timeout_s=timeout_s)
+    info = run.result["ranks"][0]["info"]
+    info["gen_wall_s"] = run.wall_s
     info["file_bytes"] = path_bytes(dst)
     write_json(info_path, info)
     return info
@@ -198,14 +119,6 @@ CASES: dict[str, dict[str, Any]] = {
 #: The plain-torch counterpart of each ckpttool case (same input, same output format).
 PLAIN_OF = {"ckpt_dcp_to_pt": "torch_dcp_to_torch_save", "ckpt_dcp_to_st": "torch_load_save_file",
             "ckpt_dcp_to_st_sharded": "torch_load_save_file", "ckpt_pt_to_dcp": "torch_save_to_dcp"}
-
-
-def parse_size(text: str) -> int:
-    """``1GiB``, ``512MB``, ``2G``: K/M/G/T are powers of 1024, as ckpttool's --memory-budget reads them."""
-    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", text, re.IGNORECASE)
-    if not m:
-        raise SystemExit(f"cannot read size {text!r}")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
 
 
 def _dcp_files(src: str) -> list[str]:
@@ -287,25 +200,25 @@ def run_case(name: str, src: str, dst: str, pt: str, nbytes: int, budget: str) -
 # --- the parent: run everything, summarise, render -----------------------------------------------
 
 
-def measure(name: str, args: argparse.Namespace, work: str, src: str, pt: str, nbytes: int, cold: bool) -> ChildRun:
+def measure(name: str, args: argparse.Namespace, work: str, src: str, pt: str, nbytes: int, cold: bool) -> dict[str, Any]:
+    """One run of a case in a fresh child, the page cache dropped before it (unless warm)."""
     out = CASES[name]["out"] if name in CASES else None
     dst = os.path.join(work, out) if out else ""
     if dst:
         remove(dst)
     dropped = drop_caches() if cold else False
-    run = run_child(child_argv(SCRIPT, "--_case", name, "--_result", os.path.join(work, "result.json"),
-                                "--_src", src, "--_dst", dst, "--_pt", pt, "--_bytes", str(nbytes),
-                                "--budget", args.budget),
-                    os.path.join(work, "result.json"), os.path.join(work, f"{name}.log"), timeout_s=args.case_timeout)
+    run = measure_child(SCRIPT, ["--_case", name, "--_src", src, "--_dst", dst, "--_pt", pt, "--_bytes", str(nbytes),
+                                 "--budget", args.budget], work, name, timeout_s=args.case_timeout)
     run.result["cache_dropped"] = dropped
     if dst and name != "ckpt_dcp_to_pt":  # that one's output is the .pt source of the reverse cases
         remove(dst)
     if run.rc != 0:
-        print(f"  !! {name} failed (exit {run.rc}):\n{run.log_tail}", file=sys.stderr)
-    return run
+        report_failure(name, run)
+    return summarise_run(name, run)
 
 
 def summarise_run(name: str, run: ChildRun) -> dict[str, Any]:
+    """One run of a case: the child's exit status, times and memory, and what it reported."""
     return {"case": name, "rc": run.rc, "process_wall_s": run.wall_s, "maxrss_kib": run.maxrss_kib,
             "tree_peak_kib": run.tree_peak_kib, "peak_kib": run.peak_kib, "user_s": run.user_s, "sys_s": run.sys_s,
             **run.result}
@@ -316,6 +229,7 @@ LARGE_CASES = ("raw_write", "ckpt_dcp_to_pt", "ckpt_dcp_to_st", "ckpt_pt_to_dcp"
 
 
 def cases_for(size_gb: float, large: bool, args: argparse.Namespace) -> list[str]:
+    """The cases to run on a checkpoint, in order (the .pt the reverse cases read is made first)."""
     names = []
     for name, spec in CASES.items():
         if spec.get("plain") and size_gb > args.plain_max_gb:
@@ -331,6 +245,7 @@ def cases_for(size_gb: float, large: bool, args: argparse.Namespace) -> list[str
 
 
 def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A case's result: its fastest run, with the highest peak RSS of all its runs."""
     ok = [r for r in runs if r["rc"] == 0 and "seconds" in r]
     if not ok:
         return {"case": runs[0]["case"], "failed": True, "runs": runs}
@@ -396,48 +311,32 @@ def verdicts(rows: list[dict[str, Any]], budget_bytes: int) -> list[dict[str, An
         spread = max(r["peak_mib"] for r in rs) - min(r["peak_mib"] for r in rs)
         tol = budget_bytes / MiB / 10
         out.append({"target": f"peak RSS flat with size (spread <= {tol:.0f} MiB)", "case": CASES[name]["label"],
-                    "value": " / ".join(f"{r['peak_mib']:.0f}" for r in rs) + f" MiB at "
+                    "value": " / ".join(f"{r['peak_mib']:.0f}" for r in rs) + " MiB at "
                     + " / ".join(f"{r['tensor_gb']:.1f}" for r in rs) + " GB", "pass": spread <= tol})
     return out
 
 
-def _f(x: float | None, fmt: str) -> str:
-    return "–" if x is None else format(x, fmt)
-
-
-def table(rows: list[dict[str, Any]], markdown: bool) -> str:
+def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    """The results table: every case of every checkpoint."""
     head = ["size", "largest tensor", "case", "time s", "GB/s", "× raw-write time", "BW / raw write", "× vs dcp_to_torch_save",
             "× vs plain same format", "peak RSS MiB", "Δ over import MiB"]
     lines = []
     for r in rows:
         if r.get("failed"):
-            lines.append([f"{r['size_gb']:g}", "", r["label"], "failed"] + [""] * (len(head) - 4))
+            lines.append(failed_row(head, f"{r['size_gb']:g}", "", r["label"]))
             continue
         lines.append([f"{r['tensor_gb']:.2f} GB", f"{r['largest_tensor_mib']:.0f} MiB", r["label"], f"{r['seconds']:.1f}", f"{r['gbps']:.2f}",
-                      _f(r["x_raw_write_time"], ".2f"), _f(r["bw_vs_raw_write"], ".2f"),
-                      _f(r["speedup_vs_dcp_to_torch_save"], ".2f"), _f(r["speedup_vs_plain"], ".2f"),
+                      f(r["x_raw_write_time"]), f(r["bw_vs_raw_write"]), f(r["speedup_vs_dcp_to_torch_save"]), f(r["speedup_vs_plain"]),
                       f"{r['peak_mib']:.0f}", f"{r['growth_mib']:+.0f}"])
     if not lines:
         return "(no cases ran)"
-    if markdown:
-        out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 2 else "---:" for i in range(len(head))) + "|"]
-        out += ["| " + " | ".join(line) + " |" for line in lines]
-        return "\n".join(out)
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
+    return table(head, lines, markdown, left=(2,))
 
 
-def plot(rows: list[dict[str, Any]], results: dict[str, Any], path: str, budget_bytes: int) -> str:
+def draw(plt, rows: list[dict[str, Any]], results: dict[str, Any], budget_bytes: int):
     """Throughput per case and checkpoint (left), peak RSS against checkpoint size (right)."""
-    try:
-        import matplotlib
+    from matplotlib.patches import Patch
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
     ok = [r for r in rows if not r.get("failed")]
     points = sorted({(r["large"], r["tensor_gb"], r["largest_tensor_mib"]) for r in ok})
     names = [n for n in CASES if any(r["case"] == n for r in ok)]
@@ -457,9 +356,7 @@ def plot(rows: list[dict[str, Any]], results: dict[str, Any], path: str, budget_
             y = i + (j - (len(points) - 1) / 2) * width
             ax1.barh(y, r["gbps"], height=width, color=colors[r["kind"]], alpha=shade, hatch=hatch, edgecolor="white", lw=0)
             ax1.text(r["gbps"], y, f" {r['gbps']:.2f}", va="center", fontsize=6.5)
-    ax1.set_yticks(range(len(names)))
-    ax1.set_yticklabels([CASES[n]["label"] for n in names], fontsize=8)
-    ax1.invert_yaxis()
+    bar_labels(ax1, [CASES[n]["label"] for n in names])
     ax1.set_xlabel("GB/s = tensor bytes / (time + fsync); raw read and copy: file bytes")
     ax1.set_title("Throughput, best of runs (grey: raw disk, red: plain torch, blue: ckpttool)", fontsize=9)
     ax1.legend(handles=handles, title="checkpoint", fontsize=8, loc="lower right")
@@ -487,21 +384,19 @@ def plot(rows: list[dict[str, Any]], results: dict[str, Any], path: str, budget_
     ax2.set_title("Peak RSS per case (fresh process each)", fontsize=9)
     ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     ax2.grid(alpha=0.3, which="both")
-    m = results["machine"]
-    fig.suptitle(f"ckpttool convert vs disk and plain torch {results.get('torch', '')}: {m.get('cpus')} cores, "
-                 f"{m.get('mem_total_gib')} GiB RAM, {m.get('disk_fs')} on {m.get('disk_device')}; "
-                 f"page cache {'dropped before each case' if results['cold'] else 'warm'}", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot written to {path}"
+    return fig, (f"ckpttool convert vs disk and plain torch {results.get('torch', '')}: {machine_brief(results)}; "
+                 f"page cache {'dropped before each case' if results['cold'] else 'warm'}")
+
+
+def progress(name: str, r: dict[str, Any], nbytes: int) -> str:
+    """The line printed after each run of a case."""
+    return (f"{CASES[name]['label']:<44} {r['seconds']:8.1f} s  {nbytes / r['seconds'] / GB:6.2f} GB/s  peak {r['peak_kib'] / 1024:7.0f} MiB"
+            f"  (fsync {r['fsync_s']:.1f} s, CPU user {r['user_s']:.1f} s + sys {r['sys_s']:.1f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--sizes", default="1,4,12", help="checkpoint sizes in GB of tensor data, comma-separated (default 1,4,12)")
-    p.add_argument("--out-dir", default="/tmp/ckpttool-bench", help="where checkpoints and outputs go (same disk as the raw write)")
     p.add_argument("--keep", action="store_true", help="keep the generated DCP checkpoints (and reuse them on the next run)")
     p.add_argument("--repeat", type=int, default=2, help="runs of each case; the fastest is kept (default 2)")
     p.add_argument("--budget", default="1GiB", help="ckpttool --memory-budget (default 1GiB)")
@@ -511,57 +406,40 @@ def main(argv: list[str] | None = None) -> int:
                    "only up to this size (default 4)")
     p.add_argument("--cases", help="regex: run only the matching cases (raw_write, ckpt_dcp_to_st, ...)")
     p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
-    p.add_argument("--case-timeout", type=float, default=3600)
-    p.add_argument("--json", help="write every run and the summary here (default OUT_DIR/convert-results.json)")
-    p.add_argument("--md", help="write the Markdown table and verdicts here")
-    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    add_run_args(p, "convert", "/tmp/ckpttool-bench", case_timeout=3600)
     p.add_argument("--from-json", metavar="JSON", help="run nothing: render the table, --md and --plot from a saved --json")
-    # child modes
-    p.add_argument("--_gen", nargs=6, metavar=("RANK", "RDZV", "DST", "SIZE", "LARGE", "INFO"), help=argparse.SUPPRESS)
-    p.add_argument("--_case", help=argparse.SUPPRESS)
-    p.add_argument("--_result", help=argparse.SUPPRESS)
-    p.add_argument("--_src", default="", help=argparse.SUPPRESS)
-    p.add_argument("--_dst", default="", help=argparse.SUPPRESS)
-    p.add_argument("--_pt", default="", help=argparse.SUPPRESS)
-    p.add_argument("--_bytes", type=int, default=0, help=argparse.SUPPRESS)
+    add_rank_args(p, "--_case", "--_src", "--_dst", "--_pt", "--_bytes")  # child modes: a case, a rank of the writer
+    p.add_argument("--_gen", nargs=3, metavar=("DST", "SIZE", "LARGE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args._gen:
-        rank, rdzv, dst, size, large, info = args._gen
-        gen_rank(int(rank), rdzv, dst, float(size), large == "1", info)
+        init_rank(args)
+        dst, size, large = args._gen
+        finish_rank(args, {"ok": True, "info": gen_rank(dst, float(size), large == "1")})
         return 0
     if args._case:
-        res = run_case(args._case, args._src, args._dst, args._pt, args._bytes, args.budget)
-        write_json(args._result, res)
+        write_json(args._result, run_case(args._case, args._src, args._dst, args._pt, int(args._bytes), args.budget))
         return 0
 
     budget_bytes = parse_size(args.budget)
     if args.from_json:
-        with open(args.from_json) as f:
-            results = json.load(f)
+        with open(args.from_json) as fh:
+            results = json.load(fh)
         report(results, parse_size(results.get("budget", args.budget)), args, None)
         return 0
     points = [(float(s), False) for s in args.sizes.split(",") if s.strip()]
     points += [(float(s), True) for s in (args.large_tensor_sizes or "").split(",") if s.strip()]
-    out_dir = os.path.abspath(args.out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    json_path = args.json or os.path.join(out_dir, "convert-results.json")
-    cold = not args.warm
-    if cold and not drop_caches():
-        print("cannot drop the page cache (needs root): running with a warm cache", file=sys.stderr)
-        cold = False
-    machine = machine_facts(out_dir)
+    out_dir, work, machine = start_run(args.out_dir)
+    out_json = json_path(args, out_dir, "convert")
+    cold = cold_cache(args.warm)
     results: dict[str, Any] = {
-        "command": " ".join([os.path.relpath(sys.executable), os.path.relpath(SCRIPT), *(argv if argv is not None else sys.argv[1:])]),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine, "cold": cold, "repeat": args.repeat,
+        **run_header(SCRIPT, argv, machine), "cold": cold, "repeat": args.repeat,
         "budget": args.budget, "sizes": [], "code": code_version(REPO),
     }
-    print(f"machine: {json.dumps(machine)}\ncode: {json.dumps(results['code'])}", flush=True)
-    work = os.path.join(out_dir, "work")
-    os.makedirs(work, exist_ok=True)
+    print(f"code: {json.dumps(results['code'])}", flush=True)
 
     # baseline: a bare `import torch, ckpttool` (and the format modules), measured like every case
-    base_runs = [summarise_run("baseline", measure("baseline", args, work, "", "", 0, cold)) for _ in range(args.repeat)]
+    base_runs = [measure("baseline", args, work, "", "", 0, cold) for _ in range(args.repeat)]
     results["baseline"] = {"peak_kib": max(r["peak_kib"] for r in base_runs), "runs": base_runs}
     print(f"baseline import torch, ckpttool: peak RSS {results['baseline']['peak_kib'] / 1024:.0f} MiB", flush=True)
     results["torch"] = base_runs[0].get("torch")
@@ -571,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         src = os.path.join(out_dir, f"dcp-{size:g}GB" + ("-large" if large else ""))
         info_path = src + ".json"
         if args.keep and os.path.exists(os.path.join(src, ".metadata")) and os.path.exists(info_path):
-            with open(info_path) as f:
-                info = json.load(f)
+            with open(info_path) as fh:
+                info = json.load(fh)
             print(f"\n== {tag}: reusing {src}", flush=True)
         else:
             print(f"\n== {tag}: writing the DCP checkpoint with {WORLD} ranks ...", flush=True)
@@ -580,55 +458,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {info['params'] / 1e6:.0f}M params, {info['tensors']} tensors, {info['tensor_bytes'] / GB:.2f} GB tensor data,"
               f" {info['file_bytes'] / GB:.2f} GB on disk, largest tensor {info['largest_tensor_bytes'] / MiB:.0f} MiB;"
               f" dcp.save took {info['dcp_save_s']:.1f} s", flush=True)
-        names = cases_for(size, large, args)
         pt = os.path.join(work, CASES["ckpt_dcp_to_pt"]["out"])
-        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-        for rnd in range(args.repeat):
-            for name in names:
-                run = measure(name, args, work, src, pt, info["tensor_bytes"], cold)
-                runs[name].append(summarise_run(name, run))
-                r = runs[name][-1]
-                if r["rc"] == 0:
-                    print(f"   [{rnd + 1}/{args.repeat}] {CASES[name]['label']:<44} {r['seconds']:8.1f} s"
-                          f"  {info['tensor_bytes'] / r['seconds'] / GB:6.2f} GB/s  peak {r['peak_kib'] / 1024:7.0f} MiB"
-                          f"  (fsync {r['fsync_s']:.1f} s, CPU user {r['user_s']:.1f} s + sys {r['sys_s']:.1f} s)", flush=True)
-            remove(pt)
+        runs = run_rounds(args.repeat, cases_for(size, large, args), lambda n: measure(n, args, work, src, pt, info["tensor_bytes"], cold),
+                          lambda n, r: progress(n, r, info["tensor_bytes"]), ok=lambda r: r["rc"] == 0, after_round=lambda: remove(pt))
         results["sizes"].append({"size_gb": size, "large": large, "checkpoint": info, "cases": {n: best(rs) for n, rs in runs.items()}})
         if not args.keep:
             remove(src)
             remove(info_path)
-        write_json(json_path, results)
+        write_json(out_json, results)
 
-    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    results["finished"] = now()
     results["code_at_end"] = code_version(REPO)
     if results["code_at_end"] != results["code"]:
         print(f"warning: ckpttool/ changed during the run: {results['code']} -> {results['code_at_end']}", file=sys.stderr)
-    report(results, budget_bytes, args, json_path)
+    report(results, budget_bytes, args, out_json)
     remove(work)
     return 0
 
 
-def report(results: dict[str, Any], budget_bytes: int, args: argparse.Namespace, json_path: str | None) -> None:
+def report(results: dict[str, Any], budget_bytes: int, args: argparse.Namespace, out_json: str | None) -> None:
     """Derive the rows and verdicts, print the table, write --json, --md and --plot."""
     rows = derive(results, budget_bytes)
     checks = verdicts(rows, budget_bytes)
     results["rows"], results["verdicts"] = rows, checks
-    if json_path:
-        write_json(json_path, results)
-    print("\n" + table(rows, markdown=False))
-    print()
-    for c in checks:
-        print(f"{'PASS' if c['pass'] else 'FAIL'}  {c['target']:<42} {c['case']:<52} {c['value']}")
-    if json_path:
-        print(f"\nresults: {json_path}")
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table(rows, markdown=True) + "\n\n")
-            f.write("| target | case | measured | |\n|---|---|---|---|\n")
-            f.writelines(f"| {c['target']} | {c['case']} | {c['value']} | {'pass' if c['pass'] else '**FAIL**'} |\n" for c in checks)
-        print(f"markdown: {args.md}")
+    if out_json:
+        write_json(out_json, results)
+    print_results(render(rows, markdown=False), checks, widths=(42, 52))
+    if out_json:
+        print(f"\nresults: {out_json}")
+    write_markdown(args.md, render(rows, markdown=True) + "\n\n" + verdict_md(checks) + "\n")
     if args.plot:
-        print(plot(rows, results, args.plot, budget_bytes))
+        print(plot_file(args.plot, draw, rows, results, budget_bytes))
 
 
 if __name__ == "__main__":

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 import zlib
 
 import xxhash
 
+from _common import GB, timed
+
 
 def rate(fn, nbytes: int, reps: int = 3) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
+    """GB/s of ``fn`` over ``nbytes``, from its best of ``reps`` runs."""
+    return nbytes / min(timed(fn) for _ in range(reps)) / GB
 
 
 def main() -> None:

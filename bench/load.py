@@ -29,7 +29,6 @@ oversubscribed (the ranks share the cores): both sides of each comparison run on
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -39,28 +38,14 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import GB, MiB, drop_caches, machine_facts, proc_status, raw_read, remove, reset_peak_rss, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    GB, MiB, add_run_args, best_of, cache_states, can_drop_caches, drop_caches, f, failed_row, json_path, md_header,
+    now, parser, pick_smallest, plot_file, print_results, proc_status, raw_read, remove, reset_peak_rss, run_header,
+    start_run, table, verdict_md, wait_for_convert, write_json, write_markdown,
+)
 from _dist import (  # noqa: E402
-    add_rank_args,
-    can_drop_caches,
-    best_of,
-    dcp_dir_of,
-    dcp_files,
-    f,
-    finish_rank,
-    gen_rank,
-    generate,
-    init_rank,
-    md_table,
-    measure_ranks,
-    mesh_world,
-    model_dims,
-    pick_smallest,
-    text_table,
-    verdict_lines,
-    md_header,
-    verdict_md,
-    wait_for_convert,
+    add_rank_args, checkpoint, dcp_dir_of, dcp_files, finish_rank, gen_mode, init_rank, measure_ranks, mesh_label,
+    mesh_world, model_dims, rank_results, remove_checkpoint,
 )
 
 SCRIPT = os.path.abspath(__file__)
@@ -68,6 +53,8 @@ SAVED_ON = "2"
 
 
 def rank_case(args) -> None:
+    """One rank of a case: build the model on the target mesh, then per cache state time the load
+    and verify_loaded, each barrier to barrier with its own peak RSS."""
     init_rank(args)
     import torch
     import torch.distributed as dist
@@ -133,9 +120,8 @@ def measure(name: str, mesh: str, root: str, cfg: dict[str, int], caches: list[s
         raw_read(files)  # every byte of the checkpoint in the page cache
     run = measure_ranks(SCRIPT, mesh_world(mesh), ["--_case", "load", "--_root", root, "--_mesh", mesh, "--_cfg", json.dumps(cfg),
                                                    "--_phases", ",".join(caches)], work, name, timeout_s=args.case_timeout)
-    ranks = run.result.get("ranks", []) if run.result else []
-    if run.rc != 0 or not ranks or not all(r.get("ok") for r in ranks):
-        print(f"  !! {name} failed (exit {run.rc}):\n{run.log_tail[-6000:]}", file=sys.stderr)
+    ranks = rank_results(name, run)
+    if ranks is None:
         return {c: {"ok": False, "rc": run.rc} for c in caches}
     out = {}
     for cache in caches:
@@ -155,6 +141,8 @@ def measure(name: str, mesh: str, root: str, cfg: dict[str, int], caches: list[s
 
 
 def derive(results: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of the table (cold cases first; ratios to the load on the same layout and to the
+    load on the source's ranks) and the verdict on each target."""
     nbytes = results["checkpoint"]["state_bytes"]
     cases = results["cases"]
     rows, checks = [], []
@@ -186,32 +174,23 @@ def derive(results: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
     return rows, checks
 
 
-def mesh_label(mesh: str) -> str:
-    return f"HSDP {mesh}" if "x" in mesh else f"{mesh} rank" + ("s" if mesh != "1" else "")
-
-
 def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    """The results table."""
     head = ["load on", "saved on", "cache", "load s", "GB/s", "× same layout", f"× load on {SAVED_ON}", "verify_loaded s",
             "verify / load", "peak RSS/rank MiB", "added by load MiB/rank (rank state)", "added by verify MiB", "tree peak anon+shmem MiB"]
     lines = []
     for r in rows:
         if r.get("failed"):
-            lines.append([mesh_label(r["mesh"]), mesh_label(r["src"]), r["cache"], "failed"] + [""] * (len(head) - 4))
+            lines.append(failed_row(head, mesh_label(r["mesh"]), mesh_label(r["src"]), r["cache"]))
             continue
         lines.append([mesh_label(r["mesh"]), mesh_label(r["src"]), r["cache"], f(r["load_s"]), f(r["gbps"]), f(r["x_matched"]),
                       f(r["x_same2"]), f(r["verify_s"]), f(r["verify_x_load"]), f(r["rank_peak_mib"], ".0f"),
                       f"+{r['load_added_mib']:.0f} ({r['rank_state_mib']:.0f})", f"+{r['verify_added_mib']:.0f}", f(r["tree_peak_mib"], ".0f")])
-    return (md_table if markdown else text_table)(head, lines, left=(0, 1, 2))
+    return table(head, lines, markdown, left=(0, 1, 2))
 
 
-def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
+def draw(plt, results: dict[str, Any], rows: list[dict[str, Any]]):
+    """Load and verify_loaded times of each layout, cold (left) and warm (right)."""
     ok = [r for r in rows if not r.get("failed")]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), sharey=False)
     for ax, cache in zip(axes, ("cold", "warm")):
@@ -228,89 +207,52 @@ def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: str) -> str:
         ax.legend(fontsize=7)
         ax.grid(axis="y", alpha=0.3)
     m = results["machine"]
-    fig.suptitle(f"ckpttool load of {results['checkpoint']['state_bytes'] / GB:.2f} GB (saved on {SAVED_ON} ranks): {m.get('cpus')} cores "
-                 f"(3-4 ranks oversubscribe them), {m.get('mem_total_gib')} GiB RAM, torch {results.get('torch')}", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot written to {path}"
+    return fig, (f"ckpttool load of {results['checkpoint']['state_bytes'] / GB:.2f} GB (saved on {SAVED_ON} ranks): {m.get('cpus')} cores "
+                 f"(3-4 ranks oversubscribe them), {m.get('mem_total_gib')} GiB RAM, torch {results.get('torch')}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--size", type=float, default=1.0, help="state size in GB (default 1)")
     p.add_argument("--meshes", default="1,3,4,2x2", help="target layouts besides the source's 2 ranks (default 1,3,4,2x2)")
     p.add_argument("--no-matched", action="store_true", help="skip the checkpoints saved natively on each target layout")
-    p.add_argument("--caches", default="cold,warm")
-    p.add_argument("--out-dir", default="/tmp/ckpttool-bench-load")
+    p.add_argument("--caches", default="cold,warm", help="cache states to load in, in the same processes (default cold,warm)")
     p.add_argument("--repeat", type=int, default=2, help="runs of each case; the one with the smallest load time is reported (default 2)")
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoints")
     p.add_argument("--no-wait", action="store_true", help="do not wait for a running bench/convert.py")
-    p.add_argument("--case-timeout", type=float, default=1800)
-    p.add_argument("--json")
-    p.add_argument("--md")
-    p.add_argument("--plot")
-    add_rank_args(p)
-    p.add_argument("--_case", help=argparse.SUPPRESS)
-    p.add_argument("--_root", help=argparse.SUPPRESS)
-    p.add_argument("--_mesh", help=argparse.SUPPRESS)
-    p.add_argument("--_cfg", help=argparse.SUPPRESS)
-    p.add_argument("--_phases", default="cold,warm", help=argparse.SUPPRESS)
-    p.add_argument("--_gen", nargs=4, help=argparse.SUPPRESS)
+    add_run_args(p, "load", "/tmp/ckpttool-bench-load")
+    add_rank_args(p, "--_case", "--_root", "--_mesh", "--_cfg", "--_phases", gen=True)
     args = p.parse_args(argv)
 
-    if args._gen:
-        init_rank(args)
-        dst, cfg, mesh, how = args._gen
-        finish_rank(args, gen_rank(args, dst, json.loads(cfg), mesh, how))
+    if gen_mode(args):
         return 0
     if args._rank is not None:
         rank_case(args)
         return 0
 
-    out_dir = os.path.abspath(args.out_dir)
-    work = os.path.join(out_dir, "work")
-    os.makedirs(work, exist_ok=True)
-    caches = sorted((c for c in args.caches.split(",") if c), key=lambda c: c != "cold")  # cold first
-    if "cold" in caches and not can_drop_caches():
-        print("cannot drop the page cache (needs root): cold cases skipped", file=sys.stderr)
-        caches = [c for c in caches if c != "cold"]
-    machine = machine_facts(out_dir)
-    print(f"machine: {json.dumps(machine)}", flush=True)
-    json_path = args.json or os.path.join(out_dir, "load-results.json")
+    out_dir, work, machine = start_run(args.out_dir)
+    caches = sorted(cache_states(args.caches), key=lambda c: c != "cold")  # cold first
+    out_json = json_path(args, out_dir, "load")
     cfg = model_dims(args.size)
-    if args.size > 0.5 and not args.no_wait:
-        wait_for_convert()
+    wait_for_convert(args.size, args.no_wait)
     targets = [m for m in args.meshes.split(",") if m]
     layouts = [SAVED_ON] + ([] if args.no_matched else targets)
     roots: dict[str, str] = {}
     infos: dict[str, Any] = {}
     for mesh in layouts:
-        root = os.path.join(out_dir, f"ckpt-{args.size:g}GB-on-{mesh}")
-        info_path = root + ".json"
-        if args.keep and os.path.exists(info_path) and os.path.isdir(root):
-            with open(info_path) as fh:
-                infos[mesh] = json.load(fh)
-            print(f"reusing {root}", flush=True)
-        else:
-            print(f"saving {args.size:g} GB with ckpttool on {mesh_label(mesh)} ...", flush=True)
-            infos[mesh] = generate(SCRIPT, root, cfg, mesh, "ckpttool", work, f"gen-{mesh}")
-            write_json(info_path, infos[mesh])
-        roots[mesh] = root
+        roots[mesh], infos[mesh] = checkpoint(SCRIPT, out_dir, args.size, mesh, args.keep, work)
     info = infos[SAVED_ON]
     print(f"   {info['params'] / 1e6:.1f}M params, {info['state_bytes'] / GB:.2f} GB of state; ckpttool save on {SAVED_ON} ranks: "
           f"{info['save_s']:.1f} s", flush=True)
     results: dict[str, Any] = {
-        "command": " ".join([os.path.relpath(sys.executable), os.path.relpath(SCRIPT), *(argv if argv is not None else sys.argv[1:])]),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine, "repeat": args.repeat, "checkpoint": info,
+        **run_header(SCRIPT, argv, machine), "repeat": args.repeat, "checkpoint": info,
         "cfg": cfg, "torch": info.get("torch"), "cases": {},
     }
     plan = [(SAVED_ON, SAVED_ON)] + [(m, SAVED_ON) for m in targets]
     if not args.no_matched:
         plan += [(m, m) for m in targets]
     runs: dict[str, list[dict[str, Any]]] = {}
-    for rnd in range(args.repeat):
+    for rnd in range(args.repeat):  # one set of ranks measures every cache state: not one case per run
         for mesh, src in plan:
             out = measure(f"{mesh}_from_{src}", mesh, roots[src], cfg, caches, args, work)
             for cache, r in out.items():
@@ -325,22 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     results["all_runs"] = runs
     rows, checks = derive(results)
     results["rows"], results["checks"] = rows, checks
-    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    write_json(json_path, results)
-    print("\n" + render(rows, markdown=False) + "\n")
-    print("\n".join(verdict_lines(checks)))
-    print(f"\nresults: {json_path}")
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(md_header("Benchmark: loading on the same and on other layouts", results))
-            fh.write(render(rows, markdown=True) + "\n\n" + verdict_md(checks) + "\n")
-        print(f"markdown: {args.md}")
+    results["finished"] = now()
+    write_json(out_json, results)
+    print_results(render(rows, markdown=False), checks)
+    print(f"\nresults: {out_json}")
+    write_markdown(args.md, md_header("Benchmark: loading on the same and on other layouts", results)
+                   + render(rows, markdown=True) + "\n\n" + verdict_md(checks) + "\n")
     if args.plot:
-        print(plot(results, rows, args.plot))
+        print(plot_file(args.plot, draw, results, rows))
     if not args.keep:
         for root in roots.values():
-            remove(root)
-            remove(root + ".json")
+            remove_checkpoint(root)
     remove(work)
     return 0
 

@@ -28,10 +28,8 @@ peak RSS <= budget (1 GiB) + 300 MB.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
 import sys
 import time
 from typing import Any
@@ -40,56 +38,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import (  # noqa: E402
-    GB,
-    MiB,
-    child_argv,
-    drop_caches,
-    fsync_tree,
-    machine_facts,
-    path_bytes,
-    proc_status,
-    raw_copy,
-    remove,
-    reset_peak_rss,
-    run_child,
-    write_json,
+    GB, MiB, add_run_args, bar_labels, best_of, cold_cache, drop_caches, f, failed_row, fsync_tree, json_path,
+    machine_brief, md_header, measure_child, now, parse_size, parser, path_bytes, plot_file, print_results, proc_status,
+    raw_copy, remove, report_failure, reset_peak_rss, run_header, run_rounds, start_run, table, verdict_md,
+    wait_for_convert, write_json, write_markdown,
 )
 from _dist import (  # noqa: E402
-    add_rank_args,
-    can_drop_caches,
-    best_of,
-    dcp_dir_of,
-    dcp_files,
-    f,
-    finish_rank,
-    gen_rank,
-    generate,
-    init_rank,
-    md_table,
-    measure_ranks,
-    model_dims,
-    text_table,
-    verdict_lines,
-    md_header,
-    verdict_md,
-    wait_for_convert,
+    add_rank_args, checkpoint, dcp_bytes, dcp_dir_of, dcp_files, existing_checkpoint, finish_rank, gen_mode, init_rank,
+    measure_ranks, model_dims, rank_results, remove_checkpoint,
 )
 
 SCRIPT = os.path.abspath(__file__)
 SAVED_ON = "2"
 
 
-def parse_size(text: str) -> int:
-    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", text, re.IGNORECASE)
-    if not m:
-        raise SystemExit(f"cannot read size {text!r}")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
-
-
 # --- cases inside a child ------------------------------------------------------------------------
 
 
 def single_case(name: str, src: str, dst: str, world: int, budget: str) -> dict[str, Any]:
+    """A one-process case (raw copy, ckpttool reshard): the work after imports, then an fsync of the output."""
     if name.startswith("ckpt"):
         import torch  # noqa: F401 - imports are not the work
 
@@ -148,6 +115,7 @@ def online_rank(args) -> None:
 
 
 def measure(name: str, args, work: str, src: str, cfg: dict[str, int]) -> dict[str, Any]:
+    """One run of a case in fresh processes, the page cache dropped before it (unless warm)."""
     dst = os.path.join(work, "out" if not name == "raw_copy" else "copy.bin")
     remove(dst)
     dropped = drop_caches() if not args.warm else False
@@ -155,10 +123,9 @@ def measure(name: str, args, work: str, src: str, cfg: dict[str, int]) -> dict[s
         world = int(name.split("_")[1])
         run = measure_ranks(SCRIPT, world, ["--_case", "online", "--_src", src, "--_dst", dst, "--_cfg", json.dumps(cfg)],
                             work, name, timeout_s=args.case_timeout)
-        ranks = run.result.get("ranks", []) if run.result else []
-        ok = run.rc == 0 and ranks and all(r.get("ok") for r in ranks)
-        r = {"ok": bool(ok), "rc": run.rc}
-        if ok:
+        ranks = rank_results(name, run)
+        r = {"ok": ranks is not None, "rc": run.rc}
+        if ranks is not None:
             t0 = time.perf_counter()
             fsync_tree(dst)  # DCP fsyncs its files already: this only makes sure
             extra_sync = time.perf_counter() - t0
@@ -168,23 +135,23 @@ def measure(name: str, args, work: str, src: str, cfg: dict[str, int]) -> dict[s
                      rank_peak_kib=max(x["hwm_kib"] for x in ranks))
     else:
         world = int(name.split("_")[-1]) if name.startswith("ckpt") else 0
-        result = os.path.join(work, "result.json")
-        run = run_child(child_argv(SCRIPT, "--_single", name, "--_src", src, "--_dst", dst, "--_m", str(world),
-                                   "--budget", args.budget, "--_result", result),
-                        result, os.path.join(work, f"{name}.log"), timeout_s=args.case_timeout)
+        run = measure_child(SCRIPT, ["--_single", name, "--_src", src, "--_dst", dst, "--_m", str(world), "--budget", args.budget],
+                            work, name, timeout_s=args.case_timeout)
         ok = run.rc == 0 and run.result.get("ok")
         r = {"ok": bool(ok), "rc": run.rc}
         if ok:
             r.update(run.result)
             r.update(process_wall_s=run.wall_s, peak_kib=run.peak_kib, out_bytes=path_bytes(dst))
-    if not r["ok"]:
-        print(f"  !! {name} failed (exit {run.rc}):\n{run.log_tail[-6000:]}", file=sys.stderr)
+        else:
+            report_failure(name, run)
     r["cache_dropped"] = dropped
     remove(dst)
     return r
 
 
 def derive(results: dict[str, Any], budget: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of a checkpoint's table (ratios to the raw copy and to the online way) and the
+    verdict on each target."""
     cases, nbytes = results["cases"], results["checkpoint"]["file_bytes"]
     copy = cases.get("raw_copy", {})
     rows, checks = [], []
@@ -226,6 +193,7 @@ LABELS = {"raw_copy": "raw copy of the DCP files (+fsync)"}
 
 
 def label(name: str) -> str:
+    """A case in words."""
     if name in LABELS:
         return LABELS[name]
     m = name.split("_")[-1]
@@ -235,138 +203,87 @@ def label(name: str) -> str:
 
 
 def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    """A checkpoint's results table."""
     head = ["case", "work s", "GB/s", "× copy time", "online / this (work)", "whole processes s", "online / this (whole)",
             "peak MiB (tree, anon+shmem)", "detail"]
     lines = []
     for r in rows:
         if r.get("failed"):
-            lines.append([label(r["case"]), "failed"] + [""] * (len(head) - 2))
+            lines.append(failed_row(head, label(r["case"])))
             continue
         lines.append([label(r["case"]), f(r["seconds"], ".1f"), f(r["gbps"]), f(r["x_copy"]), f(r["speedup_online"]),
                       f(r["wall_s"], ".1f"), f(r["speedup_online_wall"]), f(r["peak_mib"], ".0f"), r["detail"]])
-    return (md_table if markdown else text_table)(head, lines, left=(0, 8))
+    return table(head, lines, markdown, left=(0, 8))
 
 
-def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: str, budget: int) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
+def draw(plt, results: dict[str, Any], rows: list[dict[str, Any]], budget: int):
+    """Time of each case, work and whole processes (left), and its peak memory against the budget (right)."""
     ok = [r for r in rows if not r.get("failed")]
     colors = [("#888888" if r["case"] == "raw_copy" else "#1f77b4" if r["case"].startswith("ckpt") else "#d62728") for r in ok]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
     y = list(range(len(ok)))
     ax1.barh([i - 0.2 for i in y], [r["seconds"] for r in ok], height=0.4, color=colors, label="work (after imports / model build)")
     ax1.barh([i + 0.2 for i in y], [r["wall_s"] for r in ok], height=0.4, color=colors, alpha=0.4, label="whole processes")
-    ax1.set_yticks(y)
-    ax1.set_yticklabels([label(r["case"]) for r in ok], fontsize=8)
-    ax1.invert_yaxis()
     ax1.set_xlabel("seconds (grey: raw copy, blue: ckpttool, red: online with plain DCP)")
-    ax1.legend(fontsize=8)
     ax1.grid(axis="x", alpha=0.3)
     ax2.barh(y, [r["peak_mib"] for r in ok], color=colors)
     lim = (budget + 300 * 1000**2) / MiB
     ax2.axvline(lim, color="r", ls="-.", label=f"budget + 300 MB ({lim:.0f} MiB)")
-    ax2.set_yticks(y)
-    ax2.set_yticklabels([label(r["case"]) for r in ok], fontsize=8)
-    ax2.invert_yaxis()
     ax2.set_xscale("log")
     ax2.set_xlabel("peak RSS of the process tree (MiB)")
-    ax2.legend(fontsize=8)
     ax2.grid(axis="x", alpha=0.3, which="both")
-    m = results["machine"]
-    fig.suptitle(f"reshard {results['checkpoint']['file_bytes'] / GB:.2f} GB saved on {SAVED_ON} ranks: {m.get('cpus')} cores, "
-                 f"{m.get('mem_total_gib')} GiB RAM, {m.get('disk_fs')} on {m.get('disk_device')}, torch {results.get('torch')}", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot written to {path}"
+    for ax in (ax1, ax2):
+        bar_labels(ax, [label(r["case"]) for r in ok])
+        ax.legend(fontsize=8)
+    return fig, (f"reshard {results['checkpoint']['file_bytes'] / GB:.2f} GB saved on {SAVED_ON} ranks: {machine_brief(results)}, "
+                 f"torch {results.get('torch')}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--size", type=float, default=4.0, help="checkpoint size in GB (default 4)")
     p.add_argument("--worlds", default="1,3,4", help="target world sizes (default 1,3,4)")
     p.add_argument("--online-worlds", default=None, help="world sizes of the online way (default: --worlds)")
     p.add_argument("--online-size", type=float, default=None,
                    help="run the online way (and a ckpttool reshard to compare with) on a checkpoint of this size instead")
-    p.add_argument("--budget", default="1GiB")
-    p.add_argument("--out-dir", default="/tmp/ckpttool-bench-reshard")
+    p.add_argument("--budget", default="1GiB", help="ckpttool reshard's --memory-budget (default 1GiB)")
     p.add_argument("--src", help="use this existing DCP checkpoint (or ckpttool training root) instead of writing one")
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoint")
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=2, help="runs of each case, rounds interleaved; the fastest is reported (default 2)")
     p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
-    p.add_argument("--no-wait", action="store_true")
-    p.add_argument("--case-timeout", type=float, default=1800)
-    p.add_argument("--json")
-    p.add_argument("--md")
-    p.add_argument("--plot")
-    add_rank_args(p)
-    p.add_argument("--_case", help=argparse.SUPPRESS)
-    p.add_argument("--_single", help=argparse.SUPPRESS)
-    p.add_argument("--_src", help=argparse.SUPPRESS)
-    p.add_argument("--_dst", help=argparse.SUPPRESS)
-    p.add_argument("--_m", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--_cfg", help=argparse.SUPPRESS)
-    p.add_argument("--_gen", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--no-wait", action="store_true", help="do not wait for a running bench/convert.py")
+    add_run_args(p, "reshard", "/tmp/ckpttool-bench-reshard")
+    add_rank_args(p, "--_case", "--_single", "--_src", "--_dst", "--_m", "--_cfg", gen=True)
     args = p.parse_args(argv)
 
-    if args._gen:
-        init_rank(args)
-        dst, cfg, mesh, how = args._gen
-        finish_rank(args, gen_rank(args, dst, json.loads(cfg), mesh, how))
+    if gen_mode(args):
         return 0
     if args._rank is not None:
         online_rank(args)
         return 0
     if args._single:
-        write_json(args._result, single_case(args._single, args._src, args._dst, args._m, args.budget))
+        write_json(args._result, single_case(args._single, args._src, args._dst, int(args._m), args.budget))
         return 0
 
     budget = parse_size(args.budget)
-    out_dir = os.path.abspath(args.out_dir)
-    work = os.path.join(out_dir, "work")
-    os.makedirs(work, exist_ok=True)
-    if not args.warm and not can_drop_caches():
-        print("cannot drop the page cache (needs root): running warm", file=sys.stderr)
-        args.warm = True
-    machine = machine_facts(out_dir)
-    print(f"machine: {json.dumps(machine)}", flush=True)
-    src_gb = sum(os.path.getsize(x) for x in dcp_files(dcp_dir_of(os.path.abspath(args.src)))) / GB if args.src else args.size
-    if src_gb > 0.5 and not args.no_wait:
-        wait_for_convert()
+    out_dir, work, machine = start_run(args.out_dir)
+    args.warm = not cold_cache(args.warm)
+    wait_for_convert(dcp_bytes(dcp_dir_of(os.path.abspath(args.src))) / GB if args.src else args.size, args.no_wait)
+    made: list[str] = []  # the checkpoints this run wrote and removes at the end (unless --keep)
 
-    def checkpoint(size: float) -> tuple[str, dict[str, Any], bool]:
-        cfg = model_dims(size)
-        root = os.path.join(out_dir, f"ckpt-{size:g}GB-on-{SAVED_ON}")
-        info_path = root + ".json"
-        if args.keep and os.path.exists(info_path) and os.path.isdir(root):
-            with open(info_path) as fh:
-                info = json.load(fh)
-            print(f"reusing {root}", flush=True)
-        else:
-            print(f"saving {size:g} GB with ckpttool on {SAVED_ON} ranks ...", flush=True)
-            info = generate(SCRIPT, root, cfg, SAVED_ON, "ckpttool", work, "gen")
-            info["file_bytes"] = sum(os.path.getsize(p) for p in dcp_files(dcp_dir_of(root)))
-            write_json(info_path, info)
-        return dcp_dir_of(root), info, not args.keep
+    def generated(size: float) -> tuple[str, dict[str, Any]]:
+        root, info = checkpoint(SCRIPT, out_dir, size, SAVED_ON, args.keep, work)
+        if not args.keep:
+            made.append(root)
+        return dcp_dir_of(root), info
 
-    made: list[str] = []
     if args.src:
-        src = dcp_dir_of(os.path.abspath(args.src))
-        info_path = os.path.abspath(args.src).rstrip("/") + ".json"
-        info = json.load(open(info_path)) if os.path.exists(info_path) else {}
-        info["file_bytes"] = sum(os.path.getsize(p) for p in dcp_files(src))
+        src, info = existing_checkpoint(args.src)
         cfg = info.get("cfg") or model_dims(args.size)
     else:
-        src, info, temp = checkpoint(args.size)
+        src, info = generated(args.size)
         cfg = info["cfg"]
-        if temp:
-            made.append(os.path.dirname(src))
+    info["file_bytes"] = dcp_bytes(src)
     print(f"   {src}: {info['file_bytes'] / GB:.2f} GB of DCP files", flush=True)
     worlds = [int(w) for w in args.worlds.split(",") if w]
     online_worlds = [int(w) for w in (args.online_worlds or args.worlds).split(",") if w]
@@ -377,56 +294,43 @@ def main(argv: list[str] | None = None) -> int:
         plans.append((src, info, cfg, names))
     else:
         plans.append((src, info, cfg, names))
-        src2, info2, temp2 = checkpoint(args.online_size)
-        if temp2:
-            made.append(os.path.dirname(src2))
+        src2, info2 = generated(args.online_size)
+        info2["file_bytes"] = dcp_bytes(src2)
         plans.append((src2, info2, info2["cfg"], ["raw_copy"] + [f"ckpt_reshard_{w}" for w in online_worlds]
                       + [f"online_{w}" for w in online_worlds]))
 
-    json_path = args.json or os.path.join(out_dir, "reshard-results.json")
-    results_all = {"command": " ".join([os.path.relpath(sys.executable), os.path.relpath(SCRIPT), *(argv if argv is not None else sys.argv[1:])]),
-                   "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine, "cold": not args.warm, "budget": args.budget,
+    out_json = json_path(args, out_dir, "reshard")
+    results_all = {**run_header(SCRIPT, argv, machine), "cold": not args.warm, "budget": args.budget,
                    "repeat": args.repeat, "sets": []}
     for src_dir, inf, c, names in plans:
-        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
         print(f"\n== {inf['file_bytes'] / GB:.2f} GB ({src_dir})", flush=True)
-        for rnd in range(args.repeat):
-            for name in names:
-                r = measure(name, args, work, src_dir, c)
-                runs[name].append(r)
-                if r.get("ok"):
-                    print(f"   [{rnd + 1}/{args.repeat}] {label(name):<44} work {r['seconds']:7.1f} s  whole {r['process_wall_s']:7.1f} s"
-                          f"  peak {r['peak_kib'] / 1024:6.0f} MiB", flush=True)
+        runs = run_rounds(args.repeat, names, lambda n: measure(n, args, work, src_dir, c),
+                          lambda n, r: f"{label(n):<44} work {r['seconds']:7.1f} s  whole {r['process_wall_s']:7.1f} s"
+                                       f"  peak {r['peak_kib'] / 1024:6.0f} MiB")
         res = {"checkpoint": inf, "machine": machine, "torch": inf.get("torch"),
                "cases": {n: best_of(rs, ["seconds", "process_wall_s"], ["peak_kib"]) for n, rs in runs.items()}, "all_runs": runs}
         res["rows"], res["checks"] = derive(res, budget)
         results_all["sets"].append(res)
-        write_json(json_path, results_all)
-    results_all["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    write_json(json_path, results_all)
+        write_json(out_json, results_all)
+    results_all["finished"] = now()
+    write_json(out_json, results_all)
     md = []
     for res in results_all["sets"]:
         head = f"{res['checkpoint']['file_bytes'] / GB:.2f} GB checkpoint saved on {SAVED_ON} ranks"
-        print(f"\n{head}:\n" + render(res["rows"], markdown=False) + "\n")
-        print("\n".join(verdict_lines(res["checks"])))
+        print_results(render(res["rows"], markdown=False), res["checks"], head)
         md.append(f"### {head}\n\n" + render(res["rows"], markdown=True) + "\n\n" + verdict_md(res["checks"]) + "\n")
-    print(f"\nresults: {json_path}")
-    if args.md:
-        results_all["torch"] = results_all["sets"][0].get("torch")
-        with open(args.md, "w") as fh:
-            fh.write(md_header("Benchmark: offline reshard", results_all))
-            fh.write("\n".join(md))
-        print(f"markdown: {args.md}")
+    print(f"\nresults: {out_json}")
+    results_all["torch"] = results_all["sets"][0].get("torch")
+    write_markdown(args.md, md_header("Benchmark: offline reshard", results_all) + "\n".join(md))
     if args.plot:
         res = results_all["sets"][0]
-        print(plot(res, res["rows"], args.plot, budget))
+        print(plot_file(args.plot, draw, res, res["rows"], budget))
         if len(results_all["sets"]) > 1:
             base, ext = os.path.splitext(args.plot)
             res = results_all["sets"][1]
-            print(plot(res, res["rows"], f"{base}-online{ext}", budget))
-    for d in made:
-        remove(d)
-        remove(d + ".json")
+            print(plot_file(f"{base}-online{ext}", draw, res, res["rows"], budget))
+    for root in made:
+        remove_checkpoint(root)
     remove(work)
     return 0
 

@@ -22,7 +22,6 @@ Loopback traffic only; the server is stopped (by PID) when the script ends.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import socket
@@ -31,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from _common import GB, MiB
+from _common import GB, MiB, md_table, parser, timed
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -63,14 +62,8 @@ def start_moto(log_path: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--tensor-mib", type=int, default=4)
     p.add_argument("--out-dir", default=None, help="local working directory (default: a new temp dir, removed at the end)")
@@ -120,10 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         put_s, get_s = rows[0][1], rows[1][1]
         print(f"moto_server on {endpoint}; {args.tensors} x {args.tensor_mib} MiB fp32 = {nbytes / MiB:.0f} MiB; "
               f"torch {torch.__version__}, fsspec {fsspec.__version__}")
-        print(f"| case | time s | GB/s | × plain s3fs same direction |\n|---|---:|---:|---:|")
-        for name, secs, n, ref in rows:
-            ratio = f"{secs / {'put': put_s, 'get': get_s}[ref]:.2f}" if ref else "–"
-            print(f"| {name} | {secs:.2f} | {n / secs / GB:.3f} | {ratio} |")
+        print(md_table(["case", "time s", "GB/s", "× plain s3fs same direction"],
+                       [[name, f"{secs:.2f}", f"{n / secs / GB:.3f}", f"{secs / {'put': put_s, 'get': get_s}[ref]:.2f}" if ref else "–"]
+                        for name, secs, n, ref in rows]))
         print(f"safetensors from s3 equal the local ones bitwise: {same}; verify of the s3 checkpoint ok: {report['r'].ok}")
         return 0 if same and report["r"].ok else 1
     finally:

@@ -66,35 +66,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import (  # noqa: E402
-    GB,
-    MiB,
-    child_argv,
-    drop_caches,
-    machine_facts,
-    pattern_buffer,
-    proc_status,
-    raw_write,
-    remove,
-    reset_peak_rss,
-    run_child,
-    write_json,
+    GB, MiB, add_run_args, bar_labels, best_of, cold_cache, drop_caches, f, failed_row, json_path, machine_brief,
+    md_header, md_table, measure_child, now, parser, pattern_buffer, plot_file, print_results, proc_status, raw_write,
+    remove, reset_peak_rss, run_header, run_rounds, start_run, table, verdict_md, wait_for_convert, write_json,
+    write_markdown,
 )
-from _dist import (  # noqa: E402
-    add_rank_args,
-    can_drop_caches,
-    best_of,
-    f,
-    finish_rank,
-    init_rank,
-    md_table,
-    measure_ranks,
-    model_dims,
-    text_table,
-    verdict_lines,
-    md_header,
-    verdict_md,
-    wait_for_convert,
-)
+from _dist import add_rank_args, finish_rank, init_rank, measure_ranks, model_dims, n_params, rank_results  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 WORLD = 2
@@ -106,12 +83,6 @@ METHODS = {
     "ckpt_async": "ckpttool async save",
 }
 SYNC_METHODS = ("dcp_save", "ckpt_sync")  # done when save() returns: their extra loop time is the noise floor
-
-
-def n_params(cfg: dict[str, int]) -> int:
-    d, v, s = cfg["dim"], cfg["vocab_size"], cfg["seq_len"]
-    per_layer = 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d
-    return 2 * v * d + s * d + cfg["n_layers"] * per_layer + 2 * d
 
 
 # --- the rank body ----------------------------------------------------------------------------------
@@ -148,6 +119,7 @@ class Timeline:
 
 
 def rank_case(args) -> None:
+    """One rank of a save case: the training loop around the measured save (steps 1-6 above)."""
     rank, world = init_rank(args)
     import torch
     import torch.distributed as dist
@@ -201,7 +173,7 @@ def rank_case(args) -> None:
     if method.startswith("ckpt_"):
         ck = Checkpointer(root, async_save=(method == "ckpt_async"))
         # Where ckpttool's time goes: wrap its phases (main thread: blocking; writer thread: background).
-        ckmod._training_state = tl.wrap("get_state_dict (_training_state)", ckmod._training_state)
+        ckmod.training_state = tl.wrap("get_state_dict (training_state)", ckmod.training_state)
         ckmod._stage = tl.wrap("stage copy (_stage)", ckmod._stage)
         ckmod._manifest_of_own_file = tl.wrap("manifest hash (_manifest_of_own_file)", ckmod._manifest_of_own_file)
         ckmod.dcp.save = tl.wrap("dcp.save inside ckpttool", dcp.save)
@@ -365,16 +337,17 @@ def raw_case(dst: str, nbytes: int, streams: int) -> dict[str, Any]:
 # --- the parent ----------------------------------------------------------------------------------
 
 
-def summarise(name: str, run, nbytes: int) -> dict[str, Any]:
+def summarise(name: str, run) -> dict[str, Any]:
+    """One run of a case: a raw write's own result; the slowest rank's times of a save case, the
+    highest peak of its ranks, rank 0's phases and step times."""
     if name.startswith("raw"):
         r = dict(run.result)
         r.update(ok=run.rc == 0 and "seconds" in r, peak_kib=run.peak_kib, process_wall_s=run.wall_s)
         if r["ok"]:
             r["commit_s"] = r["seconds"]
         return r
-    ranks = run.result.get("ranks", []) if run.result else []
-    if run.rc != 0 or not ranks or not all(x.get("ok") for x in ranks):
-        print(f"  !! {name} failed (exit {run.rc}):\n{run.log_tail[-6000:]}", file=sys.stderr)
+    ranks = rank_results(name, run)
+    if ranks is None:
         return {"ok": False, "rc": run.rc}
     mx = lambda k: max(x[k] for x in ranks)  # noqa: E731
     added = [(x["save_hwm_kib"] - x["base_hwm_kib"]) for x in ranks]
@@ -403,12 +376,12 @@ def pick_run(ok: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(name: str, args, work: str, cfg: dict[str, int], nbytes: int, cold: bool) -> dict[str, Any]:
+    """One run of a case in fresh processes, the page cache dropped before it (unless warm)."""
     dropped = drop_caches() if cold else False
     if name.startswith("raw"):
         streams = 2 if name == "raw_write_2" else 1
-        dst = os.path.join(work, "raw.bin")
-        run = run_child(child_argv(SCRIPT, "--_raw", dst, str(nbytes), str(streams), "--_result", os.path.join(work, "raw.json")),
-                        os.path.join(work, "raw.json"), os.path.join(work, f"{name}.log"), timeout_s=args.case_timeout)
+        run = measure_child(SCRIPT, ["--_raw", os.path.join(work, "raw.bin"), str(nbytes), str(streams)], work, name,
+                            timeout_s=args.case_timeout)
     else:
         root = os.path.join(work, name)
         remove(root)
@@ -417,12 +390,14 @@ def measure(name: str, args, work: str, cfg: dict[str, int], nbytes: int, cold: 
                                             "--prior-saves", str(args.prior_saves)],
                             work, name, timeout_s=args.case_timeout)
         remove(root)
-    r = summarise(name, run, nbytes)
+    r = summarise(name, run)
     r["cache_dropped"] = dropped
     return r
 
 
 def derive(size: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of a size's table (ratios to the raw write, the sync save and plain torch) and the
+    verdict on each target."""
     cases, nbytes = size["cases"], size["state_bytes"]
     raw1, raw2 = cases.get("raw_write_1", {}), cases.get("raw_write_2", {})
     raw_s = min((x["commit_s"] for x in (raw1, raw2) if x.get("ok")), default=None)  # None: no raw case ran
@@ -484,13 +459,14 @@ def measured_save(prior_saves: int) -> str:
 
 
 def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    """A size's results table."""
     head = ["case", "save() blocks s", "loop: ref ms/step × steps during save", "extra loop s (sync: noise floor)", "commit s",
             "GB/s", "BW / raw", "commit × plain", "blocks % of sync", "extra % of sync", "peak RSS/rank MiB",
             "added by save MiB (× rank state)"]
     lines = []
     for r in rows:
         if r.get("failed"):
-            lines.append([r["label"], "failed"] + [""] * (len(head) - 2))
+            lines.append(failed_row(head, r["label"]))
             continue
         if r["case"].startswith("raw"):
             lines.append([r["label"], "–", "–", "–", f(r["commit_s"]), f(r["gbps"]), f(r["bw_vs_raw"]), "–", "–", "–", f(r["peak_mib"], ".0f"), "–"])
@@ -499,7 +475,7 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
         lines.append([r["label"], f(r["blocking_s"], ".3f"), f"{1000 * r['ref_step_s']:.0f} × {r['k_steps']}", extra,
                       f(r["commit_s"]), f(r["gbps"]), f(r["bw_vs_raw"]), f(r["commit_vs_plain"]), f(r["blocking_pct_sync"], ".1f"),
                       f(r["extra_pct_sync"], ".0f"), f(r["peak_mib"], ".0f"), f"+{r['added_mib']:.0f} ({r['added_x_state']:.2f}x)"])
-    return (md_table if markdown else text_table)(head, lines)
+    return table(head, lines, markdown)
 
 
 def breakdown(results: dict[str, Any]) -> str:
@@ -517,14 +493,8 @@ def breakdown(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def plot(results: dict[str, Any], path: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
+def draw(plt, results: dict[str, Any]):
+    """The plot of the largest size: what each save costs the loop (left) and memory per rank (right)."""
     if not results["sizes"]:
         return "no results: no plot"
     size = results["sizes"][-1]
@@ -542,12 +512,6 @@ def plot(results: dict[str, Any], path: str) -> str:
     if raws:
         ax1.axvline(min(raws), color="grey", ls=":", label=f"raw write + fsync ({min(raws):.2f} s)")
     ax1.axvline(0, color="k", lw=0.6)
-    ax1.set_yticks(list(y))
-    ax1.set_yticklabels([r["label"] for r in saves], fontsize=8)
-    ax1.invert_yaxis()
-    ax1.set_xlabel("seconds")
-    ax1.legend(fontsize=8)
-    ax1.grid(axis="x", alpha=0.3)
     prior = results.get("prior_saves", 0)
     ax1.set_title(f"{size['state_bytes'] / GB:.2f} GB state on {WORLD} ranks: what a save costs the loop "
                   f"({'after %d prior save(s)' % prior if prior else 'first save'})", fontsize=9)
@@ -555,27 +519,41 @@ def plot(results: dict[str, Any], path: str) -> str:
     ax2.barh(list(y), [r["added_mib"] for r in saves], color="#ff7f0e", label="added by saving (over training steps without)")
     st = saves[0]["rank_state_mib"]
     ax2.axvline(st, color="r", ls="-.", label=f"one copy of the rank's state ({st:.0f} MiB)")
-    ax2.set_yticks(list(y))
-    ax2.set_yticklabels([r["label"] for r in saves], fontsize=8)
-    ax2.invert_yaxis()
-    ax2.set_xlabel("MiB")
-    ax2.legend(fontsize=8)
-    ax2.grid(axis="x", alpha=0.3)
     ax2.set_title("memory per rank", fontsize=9)
-    m = results["machine"]
-    fig.suptitle(f"ckpttool save vs disk and plain torch {results.get('torch', '')}: {m.get('cpus')} cores, {m.get('mem_total_gib')} GiB RAM, "
-                 f"{m.get('disk_fs')} on {m.get('disk_device')}", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot written to {path}"
+    for ax, unit in ((ax1, "seconds"), (ax2, "MiB")):
+        bar_labels(ax, [r["label"] for r in saves])
+        ax.set_xlabel(unit)
+        ax.legend(fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    return fig, f"ckpttool save vs disk and plain torch {results.get('torch', '')}: {machine_brief(results)}"
+
+
+def progress(name: str, r: dict[str, Any], nbytes: int) -> str:
+    """The line printed after each run of a case."""
+    extra = "" if name.startswith("raw") else (
+        f"  blocks {r['blocking_s']:.3f} s  loop {r['extra_s']:+.2f} s over {r['k_steps']} steps"
+        f" (ref {1000 * r['ref_step_s']:.0f} ms/step)  wait {r['wait_s']:.2f} s"
+        f"  added +{r['added_kib'] / 1024:.0f} MiB/rank of {r['rank_state_bytes'] / MiB:.0f}")
+    return f"{name:<12} commit {r['commit_s']:7.2f} s {nbytes / r['commit_s'] / GB:6.2f} GB/s{extra}"
+
+
+def markdown(results: dict[str, Any], args) -> str:
+    """The results file: the method, each size's table and verdicts, where ckpttool's time goes."""
+    out = [md_header("Benchmark: save from the training loop (sync and async)", results),
+           f"Method: {results['measured_save']}; {WARMUP_STEPS} warm-up steps; reference windows of {args.steps} steps "
+           f"before the save and after its commit; extra loop time = time of the k steps that overlap the save "
+           f"(k >= {args.steps}) - k × the median step of the reference windows; one representative run per case "
+           f"of {args.repeat}.\n\n"]
+    for size in results["sizes"]:
+        out.append(f"### {size['state_bytes'] / GB:.2f} GB of state ({size['params'] / 1e6:.1f}M params), {WORLD} ranks\n\n")
+        out.append(render(size["rows"], markdown=True) + "\n\n" + verdict_md(size["checks"]) + "\n\n")
+    out.append("### Where ckpttool's time goes\n" + breakdown(results) + "\n")
+    return "".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--sizes", default="1", help="state sizes in GB, comma-separated (default 1)")
-    p.add_argument("--out-dir", default="/tmp/ckpttool-bench-save", help="where checkpoints go (the disk under test)")
     p.add_argument("--repeat", type=int, default=2, help="runs of each case, rounds interleaved; one representative run is "
                    "reported: the median extra loop time with >= 3 runs, else the faster commit (default 2)")
     p.add_argument("--steps", type=int, default=10, help="steps of each reference window, and the least number of steps "
@@ -586,17 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="raw_write_1,raw_write_2,dcp_save,ckpt_sync,dcp_async,ckpt_async")
     p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
     p.add_argument("--no-wait", action="store_true", help="do not wait for a running bench/convert.py")
-    p.add_argument("--case-timeout", type=float, default=1800)
-    p.add_argument("--json", help="results JSON (default OUT_DIR/save-results.json)")
-    p.add_argument("--md", help="write the Markdown results here")
-    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    add_run_args(p, "save", "/tmp/ckpttool-bench-save")
     p.add_argument("--pyspy", metavar="DIR", help="diagnosis: sample every rank with py-spy (raw stacks into DIR); "
                    "slows the ranks down, so its timings are not results")
     p.add_argument("--pyspy-bin", default="py-spy")
-    add_rank_args(p)
-    p.add_argument("--_case", help=argparse.SUPPRESS)
-    p.add_argument("--_root", help=argparse.SUPPRESS)
-    p.add_argument("--_cfg", help=argparse.SUPPRESS)
+    add_rank_args(p, "--_case", "--_root", "--_cfg")
     p.add_argument("--_raw", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.prior_saves < 0 or args.steps < 1:
@@ -613,19 +585,14 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.pyspy, exist_ok=True)
         os.environ.update(CKB_PYSPY=args.pyspy_bin, CKB_PYSPY_OUT=os.path.abspath(args.pyspy),
                           CKB_PYSPY_CASES=",".join(c for c in args.cases.split(",") if not c.startswith("raw")))
-    out_dir = os.path.abspath(args.out_dir)
-    work = os.path.join(out_dir, "work")
-    os.makedirs(work, exist_ok=True)
-    cold = not args.warm and can_drop_caches()  # checked without dropping: a colleague's run may be going on
-    machine = machine_facts(out_dir)
+    out_dir, work, machine = start_run(args.out_dir)
+    cold = cold_cache(args.warm)
     results: dict[str, Any] = {
-        "command": " ".join([os.path.relpath(sys.executable), os.path.relpath(SCRIPT), *(argv if argv is not None else sys.argv[1:])]),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine, "cold": cold, "repeat": args.repeat,
+        **run_header(SCRIPT, argv, machine), "cold": cold, "repeat": args.repeat,
         "world": WORLD, "steps": args.steps, "warmup_steps": WARMUP_STEPS, "prior_saves": args.prior_saves,
         "measured_save": measured_save(args.prior_saves), "batch_size": args.batch_size, "sizes": [],
     }
-    json_path = args.json or os.path.join(out_dir, "save-results.json")
-    print(f"machine: {json.dumps(machine)}", flush=True)
+    out_json = json_path(args, out_dir, "save")
     print(measured_save(args.prior_saves), flush=True)
     names = [c for c in args.cases.split(",") if c]
     for size_gb in [float(s) for s in args.sizes.split(",") if s]:
@@ -633,51 +600,28 @@ def main(argv: list[str] | None = None) -> int:
         params = n_params(cfg)
         nbytes = 12 * params + 4 * (5 + 16 * cfg["n_layers"])  # + AdamW's 0-d step counters
         print(f"\n== {size_gb:g} GB: {cfg}, {params / 1e6:.1f}M params, {nbytes / GB:.2f} GB of state", flush=True)
-        if size_gb > 0.5 and not args.no_wait:
-            wait_for_convert()
-        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-        for rnd in range(args.repeat):
-            for name in names:
-                r = measure(name, args, work, cfg, nbytes, cold)
-                runs[name].append(r)
-                if r.get("ok"):
-                    extra = "" if name.startswith("raw") else (
-                        f"  blocks {r['blocking_s']:.3f} s  loop {r['extra_s']:+.2f} s over {r['k_steps']} steps"
-                        f" (ref {1000 * r['ref_step_s']:.0f} ms/step)  wait {r['wait_s']:.2f} s"
-                        f"  added +{r['added_kib'] / 1024:.0f} MiB/rank of {r['rank_state_bytes'] / MiB:.0f}")
-                    print(f"   [{rnd + 1}/{args.repeat}] {name:<12} commit {r['commit_s']:7.2f} s {nbytes / r['commit_s'] / GB:6.2f} GB/s{extra}", flush=True)
+        wait_for_convert(size_gb, args.no_wait)
+        runs = run_rounds(args.repeat, names, lambda n: measure(n, args, work, cfg, nbytes, cold),
+                          lambda n, r: progress(n, r, nbytes))
         cases = {n: best_of(rs, ["commit_s", "blocking_s", "extra_s", "k_steps", "ref_step_s", "overlap_s", "wait_s"],
                             ["rank_peak_kib", "added_kib", "tree_peak_kib", "peak_kib"], pick=pick_run) for n, rs in runs.items()}
         size = {"size_gb": size_gb, "cfg": cfg, "params": params, "state_bytes": nbytes, "cases": cases, "all_runs": runs}
         results["sizes"].append(size)
-        write_json(json_path, results)  # the runs are safe before anything is derived from them
+        write_json(out_json, results)  # the runs are safe before anything is derived from them
         size["rows"], size["checks"] = derive(size)
-        write_json(json_path, results)
+        write_json(out_json, results)
     results["torch"] = next((r.get("torch") for s in results["sizes"] for r in s["cases"].values() if r.get("torch")), None)
-    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    write_json(json_path, results)
+    results["finished"] = now()
+    write_json(out_json, results)
     for size in results["sizes"]:
-        print(f"\n{size['state_bytes'] / GB:.2f} GB state ({size['params'] / 1e6:.1f}M params), {WORLD} ranks; "
-              f"{measured_save(results['prior_saves'])}:")
-        print(render(size["rows"], markdown=False))
-        print()
-        print("\n".join(verdict_lines(size["checks"])))
+        print_results(render(size["rows"], markdown=False), size["checks"],
+                      f"{size['state_bytes'] / GB:.2f} GB state ({size['params'] / 1e6:.1f}M params), {WORLD} ranks; "
+                      f"{measured_save(results['prior_saves'])}")
     print(breakdown(results))
-    print(f"\nresults: {json_path}")
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(md_header("Benchmark: save from the training loop (sync and async)", results))
-            fh.write(f"Method: {results['measured_save']}; {WARMUP_STEPS} warm-up steps; reference windows of {args.steps} steps "
-                     f"before the save and after its commit; extra loop time = time of the k steps that overlap the save "
-                     f"(k >= {args.steps}) - k × the median step of the reference windows; one representative run per case "
-                     f"of {args.repeat}.\n\n")
-            for size in results["sizes"]:
-                fh.write(f"### {size['state_bytes'] / GB:.2f} GB of state ({size['params'] / 1e6:.1f}M params), {WORLD} ranks\n\n")
-                fh.write(render(size["rows"], markdown=True) + "\n\n" + verdict_md(size["checks"]) + "\n\n")
-            fh.write("### Where ckpttool's time goes\n" + breakdown(results) + "\n")
-        print(f"markdown: {args.md}")
+    print(f"\nresults: {out_json}")
+    write_markdown(args.md, markdown(results, args))
     if args.plot:
-        print(plot(results, args.plot))
+        print(plot_file(args.plot, draw, results))
     remove(work)
     return 0
 

@@ -23,8 +23,6 @@ Targets (issue "verify"): <= 1.5x the read + CRC-32 pass (same cache state); pea
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -35,37 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import (  # noqa: E402
-    GB,
-    MiB,
-    RAW_BUFFER,
-    child_argv,
-    drop_caches,
-    machine_facts,
-    proc_status,
-    raw_read,
-    remove,
-    reset_peak_rss,
-    run_child,
-    write_json,
+    GB, MiB, RAW_BUFFER, add_run_args, bar_labels, best_of, cache_states, drop_caches, f, failed_row, json_path,
+    machine_brief, md_header, measure_child, now, parser, plot_file, print_results, proc_status, raw_read, read_chunks,
+    remove, report_failure, reset_peak_rss, run_child, run_header, run_rounds, start_run, table, verdict_md,
+    wait_for_convert, write_json, write_markdown,
 )
 from _dist import (  # noqa: E402
-    add_rank_args,
-    can_drop_caches,
-    best_of,
-    dcp_dir_of,
-    dcp_files,
-    f,
-    finish_rank,
-    gen_rank,
-    generate,
-    init_rank,
-    md_table,
-    model_dims,
-    text_table,
-    verdict_lines,
-    md_header,
-    verdict_md,
-    wait_for_convert,
+    add_rank_args, checkpoint, dcp_bytes, dcp_dir_of, dcp_files, existing_checkpoint, gen_mode, remove_checkpoint,
 )
 
 SCRIPT = os.path.abspath(__file__)
@@ -80,6 +54,7 @@ CASES = {
 
 
 def crc_read(paths: list[str], buf_size: int = RAW_BUFFER) -> dict[str, Any]:
+    """The reference pass: ``_common.raw_read`` plus the CRC-32 of every byte (what verify must at least do)."""
     buf = bytearray(buf_size)
     view = memoryview(buf)
     total = 0
@@ -87,21 +62,15 @@ def crc_read(paths: list[str], buf_size: int = RAW_BUFFER) -> dict[str, Any]:
     t0 = time.perf_counter()
     for p in paths:
         crc = 0
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            while True:
-                n = os.readv(fd, [buf])
-                if not n:
-                    break
-                crc = zlib.crc32(view[:n], crc)
-                total += n
-        finally:
-            os.close(fd)
+        for n in read_chunks(p, buf):
+            crc = zlib.crc32(view[:n], crc)
+            total += n
         crcs[os.path.basename(p)] = f"{crc:08x}"
     return {"seconds": time.perf_counter() - t0, "bytes": total, "crc32": crcs}
 
 
 def single_case(name: str, step_dir: str) -> dict[str, Any]:
+    """A case in its child: the work after imports, with the peak RSS it adds."""
     if name == "ckpt_verify":
         import torch  # noqa: F401 - imports are not the work
 
@@ -127,28 +96,29 @@ def single_case(name: str, step_dir: str) -> dict[str, Any]:
 
 
 def measure(name: str, step_dir: str, cold: bool, args, work: str) -> dict[str, Any]:
+    """One run of a case in a fresh process, after dropping the page cache (cold) or reading the files (warm)."""
     if cold:
         dropped = drop_caches()
     else:
         raw_read(dcp_files(step_dir))
         dropped = False
-    log = os.path.join(work, f"{name}.log")
-    result = os.path.join(work, "result.json")
     if name == "ckpt_verify_cli":
-        run = run_child([CLI, "-q", "verify", step_dir], result, log, timeout_s=args.case_timeout)
+        run = run_child([CLI, "-q", "verify", step_dir], os.path.join(work, "result.json"), os.path.join(work, f"{name}.log"),
+                        timeout_s=args.case_timeout)
         r = {"ok": run.rc == 0, "seconds": run.wall_s}
     else:
-        run = run_child(child_argv(SCRIPT, "--_single", name, "--_src", step_dir, "--_result", result), result, log,
-                        timeout_s=args.case_timeout)
+        run = measure_child(SCRIPT, ["--_single", name, "--_src", step_dir], work, name, timeout_s=args.case_timeout)
         r = dict(run.result)
         r["ok"] = run.rc == 0 and bool(run.result.get("ok"))
     if not r["ok"]:
-        print(f"  !! {name} failed (exit {run.rc}):\n{run.log_tail[-4000:]}", file=sys.stderr)
+        report_failure(name, run)
     r.update(peak_kib=run.peak_kib, process_wall_s=run.wall_s, cache_dropped=dropped, rc=run.rc)
     return r
 
 
 def derive(results: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of the table (ratios to the read + CRC-32 pass and to the raw read, per cache state)
+    and the verdict on each target."""
     nbytes = results["checkpoint"]["file_bytes"]
     rows, checks = [], []
     lim = (BUDGET + 300 * 1000**2) / MiB
@@ -174,24 +144,19 @@ def derive(results: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
 
 
 def render(rows: list[dict[str, Any]], markdown: bool) -> str:
+    """The results table."""
     head = ["case", "cache", "time s", "GB/s", "× read+CRC-32", "× raw read", "peak RSS MiB"]
     lines = []
     for r in rows:
         if r.get("failed"):
-            lines.append([CASES[r["case"]], r["cache"], "failed", "", "", "", ""])
+            lines.append(failed_row(head, CASES[r["case"]], r["cache"]))
             continue
         lines.append([CASES[r["case"]], r["cache"], f(r["seconds"]), f(r["gbps"]), f(r["x_crc"]), f(r["x_raw"]), f(r["peak_mib"], ".0f")])
-    return (md_table if markdown else text_table)(head, lines, left=(0, 1))
+    return table(head, lines, markdown, left=(0, 1))
 
 
-def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
+def draw(plt, results: dict[str, Any], rows: list[dict[str, Any]]):
+    """Time and peak memory of each case, cold (left) and warm (right), against the target."""
     ok = [r for r in rows if not r.get("failed")]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     colors = {"raw_read": "#888888", "crc_read": "#555555", "ckpt_verify": "#1f77b4", "ckpt_verify_cli": "#aec7e8"}
@@ -205,112 +170,63 @@ def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: str) -> str:
         if crc:
             ax.axvline(1.5 * crc["seconds"], color="r", ls="-.", label="target: 1.5x read + CRC-32")
             ax.legend(fontsize=7)
-        ax.set_yticks(y)
-        ax.set_yticklabels([CASES[r["case"]] for r in rs], fontsize=8)
-        ax.invert_yaxis()
+        bar_labels(ax, [CASES[r["case"]] for r in rs])
         ax.set_xlabel("seconds")
         ax.set_title(f"page cache {cache}", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-    m = results["machine"]
-    fig.suptitle(f"ckpttool verify of {results['checkpoint']['file_bytes'] / GB:.2f} GB: {m.get('cpus')} cores, {m.get('mem_total_gib')} GiB RAM, "
-                 f"{m.get('disk_fs')} on {m.get('disk_device')}", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot written to {path}"
+    return fig, f"ckpttool verify of {results['checkpoint']['file_bytes'] / GB:.2f} GB: {machine_brief(results)}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--size", type=float, default=4.0, help="checkpoint size in GB (default 4)")
     p.add_argument("--src", help="an existing ckpttool step directory or training root to verify instead of writing one")
-    p.add_argument("--out-dir", default="/tmp/ckpttool-bench-verify")
-    p.add_argument("--keep", action="store_true")
-    p.add_argument("--caches", default="cold,warm")
-    p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--no-wait", action="store_true")
-    p.add_argument("--case-timeout", type=float, default=1800)
-    p.add_argument("--json")
-    p.add_argument("--md")
-    p.add_argument("--plot")
-    add_rank_args(p)
-    p.add_argument("--_single", help=argparse.SUPPRESS)
-    p.add_argument("--_src", help=argparse.SUPPRESS)
-    p.add_argument("--_gen", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoint")
+    p.add_argument("--caches", default="cold,warm", help="cache states to run each case in (default cold,warm)")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each case, rounds interleaved; the fastest is reported (default 2)")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for a running bench/convert.py")
+    add_run_args(p, "verify", "/tmp/ckpttool-bench-verify")
+    add_rank_args(p, "--_single", "--_src", gen=True)
     args = p.parse_args(argv)
 
-    if args._gen:
-        init_rank(args)
-        dst, cfg, mesh, how = args._gen
-        finish_rank(args, gen_rank(args, dst, json.loads(cfg), mesh, how))
+    if gen_mode(args):
         return 0
     if args._single:
         write_json(args._result, single_case(args._single, args._src))
         return 0
 
-    out_dir = os.path.abspath(args.out_dir)
-    work = os.path.join(out_dir, "work")
-    os.makedirs(work, exist_ok=True)
-    caches = [c for c in args.caches.split(",") if c]
-    if "cold" in caches and not can_drop_caches():
-        print("cannot drop the page cache (needs root): cold cases skipped", file=sys.stderr)
-        caches = [c for c in caches if c != "cold"]
-    machine = machine_facts(out_dir)
-    print(f"machine: {json.dumps(machine)}", flush=True)
-    src_gb = sum(os.path.getsize(x) for x in dcp_files(dcp_dir_of(os.path.abspath(args.src)))) / GB if args.src else args.size
-    if src_gb > 0.5 and not args.no_wait:
-        wait_for_convert()
+    out_dir, work, machine = start_run(args.out_dir)
+    caches = cache_states(args.caches)
+    wait_for_convert(dcp_bytes(dcp_dir_of(os.path.abspath(args.src))) / GB if args.src else args.size, args.no_wait)
     made = None
     if args.src:
-        step_dir = dcp_dir_of(os.path.abspath(args.src))
-        info_path = os.path.abspath(args.src).rstrip("/") + ".json"
-        info = json.load(open(info_path)) if os.path.exists(info_path) else {}
+        step_dir, info = existing_checkpoint(args.src)
     else:
-        root = os.path.join(out_dir, f"ckpt-{args.size:g}GB-on-2")
-        info_path = root + ".json"
-        if args.keep and os.path.exists(info_path) and os.path.isdir(root):
-            info = json.load(open(info_path))
-        else:
-            print(f"saving {args.size:g} GB with ckpttool on 2 ranks ...", flush=True)
-            info = generate(SCRIPT, root, model_dims(args.size), "2", "ckpttool", work, "gen")
-            write_json(info_path, info)
+        root, info = checkpoint(SCRIPT, out_dir, args.size, "2", args.keep, work)
         step_dir = dcp_dir_of(root)
         made = None if args.keep else root
-    info["file_bytes"] = sum(os.path.getsize(p) for p in dcp_files(step_dir))
+    info["file_bytes"] = dcp_bytes(step_dir)
     print(f"   {step_dir}: {info['file_bytes'] / GB:.2f} GB of DCP files", flush=True)
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {n: [] for n in CASES} for c in caches}
-    for rnd in range(args.repeat):
-        for cache in caches:
-            for name in CASES:
-                r = measure(name, step_dir, cache == "cold", args, work)
-                runs[cache][name].append(r)
-                if r.get("ok"):
-                    print(f"   [{rnd + 1}/{args.repeat}] {cache} {CASES[name]:<36} {r['seconds']:7.2f} s"
-                          f"  {info['file_bytes'] / r['seconds'] / GB:6.2f} GB/s  peak {r['peak_kib'] / 1024:6.0f} MiB", flush=True)
-    results = {"command": " ".join([os.path.relpath(sys.executable), os.path.relpath(SCRIPT), *(argv if argv is not None else sys.argv[1:])]),
-               "started": started, "machine": machine, "repeat": args.repeat, "checkpoint": info,
+    header = run_header(SCRIPT, argv, machine)
+    flat = run_rounds(args.repeat, [(c, n) for c in caches for n in CASES], lambda cn: measure(cn[1], step_dir, cn[0] == "cold", args, work),
+                      lambda cn, r: f"{cn[0]} {CASES[cn[1]]:<36} {r['seconds']:7.2f} s"
+                                    f"  {info['file_bytes'] / r['seconds'] / GB:6.2f} GB/s  peak {r['peak_kib'] / 1024:6.0f} MiB")
+    runs = {c: {n: flat[(c, n)] for n in CASES} for c in caches}
+    results = {**header, "repeat": args.repeat, "checkpoint": info,
                "cases": {c: {n: best_of(rs, ["seconds", "process_wall_s"], ["peak_kib"]) for n, rs in d.items()} for c, d in runs.items()},
                "all_runs": runs, "torch": info.get("torch")}
     rows, checks = derive(results)
     results["rows"], results["checks"] = rows, checks
-    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    json_path = args.json or os.path.join(out_dir, "verify-results.json")
-    write_json(json_path, results)
-    print("\n" + render(rows, markdown=False) + "\n")
-    print("\n".join(verdict_lines(checks)))
-    print(f"\nresults: {json_path}")
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(md_header("Benchmark: ckpttool verify", results))
-            fh.write(render(rows, markdown=True) + "\n\n" + verdict_md(checks) + "\n")
-        print(f"markdown: {args.md}")
+    results["finished"] = now()
+    out_json = json_path(args, out_dir, "verify")
+    write_json(out_json, results)
+    print_results(render(rows, markdown=False), checks)
+    print(f"\nresults: {out_json}")
+    write_markdown(args.md, md_header("Benchmark: ckpttool verify", results) + render(rows, markdown=True) + "\n\n" + verdict_md(checks) + "\n")
     if args.plot:
-        print(plot(results, rows, args.plot))
+        print(plot_file(args.plot, draw, results, rows))
     if made:
-        remove(made)
-        remove(made + ".json")
+        remove_checkpoint(made)
     remove(work)
     return 0
 
