@@ -18,7 +18,7 @@ from .choices import CAST_DTYPES
 from .errors import FormatError, OutputExistsError, StorageError, UsageError
 from .formats.base import ObjectSpec, Progress, Sink, SinkOptions, SlabBuffers, Source, TensorSpec
 from .index import TensorEntry, dtype_size, strip_prefix
-from .layout import FsdpLayout, Mesh, stored_replicated
+from .layout import Box, FsdpLayout, Mesh, stored_replicated
 from .storage import Location, describe_os_error, resolve
 
 DEFAULT_BUDGET = 1 << 30

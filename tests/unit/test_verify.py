@@ -18,7 +18,6 @@ from ckpttool.cli import main
 from ckpttool.errors import CkptError
 from ckpttool.formats import open_source
 from ckpttool.formats.dcp import read_metadata
-from ckpttool.index import TensorEntry
 from ckpttool.storage import resolve
 from ckpttool.verify import verify_against, verify_path
 
