@@ -15,6 +15,7 @@ so a step directory is a plain DCP checkpoint that ``torch.distributed.checkpoin
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -35,11 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import dist
-from .errors import CkptError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
-from .formats.dcp import read_metadata
-from .formats.dcp.online import SafeLoadPlanner, dcp_reader, dcp_writer, hash_records
-from .index import unflatten
-from .steps import COMMIT_FILE, commit_record, list_root, retention_victims, step_name
+from .errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
+from .formats.dcp.online import dcp_writer, hash_records, metadata_row
+from .index import Index, TensorEntry, unflatten
+from .steps import COMMIT_FILE, commit_record, list_root, parse_step, read_commit_record, retention_victims, step_name
 from .storage import Location, resolve
 
 log = logging.getLogger("ckpttool")
@@ -218,6 +218,7 @@ class Checkpointer:
         error: BaseException | None = None
         if dist.rank() == 0:
             try:
+                manifest = {**manifest, "files": metadata_row(tmp)}  # the manifest covers .metadata too
                 tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size(), {"manifest": manifest}))
                 _pause_point("before-rename")
                 self.root.commit_policy.publish(tmp, final)
@@ -247,25 +248,38 @@ class Checkpointer:
 
     # --- load ----------------------------------------------------------------------------------
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> LoadResult | None:
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, step: int | None = None, *,
+             verify: bool = True) -> LoadResult | None:
         """Load the newest (or the given) committed step into ``model`` (and ``optimizer``).
 
-        Works on any world size and mesh (DCP reshards while reading). Returns ``None`` when
-        ``step`` is None and nothing was committed yet. Raises :class:`NotFoundError` for a missing
-        step and :class:`MismatchError` when the checkpoint does not fit the model.
+        Works on any world size and mesh. Returns ``None`` when ``step`` is None and nothing was
+        committed yet; a step whose commit record is damaged is never taken as the newest (a
+        warning names it). Raises :class:`NotFoundError` for a missing step,
+        :class:`MismatchError` when the checkpoint does not fit the model, and with ``verify`` (the
+        default) :class:`ChecksumError` when a record read does not match its checksum.
         """
-        committed = self.steps()
+        self._check_root()
+        listing = list_root(self.root)
+        committed = listing.committed
         if step is None:
+            newer_damaged = [s for s in listing.damaged if not committed or s > committed[-1]]
+            if newer_damaged and dist.rank() == 0:
+                log.warning("not loading step(s) %s under %s: commit record damaged (%s)", newer_damaged, self.root.url,
+                            listing.damaged[newer_damaged[-1]])
             if not committed:
                 return None
             step = committed[-1]
+        elif step in listing.damaged:
+            raise CorruptCheckpointError(f"step {step} cannot be loaded: {listing.damaged[step]}",
+                                         where=self.root.child(step_name(step)).url,
+                                         hint=f"committed steps: {committed or 'none'}")
         elif step not in committed:
             raise NotFoundError(
                 f"step {step} is not a committed checkpoint",
                 where=self.root.url,
                 hint=f"committed steps: {committed or 'none'}",
             )
-        result = load(self.root.child(step_name(step)), model, optimizer, storage_options=self.storage_options)
+        result = load(self.root.child(step_name(step)), model, optimizer, verify=verify, storage_options=self.storage_options)
         return LoadResult(step=step, extra=result.extra, path=result.path)
 
 
@@ -352,113 +366,116 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     return state
 
 
-def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, storage_options: dict[str, Any] | None = None) -> LoadResult:
+def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         verify: bool = True, storage_options: dict[str, Any] | None = None) -> LoadResult:
     """Load one DCP checkpoint directory into ``model``/``optimizer`` on the current mesh.
 
-    Checks keys and shapes against the checkpoint first (a :class:`MismatchError` names the key and
-    both shapes), reads ``.metadata`` and every object through the allow-listed unpickler.
+    Every rank reads only its own boxes (any world size, any mesh). Checks keys and shapes first (a
+    :class:`MismatchError` names the key and both shapes), reads ``.metadata`` and every object
+    through the allow-listed unpickler, refuses a tensor whose chunks leave a gap, and with
+    ``verify`` (the default) checks every record it reads: torch's CRC-32 of its tensor data, and
+    the manifest of a ckpttool step (:class:`ChecksumError` names the key, the file and the rank).
+    Every rank raises the same error when any rank fails.
     """
+    from .formats.dcp import DcpSource
+    from .formats.dcp.load import RecordChecks, load_into
+    from .index import flatten
+
     loc = resolve(path, storage_options)
-    metadata = read_metadata(loc)
     state = training_state(model, optimizer, None)
-    _check_fits(state, metadata, loc)
-    extra_template = _extra_template(metadata)
-    if extra_template:
-        state["extra"] = extra_template
+    record: dict | None = None
+    error: BaseException | None = None
     try:
-        with _single_process_quiet():
-            dcp.load(state, storage_reader=dcp_reader(loc, storage_options), planner=SafeLoadPlanner())
-    except CkptError:
-        raise
-    except _DCP_ERRORS as exc:
-        raise _unwrap_dcp_error(exc, loc) from None
+        record = read_commit_record(loc)
+        with DcpSource(loc) as source:
+            index = source.index()
+            _check_fits(state, index, loc)
+            extra_template = _extra_template(source)
+            if extra_template:
+                state["extra"] = extra_template
+            flat, paths = flatten(state)
+            checks = RecordChecks(source, (record or {}).get("manifest"), dist.rank()) if verify else None
+            load_into(source, flat, checks)
+            state = unflatten(flat, paths)
+    except CkptError as exc:
+        error = exc
+    error = dist.first_error(error)
+    if error is not None:
+        raise error
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-    step = None
-    from .steps import parse_step, read_commit_record
-
-    record = read_commit_record(loc)
-    if record is not None:
-        step = record.get("step")
-    elif parse_step(loc.name) is not None:
-        step = parse_step(loc.name)
+    step = record["step"] if record is not None else parse_step(loc.name)
     return LoadResult(step=step, extra=state.get("extra", {}), path=loc.url)
 
 
-def _check_fits(state: dict[str, Any], metadata: Any, loc: Location) -> None:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+def _check_fits(state: dict[str, Any], index: Index, loc: Location) -> None:
     from .index import flatten
 
     flat, _ = flatten(state)
-    stored = metadata.state_dict_metadata
     for key, value in flat.items():
-        if key not in stored:
+        if key not in index:
             raise MismatchError(
                 f"key {key!r} of the model is not in the checkpoint",
                 where=loc.url,
                 hint="was the checkpoint saved from a different model? `ckpttool inspect` lists its keys",
             )
         if isinstance(value, torch.Tensor):
-            md = stored[key]
-            if not isinstance(md, TensorStorageMetadata):
+            entry = index[key]
+            if not isinstance(entry, TensorEntry):
                 raise MismatchError(f"key {key!r} is a tensor in the model but an object in the checkpoint", where=loc.url)
-            if tuple(md.size) != tuple(value.shape):
+            if tuple(entry.shape) != tuple(value.shape):
                 raise MismatchError(
-                    f"shape mismatch for {key!r}: checkpoint has {tuple(md.size)}, model has {tuple(value.shape)}",
+                    f"shape mismatch for {key!r}: checkpoint has {tuple(entry.shape)}, model has {tuple(value.shape)}",
                     where=loc.url,
                     hint="build the model with the configuration it was saved with",
                 )
 
 
-def _extra_template(metadata: Any) -> dict[str, Any]:
-    """A dict shaped like the saved ``extra`` (DCP loads into a template), built from the metadata."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    paths = metadata.planner_data or {}
+def _extra_template(source: Any) -> dict[str, Any]:
+    """A dict shaped like the saved ``extra`` (the load fills a template), built from the index;
+    its tensors are allocated only once the checkpoint's bytes are known to back their size."""
+    index = source.index()
     flat: dict[str, Any] = {}
     sub_paths = {}
-    for key, md in metadata.state_dict_metadata.items():
-        path = paths.get(key, tuple(key.split(".")))
-        if not path or path[0] != "extra":
+    for key in index:
+        path = index.path(key)
+        if path[0] != "extra":
             continue
-        if isinstance(md, TensorStorageMetadata):
-            flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        entry = index[key]
+        if isinstance(entry, TensorEntry):
+            source.checked_entry(key)
+            flat[key] = torch.empty(entry.shape, dtype=entry.dtype)
         else:
             flat[key] = None
         sub_paths[key] = path
     return unflatten(flat, sub_paths).get("extra", {})
 
 
-def _save_error(exc: Exception, tmp: Location) -> CkptError:
-    text = str(exc)
+def _save_error(exc: BaseException, tmp: Location) -> CkptError:
+    """One typed error for a failed save. torch's zip writer reports a refused write as
+    "unexpected pos ..." without the errno, so a nearly full disk is also checked for directly."""
     if isinstance(exc, CkptError):
         return exc
-    lowered = text.lower()
-    if any(t in lowered for t in ("no space left", "errno 28", "file too large", "errno 27", "quota")):
-        return StorageError("no space left on the device while saving", where=tmp.url, hint="free space; earlier steps are intact")
-    if "permission denied" in lowered or "read-only file system" in lowered:
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(chain) < 20:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    errnos = {getattr(e, "errno", None) for e in chain}
+    text = " ".join(str(e) for e in chain).lower()
+    full = errnos & {errno.ENOSPC, errno.EFBIG, errno.EDQUOT} or any(
+        t in text for t in ("no space left", "errno 28", "file too large", "errno 27", "quota"))
+    if not full and "unexpected pos" in text and tmp.local_path is not None:
+        try:
+            st = os.statvfs(tmp.local_path)
+            full = st.f_bavail * st.f_frsize < (1 << 20)
+        except OSError:
+            pass
+    if full:
+        return StorageError("no space left on device while saving", where=tmp.url, hint="free space; earlier steps are intact")
+    if errnos & {errno.EACCES, errno.EPERM, errno.EROFS} or "permission denied" in text or "read-only file system" in text:
         return StorageError("permission denied while saving", where=tmp.url, hint="check the directory's permissions; earlier steps are intact")
-    return StorageError(f"save failed: {text.strip().splitlines()[-1] if text.strip() else type(exc).__name__}", where=tmp.url)
-
-
-def _unwrap_dcp_error(exc: Exception, loc: Location) -> CkptError:
-    """DCP wraps per-rank failures in CheckpointException; find ours inside or say what failed."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for inner in failures.values():
-            if isinstance(inner, CkptError):
-                return inner
-            inner_exc = getattr(inner, "exc", inner)
-            if isinstance(inner_exc, CkptError):
-                return inner_exc
-    from .errors import CorruptCheckpointError
-
-    text = str(exc).strip().splitlines()
-    return CorruptCheckpointError(
-        f"load failed: {text[-1] if text else type(exc).__name__}",
-        where=loc.url,
-        hint="run `ckpttool verify` on it to find the damaged file",
-    )
+    last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    return StorageError(f"save failed: {last}", where=tmp.url)

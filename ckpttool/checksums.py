@@ -48,6 +48,12 @@ def scan(reader: Any, offset: int, length: int, buf: memoryview, crc_span: tuple
     return crc
 
 
+def hash_bytes(data: bytes) -> str:
+    h = new_hasher()
+    h.update(data)
+    return h.hexdigest()
+
+
 def hash_range(reader: Any, offset: int, length: int, buf: memoryview) -> str:
     """The manifest hash (hex) of ``length`` bytes at ``offset``."""
     h = new_hasher()

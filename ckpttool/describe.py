@@ -50,7 +50,8 @@ def describe_root(loc: Location) -> dict[str, Any]:
     for step in listing.committed:
         record = read_commit_record(loc.child(step_name(step))) or {}
         steps.append({"step": step, "path": loc.child(step_name(step)).url, "world_size": record.get("world_size")})
-    return {"path": loc.url, "kind": "training_root", "steps": steps, "incomplete": listing.incomplete}
+    damaged = [{"step": step, "path": loc.child(step_name(step)).url, "problem": what} for step, what in listing.damaged.items()]
+    return {"path": loc.url, "kind": "training_root", "steps": steps, "damaged": damaged, "incomplete": listing.incomplete}
 
 
 def inspect_path(path: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -71,6 +72,8 @@ def render_text(report: dict[str, Any]) -> str:
                 lines.append(f"  step {s['step']:>8}  world size {s['world_size']}  {s['path']}")
         else:
             lines.append("no committed steps")
+        for d in report["damaged"]:
+            lines.append(f"damaged (never loaded): step {d['step']}: {d['problem']}")
         if report["incomplete"]:
             lines.append(f"incomplete (never committed; ignored by load, removed by `ckpttool clean`): {', '.join(report['incomplete'])}")
         return "\n".join(lines)

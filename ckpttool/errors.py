@@ -48,6 +48,10 @@ class CorruptCheckpointError(CkptError):
     """The checkpoint's files contradict themselves or their metadata."""
 
 
+class ChecksumError(CorruptCheckpointError):
+    """Bytes read do not match the checksum stored for them (torch's CRC-32, ckpttool's manifest)."""
+
+
 class UnsafePickleError(CkptError):
     """A pickle asked for a global that is not on the allow-list; nothing from it ran."""
 
@@ -66,3 +70,7 @@ class UsageError(CkptError):
 
 class StorageError(CkptError):
     """A filesystem or object-store operation failed (permission, disk full, backend missing)."""
+
+
+class UnsafePathError(CkptError):
+    """A checkpoint names a path outside itself (``..``, absolute, a symlink out); nothing was read there."""

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, FormatError
+from .layout import tiles_exactly
 
 PathItem = str | int
 ObjPath = tuple[PathItem, ...]
@@ -54,6 +55,16 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.numel * dtype_size(self.dtype)
 
+    def check_coverage(self, where: str) -> None:
+        """Refuse a tensor whose chunks leave a gap or overlap: its gap would be uninitialised
+        memory in any output or load, so nothing is written or loaded from it."""
+        if len(self.chunks) == 1 and self.chunks[0].offsets == (0,) * len(self.shape) and self.chunks[0].sizes == self.shape:
+            return
+        problem = tiles_exactly(self.shape, [(c.offsets, c.sizes) for c in self.chunks])
+        if problem:
+            raise CorruptCheckpointError(f"tensor {self.key!r}: {problem}", where=where,
+                                         hint="its metadata is inconsistent; `ckpttool verify` lists every problem")
+
 
 @dataclass(frozen=True)
 class ObjectEntry:
@@ -78,8 +89,13 @@ class Index:
     def add(self, entry: Entry, path: ObjPath | None = None) -> None:
         if entry.key in self._entries:
             raise CorruptCheckpointError(f"key {entry.key!r} appears twice")
+        path = tuple(path) if path else (entry.key,)
+        if not all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and p >= 0) for p in path) \
+                or key_of(path) != entry.key:
+            raise CorruptCheckpointError(f"the nesting recorded for key {entry.key!r} does not spell it: {path!r}",
+                                         hint="the checkpoint's metadata is damaged")
         self._entries[entry.key] = entry
-        self._paths[entry.key] = tuple(path) if path else (entry.key,)
+        self._paths[entry.key] = path
 
     def __getitem__(self, key: str) -> Entry:
         return self._entries[key]
@@ -117,9 +133,20 @@ class Index:
         return sum(e.nbytes for e in self.tensors())
 
 
+_DTYPE_SIZES: dict[torch.dtype, int] = {}
+
+
 def dtype_size(dtype: torch.dtype) -> int:
-    """Bytes per element (bool is one byte, as every format stores it)."""
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element (bool is one byte, as every format stores it); :class:`FormatError` for
+    a dtype whose elements are not plain bytes (quantized tensors, for example)."""
+    size = _DTYPE_SIZES.get(dtype)
+    if size is None:
+        try:
+            size = torch.empty((), dtype=dtype).element_size()
+        except (RuntimeError, TypeError):
+            raise FormatError(f"dtype {dtype} is not supported", hint="ckpttool reads plain (non-quantized) tensors") from None
+        _DTYPE_SIZES[dtype] = size
+    return size
 
 
 # --- key flattening, mirroring DCP's traversal so our keys equal plain torch's -------------------
@@ -182,28 +209,40 @@ def flatten(state: Mapping[str, Any], is_tensor=_is_tensor) -> tuple[dict[str, A
 
 
 def unflatten(flat: Mapping[str, Any], paths: Mapping[str, ObjPath]) -> dict[str, Any]:
-    """Inverse of :func:`flatten`: rebuild nested dicts (str path items) and lists (int items)."""
+    """Inverse of :func:`flatten`: rebuild nested dicts (str path items) and lists (int items).
+
+    Paths come from checkpoints, so they are checked first: a list position past the number of
+    entries, or two paths that disagree on what a node is (a value in one, a container in the
+    other; a list in one, a dict in the other), are corrupt input, not something to build.
+    """
+    kinds: dict[ObjPath, type] = {(): dict}  # every container on some path, and what it is
+    leaves: set[ObjPath] = set()
+    for key in flat:
+        path = tuple(paths.get(key, (key,)))
+        for i, item in enumerate(path):
+            kind = list if isinstance(item, int) else dict
+            if (isinstance(item, int) and item > len(flat)) or kinds.setdefault(path[:i], kind) is not kind \
+                    or path[:i] in leaves:
+                raise CorruptCheckpointError(f"the nesting recorded for key {key!r} conflicts with another key's",
+                                             hint="the checkpoint's metadata is damaged")
+        if path in kinds or path in leaves:
+            raise CorruptCheckpointError(f"the nesting recorded for key {key!r} conflicts with another key's",
+                                         hint="the checkpoint's metadata is damaged")
+        leaves.add(path)
     root: dict[str, Any] = {}
     for key, value in flat.items():
-        path = paths.get(key, (key,))
+        path = tuple(paths.get(key, (key,)))
         node: Any = root
-        for here, nxt in zip(path[:-1], path[1:]):
-            child_default: Any = [] if isinstance(nxt, int) else {}
+        for i, here in enumerate(path):
             if isinstance(node, list):
-                while len(node) <= here:
-                    node.append(None)
-                if node[here] is None:
-                    node[here] = child_default
-                node = node[here]
+                node.extend([None] * (here + 1 - len(node)))
+            if i == len(path) - 1:
+                node[here] = value
             else:
-                node = node.setdefault(here, child_default)
-        last = path[-1]
-        if isinstance(node, list):
-            while len(node) <= last:
-                node.append(None)
-            node[last] = value
-        else:
-            node[last] = value
+                child = node[here] if isinstance(node, list) else node.get(here)
+                if child is None:
+                    child = node[here] = kinds[path[: i + 1]]()
+                node = child
     return root
 
 

@@ -6,6 +6,7 @@ everything here is tested exhaustively in one process.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,9 @@ from typing import Protocol
 from .errors import UsageError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+#: the most ranks ``reshard`` lays a checkpoint out for (one file each)
+MAX_WORLD_SIZE = 1 << 16
 
 
 def box_numel(box: Box) -> int:
@@ -66,6 +70,9 @@ class Mesh:
         """``--world-size M [--mesh RxS]`` -> Mesh; a bad combination raises :class:`UsageError`."""
         if world_size < 1:
             raise UsageError(f"--world-size must be at least 1, got {world_size}")
+        if world_size > MAX_WORLD_SIZE:
+            raise UsageError(f"--world-size {world_size} is more than ckpttool writes ({MAX_WORLD_SIZE} ranks)",
+                             hint="one file per rank; ask for support of larger jobs")
         if not mesh:
             return cls(1, world_size)
         try:
@@ -109,20 +116,24 @@ def stored_boxes(shape: Sequence[int], mesh: Mesh, sharded: bool = True) -> list
     Empty shards are stored as FSDP2 stores them: one zero-row chunk at offset ``shape[0]`` (DCP
     keys chunks by offset, so several empty shards share that one).
     """
+    if not sharded or not tuple(shape):
+        return [(0, whole(shape))]
+    return [(s, box) for s in range(mesh.shard) for box in stored_box_of(shape, mesh, s)]
+
+
+def stored_box_of(shape: Sequence[int], mesh: Mesh, rank: int, sharded: bool = True) -> list[Box]:
+    """The boxes of :func:`stored_boxes` that ``rank`` stores (none, or one), in O(1)."""
     shape = tuple(shape)
     if not sharded or not shape:
-        return [(0, whole(shape))]
-    out = []
-    empty_stored = False
-    for s in range(mesh.shard):
-        box = fsdp_box(shape, mesh.shard, s)
-        if box is None:
-            if empty_stored:
-                continue
-            box = ((shape[0], *([0] * (len(shape) - 1))), (0, *shape[1:]))
-            empty_stored = True
-        out.append((s, box))
-    return out
+        return [whole(shape)] if rank == 0 else []
+    if rank >= mesh.shard:
+        return []
+    box = fsdp_box(shape, mesh.shard, rank)
+    if box is not None:
+        return [box]
+    size = -(-shape[0] // mesh.shard) if shape[0] else 0
+    first_empty = -(-shape[0] // size) if size else 0
+    return [((shape[0], *([0] * (len(shape) - 1))), (0, *shape[1:]))] if rank == first_empty else []
 
 
 def rank_box(shape: Sequence[int], mesh: Mesh, rank: int) -> Box | None:
@@ -134,12 +145,12 @@ def rank_box(shape: Sequence[int], mesh: Mesh, rank: int) -> Box | None:
 
 
 class Layout(Protocol):
-    """Where each tensor of an output goes: a list of (rank, box), each box stored once."""
+    """Where each tensor of an output goes: which boxes each rank's file stores, each box once."""
 
     @property
     def world_size(self) -> int: ...
 
-    def boxes(self, key: str, shape: tuple[int, ...]) -> list[tuple[int, Box]]: ...
+    def boxes_of(self, rank: int, key: str, shape: tuple[int, ...]) -> list[Box]: ...
 
 
 @dataclass(frozen=True)
@@ -148,8 +159,8 @@ class SingleRank:
 
     world_size: int = 1
 
-    def boxes(self, key: str, shape: tuple[int, ...]) -> list[tuple[int, Box]]:
-        return [(0, whole(shape))]
+    def boxes_of(self, rank: int, key: str, shape: tuple[int, ...]) -> list[Box]:
+        return [whole(shape)] if rank == 0 else []
 
 
 @dataclass(frozen=True)
@@ -164,8 +175,8 @@ class FsdpLayout:
     def world_size(self) -> int:
         return self.mesh.world_size
 
-    def boxes(self, key: str, shape: tuple[int, ...]) -> list[tuple[int, Box]]:
-        return stored_boxes(shape, self.mesh, sharded=key not in self.replicated)
+    def boxes_of(self, rank: int, key: str, shape: tuple[int, ...]) -> list[Box]:
+        return stored_box_of(shape, self.mesh, rank, sharded=key not in self.replicated)
 
 
 def stored_replicated(shape: Sequence[int], chunks: Sequence[Box], source: Mesh) -> bool:
@@ -185,24 +196,49 @@ def stored_replicated(shape: Sequence[int], chunks: Sequence[Box], source: Mesh)
 # --- covering and slabs --------------------------------------------------------------------------
 
 
+#: the most grid cells :func:`tiles_exactly` builds (int32 each); real layouts have about one per chunk
+MAX_GRID_CELLS = 1 << 22
+
+
 def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
-    """None if ``boxes`` cover ``shape`` with no gap and no overlap, else what is wrong."""
+    """None if ``boxes`` cover ``shape`` with no gap and no overlap, else what is wrong (naming the
+    first element in no chunk, or two chunks that overlap).
+
+    The cut points of all boxes along each dim split the tensor into a grid of cells; each box
+    covers a block of cells, so counting covers per cell checks both properties in time linear in
+    the cells and the boxes (a sharded layout has about one cell per chunk; 20,000 chunks take
+    well under a second). A layout whose grid would exceed :data:`MAX_GRID_CELLS` is reported as
+    one ckpttool cannot check.
+    """
+    import torch  # layout maths is pure; torch is only the counting array here
+
     shape = tuple(shape)
-    total = math.prod(shape)
     for box in boxes:
-        if len(box[0]) != len(shape):
+        if len(box[0]) != len(shape) or len(box[1]) != len(shape):
             return f"chunk {box} has rank {len(box[0])}, tensor has rank {len(shape)}"
-        for o, n, s in zip(box[0], box[1], shape):
-            if o < 0 or n < 0 or o + n > s:
+        for o, n, size in zip(box[0], box[1], shape):
+            if o < 0 or n < 0 or o + n > size:
                 return f"chunk at {box[0]} of size {box[1]} lies outside the shape {shape}"
-    nonempty = [b for b in boxes if box_numel(b) > 0] if shape else list(boxes[:1])
-    for i in range(len(nonempty)):
-        for j in range(i + 1, len(nonempty)):
-            if intersect(nonempty[i], nonempty[j]) is not None:
-                return f"chunks at {nonempty[i][0]} and {nonempty[j][0]} overlap"
-    covered = sum(box_numel(b) for b in nonempty)
-    if covered != total:
-        return f"chunks cover {covered} of {total} elements (a gap)"
+    if not shape:
+        return None if boxes else "the scalar has no chunk (a gap)"
+    nonempty = [b for b in boxes if box_numel(b) > 0]
+    if math.prod(shape) == 0:
+        return None
+    cuts = [sorted({0, size, *(b[0][d] for b in nonempty), *(b[0][d] + b[1][d] for b in nonempty)}) for d, size in enumerate(shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > MAX_GRID_CELLS:
+        return f"the {len(nonempty)} chunks do not form a grid of at most {MAX_GRID_CELLS} cells; ckpttool cannot check this layout"
+    grid = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
+    for b in nonempty:
+        grid[tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, o + n)) for c, o, n in zip(cuts, b[0], b[1]))] += 1
+    for bad, what in ((grid > 1, "overlap"), (grid == 0, "gap")):
+        if bool(bad.any()):
+            cell = [int(i) for i in bad.nonzero()[0]]
+            corner = tuple(c[i] for c, i in zip(cuts, cell))
+            if what == "gap":
+                return f"chunks leave a gap: element {list(corner)} is in no chunk"
+            a, b = [box for box in nonempty if all(o <= x < o + n for o, n, x in zip(box[0], box[1], corner))][:2]
+            return f"chunks at {a[0]} and {b[0]} overlap (both hold element {list(corner)})"
     return None
 
 

@@ -16,9 +16,10 @@ import torch
 from . import formats
 from .choices import CAST_DTYPES
 from .errors import FormatError, OutputExistsError, StorageError, UsageError
-from .formats.base import ObjectSpec, Progress, Sink, SinkOptions, SlabBuffers, Source, TensorSpec
+from .formats.base import ObjectSpec, Progress, ReadFn, Sink, SinkOptions, SlabBuffers, Source, TensorSpec
 from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import Box, FsdpLayout, Mesh, stored_replicated
+from .steps import is_training_root, list_root
 from .storage import Location, describe_os_error, resolve
 
 DEFAULT_BUDGET = 1 << 30
@@ -73,6 +74,7 @@ def plan_entries(source: Source, only: str | None = None, dtype: torch.dtype | N
         entry = index[key]
         source_key[out_key] = key
         if isinstance(entry, TensorEntry):
+            entry.check_coverage(source.location.url)
             out_dtype = dtype if (dtype is not None and _castable(entry)) else entry.dtype
             entries.append(TensorSpec(out_key, tuple(path), entry.shape, out_dtype))
         else:
@@ -91,26 +93,31 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
     done = 0
     index = source.index()
     scratch = SlabBuffers(2)  # reused from slab to slab: no fresh pages per slab
+
+    def reader_for(spec: TensorSpec) -> tuple[ReadFn, int]:
+        src_key = plan.source_key[spec.key]
+        src_dtype = index[src_key].dtype
+
+        def read(box: Box) -> torch.Tensor:
+            t = source.read_tensor(src_key, box, out=scratch.view(box[1], src_dtype, 0))
+            if t.dtype == spec.dtype:
+                return t
+            return scratch.view(box[1], spec.dtype, 1).copy_(t)
+
+        # a slab held at the source dtype, plus its cast when there is one: both under the budget
+        out_size = dtype_size(spec.dtype)
+        held = out_size if src_dtype == spec.dtype else dtype_size(src_dtype) + out_size
+        return read, max(1, budget * out_size // held)
+
+    def advance(nbytes: int, key: str) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(done, total, key)
+
     try:
         sink.start(plan.entries)
-        for spec in tensors:
-            src_key = plan.source_key[spec.key]
-            src_dtype = index[src_key].dtype
-
-            def read(box: Box, src_key=src_key, src_dtype=src_dtype, out_dtype=spec.dtype) -> torch.Tensor:
-                t = source.read_tensor(src_key, box, out=scratch.view(box[1], src_dtype, 0))
-                if t.dtype == out_dtype:
-                    return t
-                return scratch.view(box[1], out_dtype, 1).copy_(t)
-
-            # a slab held at the source dtype, plus its cast when there is one: both under the budget
-            out_size = dtype_size(spec.dtype)
-            held = out_size if src_dtype == spec.dtype else dtype_size(src_dtype) + out_size
-            slab_budget = max(1, budget * out_size // held)
-            sink.add_tensor(spec, read, slab_budget)
-            done += spec.nbytes
-            if progress:
-                progress(done, total, spec.key)
+        sink.write(tensors, reader_for, advance)
         sink.finalize()
     except OSError as exc:  # a write the storage refused (disk full): one line naming the output
         sink.abort(exc)
@@ -154,8 +161,24 @@ def _check_options(fmt: formats.Format, options: SinkOptions) -> None:
                          hint=f"the output format here is {fmt.name}")
 
 
-def check_output(dst: Location, force: bool) -> None:
-    if dst.exists() and not force:
+def check_output(src: Location, dst: Location, force: bool) -> None:
+    """Refuse an output that would destroy more than DST: one that contains SRC or lies inside it,
+    or a training root holding committed steps (even with ``force``); an existing DST without
+    ``force``."""
+    if src.url == dst.url:
+        raise UsageError("source and destination are the same path", where=dst.url)
+    if dst.contains(src):
+        raise UsageError("the destination contains the source", where=dst.url,
+                         hint="write the output beside the checkpoint, not around it; --force never replaces a source")
+    if src.contains(dst):
+        raise UsageError("the destination lies inside the source checkpoint", where=dst.url,
+                         hint="write the output beside the checkpoint, not into it")
+    if not dst.exists():
+        return
+    if dst.isdir() and is_training_root(dst) and list_root(dst).committed:
+        raise UsageError("the destination is a training root holding committed steps", where=dst.url,
+                         hint="--force replaces one output, never a training run; choose another destination")
+    if not force:
         raise OutputExistsError("output already exists", where=dst.url, hint="pass --force to replace it")
 
 
@@ -193,7 +216,7 @@ def convert(
     if src_loc.url == dst_loc.url:
         raise UsageError("source and destination are the same path", where=dst_loc.url)
     with formats.open_source(src_loc, src_format) as source:
-        check_output(dst_loc, force)
+        check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, dtype)
         sink = fmt.make_sink(dst_loc, options)
         run(source, sink, plan, budget, progress)
@@ -257,7 +280,7 @@ def reshard(
                 where=src_loc.url,
                 hint=f"convert it first: ckpttool convert {src_loc.url} DIR --to dcp",
             )
-        check_output(dst_loc, force)
+        check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, None)
         layout = FsdpLayout(target, replicated_keys(source, plan))
         sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout))

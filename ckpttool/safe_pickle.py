@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import io
+import operator
 import pathlib
 import pickle
 from dataclasses import dataclass
@@ -57,6 +58,14 @@ def _get_layout(name: str) -> torch.layout:
     return value
 
 
+def _bytearray(source: Any = b"", *args: Any) -> bytearray:
+    """``bytearray`` from data (bytes, or a str with an encoding), never from a size: a 30-byte
+    pickle must not be able to ask for gigabytes."""
+    if isinstance(source, int):
+        raise UnsafePickleError("refused bytearray(size): a checkpoint's data is stored, not allocated by a count")
+    return bytearray(source, *args)
+
+
 _COMMON = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch", "Size"): torch.Size,
@@ -69,7 +78,7 @@ _COMMON = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): _bytearray,
     ("torch", "device"): torch.device,
     ("_codecs", "encode"): _latin1_encode,
 }
@@ -92,7 +101,8 @@ class _AllowListUnpickler(pickle.Unpickler):
         self._extra = extra or {}
 
     def find_class(self, module: str, name: str) -> Any:
-        key = (module, name)
+        # Protocol-2 pickles (torch.save's default) spell builtins as Python 2 did
+        key = ("builtins" if module == "__builtin__" else module, name)
         if key in self._extra:
             return self._extra[key]
         if key in _COMMON:
@@ -110,18 +120,60 @@ class _AllowListUnpickler(pickle.Unpickler):
         )
 
 
+#: how deep containers may nest in an unpickled value (state dicts nest a few levels)
+MAX_DEPTH = 100
+
+
+def check_shape(value: Any, source: str, budget: int) -> Any:
+    """Refuse a value nested deeper than :data:`MAX_DEPTH`, holding a reference cycle, or whose
+    tree (shared containers counted each time they appear, as every walk over it will count them)
+    has more than ``budget`` nodes: a few hundred bytes of pickle can otherwise describe a
+    structure that no walk finishes."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    path: list[int] = []  # ids of the containers on the way down (a cycle returns to one of them)
+    visits = 0
+    while stack:
+        node, depth = stack.pop()
+        del path[depth:]
+        visits += 1
+        if visits > budget:
+            raise CorruptCheckpointError("a pickled value expands to more entries than the file can hold", where=source,
+                                         hint="it repeats shared containers (a 'billion laughs' pickle); the file is hostile or damaged")
+        if isinstance(node, dict):
+            children = [*node.keys(), *node.values()]
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            children = list(node)
+        else:
+            continue
+        if id(node) in path:
+            raise CorruptCheckpointError("a pickled value contains itself (a reference cycle)", where=source,
+                                         hint="a checkpoint holds trees of plain data; the file is hostile or damaged")
+        if depth >= MAX_DEPTH:
+            raise CorruptCheckpointError(f"a pickled value nests more than {MAX_DEPTH} levels deep", where=source,
+                                         hint="state dicts nest a few levels; the file is hostile or damaged")
+        path.append(id(node))
+        stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+def _unpickle(unpickler: pickle.Unpickler, data: bytes, source: str, what: str, hint: str) -> Any:
+    try:
+        value = unpickler.load()
+    except UnsafePickleError as exc:
+        if exc.where is None:  # raised by an allow-listed constructor: add the file
+            raise UnsafePickleError(exc.what, where=source, hint=exc.hint) from None
+        raise
+    except RecursionError:
+        raise CorruptCheckpointError(f"{what} nests too deeply to read", where=source, hint=hint) from None
+    except Exception as exc:  # a truncated or random file: say so, with the file
+        raise CorruptCheckpointError(f"cannot read {what} ({type(exc).__name__}: {exc})", where=source, hint=hint) from None
+    return check_shape(value, source, budget=100_000 + 4 * len(data))
+
+
 def load_dcp_metadata(data: bytes, source: str) -> Any:
     """Unpickle a DCP ``.metadata`` file, admitting only DCP's own metadata classes."""
-    try:
-        return _AllowListUnpickler(data, source).load()
-    except UnsafePickleError:
-        raise
-    except Exception as exc:  # a truncated or random file: say so, with the file
-        raise CorruptCheckpointError(
-            f"cannot read DCP metadata ({type(exc).__name__}: {exc})",
-            where=source,
-            hint="the .metadata file is damaged; restore it or use another step",
-        ) from None
+    return _unpickle(_AllowListUnpickler(data, source), data, source, "DCP metadata",
+                     "the .metadata file is damaged; restore it or use another step")
 
 
 # --- torch.save pickles --------------------------------------------------------------------------
@@ -155,12 +207,22 @@ class TensorRef:
         return True
 
 
+def _tensor_ref(storage: Any, dtype: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
+    """A TensorRef whose fields have the types they claim (ints are ints, the dtype a dtype);
+    whether they fit the bytes present is checked against the record (torchzip.check_ref)."""
+    if not isinstance(storage, StorageRef) or not isinstance(dtype, torch.dtype):
+        raise TypeError(f"a tensor rebuilt from {type(storage).__name__} with dtype {dtype!r}")
+    shape = tuple(operator.index(x) for x in size)
+    strides = tuple(operator.index(x) for x in stride)
+    return TensorRef(storage, dtype, operator.index(storage_offset), shape, strides)
+
+
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    return TensorRef(storage, storage.dtype, int(storage_offset), tuple(size), tuple(stride))
+    return _tensor_ref(storage, getattr(storage, "dtype", None), storage_offset, size, stride)
 
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
-    return TensorRef(storage, dtype, int(storage_offset), tuple(size), tuple(stride))
+    return _tensor_ref(storage, dtype, storage_offset, size, stride)
 
 
 def _rebuild_parameter(data, requires_grad, hooks):
@@ -201,7 +263,7 @@ class _TorchSaveUnpickler(_AllowListUnpickler):
         _, storage_type, key, _location, numel = pid
         if not isinstance(storage_type, _StorageType):
             raise UnsafePickleError(f"unexpected storage type {storage_type!r}", where=self._source)
-        return StorageRef(str(key), storage_type.dtype, int(numel))
+        return StorageRef(str(key), storage_type.dtype, operator.index(numel))
 
 
 _TORCH_REBUILDERS = {
@@ -216,13 +278,5 @@ def load_torch_pickle(data: bytes, source: str) -> Any:
     """Unpickle a ``torch.save`` ``data.pkl``: containers and scalars as themselves, tensors as
     :class:`TensorRef`. Admits what ``torch.load(weights_only=True)`` admits for plain state dicts.
     Used for ``torch.save`` files and for DCP's object records (each a ``torch.save`` archive)."""
-    try:
-        return _TorchSaveUnpickler(data, source, _TORCH_REBUILDERS).load()
-    except UnsafePickleError:
-        raise
-    except Exception as exc:
-        raise CorruptCheckpointError(
-            f"cannot read the pickle ({type(exc).__name__}: {exc})",
-            where=source,
-            hint="the file is damaged or not written by torch.save",
-        ) from None
+    return _unpickle(_TorchSaveUnpickler(data, source, _TORCH_REBUILDERS), data, source, "the pickle",
+                     "the file is damaged or not written by torch.save")

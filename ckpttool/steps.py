@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
+from .checksums import ALGORITHM, new_hasher
+from .errors import CkptError, CorruptCheckpointError
 from .storage import Location
 
 COMMIT_FILE = ".ckpttool-commit.json"
 COMMIT_FORMAT = "ckpttool-commit"
-COMMIT_VERSION = 1
+COMMIT_VERSION = 2  # 2: the record carries a checksum of its own content (1 had none)
+MAX_COMMIT_BYTES = 256 << 20  # a manifest row per record: far below this for any real step
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^\.step-(\d+)\.tmp-[0-9a-f]+$")
@@ -33,26 +37,33 @@ def parse_step(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class RootListing:
-    """What a training root holds: committed steps, and directories that never committed."""
+    """What a training root holds: committed steps, steps whose commit record is damaged (never
+    loaded), and directories that never committed. Symlinks in the root are not ours: they are
+    neither listed, loaded, retained nor removed."""
 
     committed: list[int]
     incomplete: list[str]  # directory names
+    damaged: dict[int, str]  # step -> what is wrong with its commit record
 
 
 def list_root(root: Location) -> RootListing:
     committed: list[int] = []
     incomplete: list[str] = []
+    damaged: dict[int, str] = {}
     for name in root.listdir():
         step = parse_step(name)
-        if step is not None:
-            if root.child(name, COMMIT_FILE).exists():
-                committed.append(step)
-            else:
-                incomplete.append(name)
-        elif _TMP_RE.match(name):
+        if (step is None and not _TMP_RE.match(name)) or root.child(name).islink():
+            continue
+        if step is None or not root.child(name, COMMIT_FILE).exists():
             incomplete.append(name)
+            continue
+        try:
+            read_commit_record(root.child(name))
+            committed.append(step)
+        except CkptError as exc:
+            damaged[step] = exc.what
     committed.sort()
-    return RootListing(committed, sorted(incomplete))
+    return RootListing(committed, sorted(incomplete), dict(sorted(damaged.items())))
 
 
 def is_training_root(loc: Location) -> bool:
@@ -61,12 +72,20 @@ def is_training_root(loc: Location) -> bool:
     return any(parse_step(n) is not None or _TMP_RE.match(n) for n in names)
 
 
+def _digest(record: dict[str, Any]) -> str:
+    h = new_hasher()
+    h.update(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
 def commit_record(step: int, world_size: int, extra: dict | None = None) -> bytes:
+    """The commit record's bytes; its ``checksum`` covers everything else in it, so a damaged
+    record is noticed instead of silently turning the manifest check off."""
     import time
 
     import torch
 
-    record = {
+    record: dict[str, Any] = {
         "format": COMMIT_FORMAT,
         "version": COMMIT_VERSION,
         "step": step,
@@ -75,17 +94,50 @@ def commit_record(step: int, world_size: int, extra: dict | None = None) -> byte
         "committed_at": time.time(),
     }
     record.update(extra or {})
+    record["checksum"] = {"algorithm": ALGORITHM, "digest": _digest(record)}
     return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
 
 
 def read_commit_record(step_dir: Location) -> dict | None:
+    """The step's commit record (None when it has none); :class:`CorruptCheckpointError` when it
+    is damaged: unreadable, not the JSON ckpttool writes, or not matching its own checksum."""
     loc = step_dir.child(COMMIT_FILE)
     if not loc.exists():
         return None
+    def damaged(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"commit record is damaged: {what}", where=loc.url,
+                                      hint="the step cannot be trusted; load an earlier one (inspect lists them)")
+    if loc.size() > MAX_COMMIT_BYTES:
+        raise damaged(f"larger than {MAX_COMMIT_BYTES >> 20} MiB")
     try:
-        return json.loads(loc.read_bytes())
-    except ValueError:
-        return None
+        record = json.loads(loc.read_bytes())
+    except (ValueError, RecursionError) as exc:
+        raise damaged(f"not JSON ({type(exc).__name__})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or isinstance(record.get("step"), bool):
+        raise damaged("it names no step")
+    checksum = record.pop("checksum", None)
+    if record.get("version", 1) >= 2 or checksum is not None:
+        if not (isinstance(checksum, dict) and checksum.get("algorithm") == ALGORITHM):
+            raise damaged("its checksum is missing")
+        if checksum.get("digest") != _digest(record):
+            raise damaged("its content does not match its checksum")
+    manifest = record.get("manifest")
+    if manifest is not None and not _manifest_ok(manifest):
+        raise damaged("its manifest is malformed")
+    if parse_step(step_dir.name) not in (None, record["step"]):
+        raise damaged(f"it is for step {record['step']}, in {step_dir.name}")
+    return record
+
+
+def _manifest_ok(manifest: Any) -> bool:
+    def row_ok(row: Any) -> bool:
+        return (isinstance(row, list) and len(row) == 3 and all(isinstance(x, int) and x >= 0 for x in row[:2])
+                and isinstance(row[2], str))
+
+    records = manifest.get("records", {}) if isinstance(manifest, dict) else None
+    files = manifest.get("files", {}) if isinstance(manifest, dict) else None
+    return (isinstance(records, dict) and all(isinstance(rows, list) and all(map(row_ok, rows)) for rows in records.values())
+            and isinstance(files, dict) and all(row_ok([0, *v]) if isinstance(v, list) else False for v in files.values()))
 
 
 def retention_victims(committed: list[int], keep_last: int | None, keep_every: int | None = None) -> list[int]:

@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import posixpath
+import stat
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CorruptCheckpointError, NotFoundError, StorageError
+from .errors import CorruptCheckpointError, NotACheckpointError, NotFoundError, StorageError, UnsafePathError
 
 log = logging.getLogger("ckpttool")
 
@@ -140,6 +141,17 @@ class _Backend(ABC):
     def local_path(self, path: str) -> str | None:
         return None
 
+    def islink(self, path: str) -> bool:
+        return False
+
+    def resolved(self, path: str) -> str:
+        """The path with every symlink resolved (the same path where there are none)."""
+        return path
+
+    def escapes(self, parent: str, child: str) -> bool:
+        """Whether ``child`` (named inside ``parent``) resolves to a place outside it (a symlink)."""
+        return False
+
 
 class _LocalDisk(_Backend):
     commit = RenameCommit()
@@ -167,13 +179,22 @@ class _LocalDisk(_Backend):
             return []
 
     def read_bytes(self, path: str, start: int | None, end: int | None) -> bytes:
-        with open(path, "rb") as f:
+        with self.open_read(path) as f:
             if start:
                 f.seek(start)
             return f.read() if end is None else f.read(end - (start or 0))
 
     def open_read(self, path: str) -> Any:
-        return open(path, "rb", buffering=0)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; then refuse anything not a regular file
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _NotRegular(path)
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def pread(self, handle: Any, offset: int, out: memoryview) -> int:
         got, want, fd = 0, out.nbytes, handle.fileno()
@@ -208,6 +229,20 @@ class _LocalDisk(_Backend):
 
     def local_path(self, path: str) -> str | None:
         return path
+
+    def islink(self, path: str) -> bool:
+        return os.path.islink(path)
+
+    def resolved(self, path: str) -> str:
+        return os.path.realpath(path)
+
+    def escapes(self, parent: str, child: str) -> bool:
+        real_parent = os.path.realpath(parent)
+        return os.path.commonpath([real_parent, os.path.realpath(child)]) != real_parent
+
+
+class _NotRegular(OSError):
+    """A path that exists but is not a regular file (a FIFO, a device, a directory)."""
 
 
 class _Fsspec(_Backend):
@@ -322,6 +357,36 @@ class Location:
     def sibling(self, name: str) -> Location:
         return self.parent.child(name)
 
+    def inside(self, name: Any, named_by: str) -> Location:
+        """The file ``name`` inside this directory, where ``name`` comes from a checkpoint (a DCP
+        storage path, an HF weight map): every such name goes through here. One plain path
+        component only (no ``/``, ``\\``, ``..``, absolute or empty names) and, on a local disk,
+        not a symlink that leads out of this directory; else :class:`UnsafePathError` naming
+        ``named_by`` (the file and entry that gave the name)."""
+        if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+                or "\0" in name or any(ord(c) < 32 for c in name)):
+            raise UnsafePathError(
+                f"names a path outside the checkpoint: {name!r}", where=named_by,
+                hint="a checkpoint may only name files inside its own directory; nothing was read from that path",
+            )
+        loc = self.child(name)
+        if self._backend.escapes(self.path, loc.path):
+            raise UnsafePathError(
+                f"{name!r} is a symlink that leads out of the checkpoint", where=named_by,
+                hint="copy the file into the checkpoint instead of linking it; nothing was read through the link",
+            )
+        return loc
+
+    def islink(self) -> bool:
+        return self._backend.islink(self.path)
+
+    def contains(self, other: Location) -> bool:
+        """Whether ``other`` is this path or lies under it (on a local disk, after resolving symlinks)."""
+        if other._backend != self._backend:
+            return False
+        mine, theirs = self._backend.resolved(self.path), self._backend.resolved(other.path)
+        return theirs == mine or theirs.startswith(mine.rstrip("/") + "/")
+
     @property
     def commit_policy(self) -> CommitPolicy:
         return self._backend.commit
@@ -411,6 +476,9 @@ class Location:
             return fn(self.path, *args)
         except FileNotFoundError:
             raise NotFoundError(missing, where=self.url) from None
+        except (_NotRegular, IsADirectoryError):
+            raise NotACheckpointError("not a regular file (a directory, FIFO or device?)", where=self.url,
+                                      hint="name a checkpoint file or directory") from None
         except PermissionError as exc:
             raise StorageError(
                 f"permission denied ({exc})",
@@ -425,7 +493,7 @@ class Location:
 
 def describe_os_error(exc: OSError, verb: str = "access") -> str:
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        return f"no space to write ({exc.strerror}); free space or write elsewhere"
+        return f"no space left on device while writing ({exc.strerror}); free space or write elsewhere"
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"cannot {verb} here: {exc.strerror}"
     return exc.strerror or str(exc)
@@ -438,10 +506,22 @@ class RangeReader:
         self.loc = loc
         self.where = loc.url
         self._handle: Any = None
+        self._size: int | None = None
         self._held: tuple[int, bytes] | None = None  # bytes fetched once that later reads may use
 
     def size(self) -> int:
-        return self.loc.size()
+        if self._size is None:
+            self._size = self.loc.size()
+        return self._size
+
+    def check_range(self, offset: int, length: int) -> None:
+        """Refuse a range that does not lie inside the file, before anything is allocated for it."""
+        if offset < 0 or length < 0 or offset + length > self.size():
+            raise CorruptCheckpointError(
+                f"file is truncated: wanted bytes {offset}..{offset + length}, file ends at {self.size()}",
+                where=self.where,
+                hint="the file was cut short (interrupted copy or save?) or its metadata is damaged; restore it from a good copy",
+            )
 
     def hold(self, offset: int, data: bytes) -> None:
         """Serve later reads that fall inside ``data`` (the bytes at ``offset``) from memory.
@@ -455,6 +535,7 @@ class RangeReader:
         self._held = None
 
     def read(self, offset: int, length: int) -> bytes:
+        self.check_range(offset, length)
         buf = bytearray(length)
         self.readinto(offset, memoryview(buf))
         return bytes(buf)
@@ -462,6 +543,8 @@ class RangeReader:
     def readinto(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes at ``offset``; a short file is a corrupt checkpoint."""
         want = out.nbytes
+        if offset < 0:
+            self.check_range(offset, want)
         if self._held is not None:
             start, data = self._held
             if start <= offset and offset + want <= start + len(data):
@@ -499,18 +582,18 @@ class BytesReader:
     def release(self) -> None:
         pass
 
+    def check_range(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self._data.nbytes:
+            raise CorruptCheckpointError(
+                f"record is truncated: wanted bytes {offset}..{offset + length} of {self._data.nbytes}", where=self.where)
+
     def read(self, offset: int, length: int) -> bytes:
-        buf = bytearray(length)
-        self.readinto(offset, memoryview(buf))
-        return bytes(buf)
+        self.check_range(offset, length)
+        return bytes(self._data[offset : offset + length])
 
     def readinto(self, offset: int, out: memoryview) -> None:
-        want = out.nbytes
-        if offset < 0 or offset + want > self._data.nbytes:
-            raise CorruptCheckpointError(
-                f"record is truncated: wanted bytes {offset}..{offset + want} of {self._data.nbytes}", where=self.where
-            )
-        out[:] = self._data[offset : offset + want]
+        self.check_range(offset, out.nbytes)
+        out[:] = self._data[offset : offset + out.nbytes]
 
     def close(self) -> None:
         pass

@@ -39,9 +39,11 @@ def verify_path(path: str | Location, *, only: str | None = None, storage_option
         listing = list_root(loc)
         if listing.incomplete:
             report.note(f"incomplete steps (ignored by load): {', '.join(listing.incomplete)}")
+        for step, what in listing.damaged.items():
+            report.add(what, loc.child(step_name(step)).url, hint="load never takes this step; it cannot be trusted")
         for step in listing.committed:
             report.merge(verify_path(loc.child(step_name(step)), only=only, progress=progress))
-        if not listing.committed:
+        if not listing.committed and not listing.damaged:
             report.note("no committed steps")
         return report
     fmt = formats.detect(loc)

@@ -187,6 +187,16 @@ class Sink(ABC):
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         """Write one tensor (tensors arrive in ``begin``'s order), pulling slabs of <= budget bytes."""
 
+    def write(self, tensors: list[TensorSpec], reader_for: Callable[[TensorSpec], tuple[ReadFn, int]],
+              done: Callable[[int, str], None]) -> None:
+        """Write every tensor, in :meth:`order`: ``reader_for(spec)`` gives its read callback and slab
+        budget, ``done(nbytes, key)`` reports progress. A sink with many files overrides this to
+        write them one at a time."""
+        for spec in tensors:
+            read, budget = reader_for(spec)
+            self.add_tensor(spec, read, budget)
+            done(spec.nbytes, spec.key)
+
     def complete(self) -> None:
         """Write what makes the output complete (an index, a pickle, metadata) after the data; a
         format whose marker must follow closed data files calls :meth:`close_files` first."""

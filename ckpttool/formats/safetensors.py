@@ -28,7 +28,8 @@ from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions
 INDEX_FILE = "model.safetensors.index.json"
 META_OBJECTS = "ckpttool.objects"
 META_PATHS = "ckpttool.paths"
-_MAX_HEADER = 100 * 1024 * 1024
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+MAX_INDEX_BYTES = 64 << 20
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -96,30 +97,47 @@ class _File:
             raise CorruptCheckpointError(
                 f"header length {n} does not fit the file size {size}", where=loc.url, hint="the file is truncated or not safetensors"
             )
-        try:
-            header = json.loads(self.reader.read(8, n))
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"header is not valid JSON ({exc})", where=loc.url) from None
+        header = _json(self.reader.read(8, n), loc.url, "header")
         if not isinstance(header, dict):
             raise CorruptCheckpointError("header is not a JSON object", where=loc.url)
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not (isinstance(self.metadata, dict) and all(isinstance(v, str) for v in self.metadata.values())):
+            raise CorruptCheckpointError("header's __metadata__ is not a map of strings", where=loc.url)
         self.data_start = 8 + n
         self.data_size = size - self.data_start
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for key, info in header.items():
             try:
                 dtype = DTYPES[info["dtype"]]
-                shape = tuple(int(s) for s in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
+                shape = tuple(info["shape"])
+                begin, end = info["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise CorruptCheckpointError(f"bad header entry for {key!r}: {info!r}", where=loc.url) from None
-            if end - begin != math.prod(shape) * dtype_size(dtype) or begin < 0 or end > self.data_size:
+            if not all(_count(x) for x in (*shape, begin, end)) or begin > end or end > self.data_size \
+                    or end - begin != math.prod(shape) * dtype_size(dtype):
                 raise CorruptCheckpointError(
-                    f"tensor {key!r}: data_offsets {begin}..{end} do not match {NAMES[dtype]}{list(shape)} "
+                    f"tensor {key!r}: data_offsets {begin}..{end} do not match {info['dtype']}{list(shape)} "
                     f"inside {self.data_size} data bytes",
                     where=loc.url,
                 )
             self.tensors[key] = (dtype, shape, begin, end)
+        # Two tensors on the same bytes would let a small file convert to an unbounded output
+        spans = sorted((b, e, k) for k, (_, _, b, e) in self.tensors.items() if e > b)
+        for (_, end0, k0), (begin1, _, k1) in zip(spans, spans[1:]):
+            if begin1 < end0:
+                raise CorruptCheckpointError(f"tensors {k0!r} and {k1!r} share bytes of the data area", where=loc.url,
+                                             hint="the header is damaged or hostile; safetensors tensors never overlap")
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _json(raw: bytes, where: str, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{what} is not valid JSON ({type(exc).__name__}: {exc})", where=where) from None
 
 
 class SafetensorsSource(Source):
@@ -131,24 +149,25 @@ class SafetensorsSource(Source):
         if location.isdir():
             index_loc = location.child(INDEX_FILE)
             if index_loc.exists():
-                try:
-                    index = json.loads(index_loc.read_bytes())
-                    names = sorted(set(index["weight_map"].values()))
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise CorruptCheckpointError(f"bad index file ({exc})", where=index_loc.url) from None
+                names = sorted(set(read_weight_map(index_loc).values()))
             else:
                 names = [n for n in location.listdir() if n.endswith(".safetensors")]
             if not names:
                 raise NotACheckpointError("directory holds no .safetensors files", where=location.url)
-            self.parts = [_File(location.child(n)) for n in names]
+            self.parts = [_File(location.inside(n, f"{index_loc.url} (weight_map)")) for n in names]
         else:
             self.parts = [_File(location)]
         meta = self.parts[0].metadata
+        where = self.parts[0].loc.url
+        objects = _json(meta[META_OBJECTS], where, f"__metadata__ {META_OBJECTS}") if META_OBJECTS in meta else {}
+        paths = _json(meta[META_PATHS], where, f"__metadata__ {META_PATHS}") if META_PATHS in meta else {}
+        if not (isinstance(objects, dict) and isinstance(paths, dict) and all(isinstance(p, list) for p in paths.values())):
+            raise CorruptCheckpointError("ckpttool's __metadata__ entries have the wrong shape", where=where)
         try:
-            objects = json.loads(meta[META_OBJECTS]) if META_OBJECTS in meta else {}
-            paths = json.loads(meta[META_PATHS]) if META_PATHS in meta else {}
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"bad ckpttool metadata ({exc})", where=self.parts[0].loc.url) from None
+            objects = {key: decode_object(value) for key, value in objects.items()}
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise CorruptCheckpointError(f"cannot decode ckpttool's __metadata__ ({type(exc).__name__}: {exc})",
+                                         where=where) from None
         idx = Index()
         self._where: dict[str, _File] = {}
         for f in self.parts:
@@ -156,7 +175,7 @@ class SafetensorsSource(Source):
                 self._where[key] = f
                 idx.add(TensorEntry(key, shape, dtype, (Chunk(tuple(0 for _ in shape), shape, (f.loc.name, begin, end)),)), _path(paths, key))
         for key, value in objects.items():
-            idx.add(ObjectEntry(key, decode_object(value)), _path(paths, key))
+            idx.add(ObjectEntry(key, value), _path(paths, key))
         self._index = _in_original_order(idx, paths)
 
     def index(self) -> Index:
@@ -186,6 +205,17 @@ class SafetensorsSource(Source):
     def close(self) -> None:
         for f in self.parts:
             f.reader.close()
+
+
+def read_weight_map(index_loc: Location) -> dict[str, str]:
+    """``weight_map`` of an HF index file (tensor key -> shard file name), checked for shape."""
+    if index_loc.size() > MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(f"index file is larger than {MAX_INDEX_BYTES >> 20} MiB", where=index_loc.url)
+    index = _json(index_loc.read_bytes(), index_loc.url, "index file")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise CorruptCheckpointError("index file has no weight_map of file names", where=index_loc.url)
+    return weight_map
 
 
 def _path(paths: dict[str, list], key: str) -> tuple:
@@ -337,11 +367,7 @@ class SafetensorsFormat(Format):
             report.bytes_checked += sum(end - begin for (_, _, begin, end) in f.tensors.values())
         index_loc = source.location.child(INDEX_FILE) if source.location.isdir() else None
         if index_loc is not None and index_loc.exists():
-            try:
-                weight_map = json.loads(index_loc.read_bytes())["weight_map"]
-            except (ValueError, KeyError, TypeError) as exc:
-                report.add(f"index file is not valid ({exc})", index_loc.url)
-                return
+            weight_map = read_weight_map(index_loc)
             where = {key: f.loc.name for f in source.parts for key in f.tensors}
             for key, fname in weight_map.items():
                 if where.get(key) != fname:

@@ -10,6 +10,7 @@ writing it ourselves lets a tensor stream into the archive slab by slab.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import struct
 import zipfile
@@ -111,6 +112,7 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
     where = where or reader.where
     if length is None:
         length = reader.size() - start
+    reader.check_range(start, length)
     prefetched = reader.read(start, length) if length <= max(_SMALL_ARCHIVE, whole_up_to) else None
     if prefetched is not None and whole_up_to:
         reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
@@ -154,11 +156,8 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
 def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage, box, where: str,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``box`` of the tensor ``ref`` describes, reading only the rows it touches (into ``out``)."""
+    check_ref(ref, storage, where)
     item = dtype_size(ref.dtype)
-    if ref.storage_offset * item + span_bytes(ref) > storage.nbytes:
-        raise CorruptCheckpointError(
-            f"tensor needs more bytes than its record holds ({storage.nbytes})", where=where
-        )
     if ref.is_contiguous():
         return read_c_order_box(reader, storage.offset + ref.storage_offset * item, ref.shape, ref.dtype, box, out)
     # Rare: a strided tensor (saved from a view). Read its whole storage, then view it.
@@ -170,6 +169,28 @@ def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage,
         return piece.contiguous()
     out.copy_(piece)
     return out
+
+
+def check_ref(ref: TensorRef, storage: StoredStorage, where: str) -> None:
+    """A tensor a pickle describes must lie inside its storage record: no negative size, stride or
+    offset, and no more elements than the record has bytes for (an overlapping view such as
+    stride 0 would let a 1 KB file declare terabytes)."""
+    if (len(ref.stride) != len(ref.shape) or ref.storage_offset < 0 or any(s < 0 for s in ref.shape)
+            or any(st < 0 for st in ref.stride)):
+        raise CorruptCheckpointError(
+            f"tensor has a negative or inconsistent size, stride or offset (shape {list(ref.shape)}, "
+            f"stride {list(ref.stride)}, storage offset {ref.storage_offset})", where=where)
+    item = dtype_size(ref.dtype)
+    numel = math.prod(ref.shape)
+    if numel == 0:
+        return
+    if ref.storage_offset * item + span_bytes(ref) > storage.nbytes:
+        raise CorruptCheckpointError(f"tensor needs more bytes than its record holds ({storage.nbytes})", where=where)
+    if numel * item > storage.nbytes:
+        raise CorruptCheckpointError(
+            f"tensor of shape {list(ref.shape)} (stride {list(ref.stride)}) repeats the {storage.nbytes} bytes of its "
+            "record (an overlapping view)", where=where, hint="ckpttool reads tensors whose elements are stored; "
+            "save it with .contiguous()")
 
 
 def span_bytes(ref: TensorRef) -> int:

@@ -97,3 +97,18 @@ def test_mesh_parse_errors_name_the_flag():
 def test_fsdp_box_empty_shard_is_none():
     assert fsdp_box((2, 3), 4, 3) is None
     assert fsdp_box((), 4, 3) == ((), ())
+
+
+def test_stored_box_of_each_rank_is_stored_boxes():
+    """The O(1) per-rank query the DCP sink uses gives exactly the boxes of stored_boxes, rank by rank."""
+    from ckpttool.layout import stored_box_of
+
+    for n in range(0, 14):
+        for shard in range(1, 7):
+            for replicate in (1, 2):
+                mesh = Mesh(replicate, shard)
+                for shape in ((n,), (n, 3), ()):
+                    for sharded in (True, False):
+                        expected = stored_boxes(shape, mesh, sharded)
+                        got = [(r, b) for r in range(mesh.world_size) for b in stored_box_of(shape, mesh, r, sharded)]
+                        assert got == expected, (shape, mesh, sharded)

@@ -28,7 +28,7 @@ def check_integrity(source: DcpSource, report: Report, keys: list[str], progress
     index = source.index()
     sizes: dict[str, int | None] = {}
     for name in source.files():
-        loc = source.location.child(name)
+        loc = source.file(name)
         sizes[name] = loc.size() if loc.exists() else None
         if sizes[name] is None:
             lost = sorted(k for k in index if name in _files_of(index[k]))
@@ -66,7 +66,7 @@ def _records_inside_files(source: DcpSource, key: str, infos: list[Any], sizes: 
             ok = False
         elif info.offset < 0 or info.offset + info.length > size:
             report.add(f"record at bytes {info.offset}..{info.offset + info.length} lies past the end of the file ({size} bytes)",
-                       source.location.child(info.relative_path).url, key, hint="the file is truncated; restore it from a good copy")
+                       source.file(info.relative_path).url, key, hint="the file is truncated; restore it from a good copy")
             ok = False
     return ok
 
@@ -78,8 +78,13 @@ def _files_of(entry: Any) -> set[str]:
 
 
 def _load_manifest(source: DcpSource, report: Report) -> Manifest | None:
-    """The manifest of the step's commit record, when ckpttool wrote one."""
-    record = read_commit_record(source.location)
+    """The manifest of the step's commit record, when ckpttool wrote one (a damaged record is a
+    problem, never a reason to skip the check silently)."""
+    try:
+        record = read_commit_record(source.location)
+    except CkptError as exc:
+        report.add(exc.what, exc.where, hint=exc.hint)
+        return None
     manifest = (record or {}).get("manifest")
     if not manifest:
         return None
@@ -87,6 +92,10 @@ def _load_manifest(source: DcpSource, report: Report) -> Manifest | None:
         report.note(f"manifest uses {manifest.get('algorithm')}, this install hashes with {ALGORITHM}: not checked")
         return None
     report.note(f"checked against the manifest ({ALGORITHM}) of the commit record")
+    expected = manifest.get("files", {}).get(METADATA_FILE)
+    if expected is not None and list(expected) != [source.metadata_size, source.metadata_digest]:
+        report.add(".metadata does not match the manifest written at commit", source.location.child(METADATA_FILE).url,
+                   hint="it changed after the save committed; the step cannot be trusted")
     return {(name, off): (length, digest) for name, rows in manifest.get("records", {}).items() for off, length, digest in rows}
 
 
@@ -108,7 +117,7 @@ def _compare_digest(row: tuple[int, str] | None, digest: str, info: Any, url: st
 
 
 def _check_object(source: DcpSource, key: str, info: Any, manifest: Manifest | None, report: Report, buf: memoryview) -> None:
-    url = source.location.child(info.relative_path).url
+    url = source.file(info.relative_path).url
     row = _manifest_row(manifest, info, url, key, report)
     try:
         if row is not None:
@@ -123,7 +132,7 @@ def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, ma
                  buf: memoryview) -> None:
     """Decode the chunk's record header, then read the record once for its CRC-32 and manifest hash."""
     info = chunk.location
-    url = source.location.child(info.relative_path).url
+    url = source.file(info.relative_path).url
     row = _manifest_row(manifest, info, url, key, report)
     hasher = new_hasher() if row is not None else None
     try:

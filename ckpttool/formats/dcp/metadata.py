@@ -18,6 +18,7 @@ from ...safe_pickle import load_dcp_metadata
 from ...storage import Location
 
 METADATA_FILE = ".metadata"
+MAX_METADATA_BYTES = 1 << 30
 DCP_VERSION = "1.0.0"
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -41,6 +42,19 @@ def writer_world_size(file_names: list[str]) -> int:
 
 def read_metadata(loc: Location) -> Metadata:
     """``.metadata`` of a DCP directory, unpickled through the allow-list."""
+    return parse_metadata(read_metadata_bytes(loc), loc)
+
+
+def parse_metadata(data: bytes, loc: Location) -> Metadata:
+    md_loc = loc.child(METADATA_FILE)
+    metadata = load_dcp_metadata(data, md_loc.url)
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError("the .metadata file does not hold DCP metadata", where=md_loc.url)
+    return metadata
+
+
+def read_metadata_bytes(loc: Location) -> bytes:
+    """The bytes of ``.metadata`` (bounded: a DCP's metadata is small beside its data)."""
     md_loc = loc.child(METADATA_FILE)
     if not loc.exists():
         raise NotFoundError("checkpoint does not exist", where=loc.url, hint="check the path")
@@ -50,22 +64,55 @@ def read_metadata(loc: Location) -> Metadata:
             where=loc.url,
             hint="the save may have been interrupted; use an earlier step or `ckpttool inspect` the root",
         )
-    metadata = load_dcp_metadata(md_loc.read_bytes(), md_loc.url)
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError("the .metadata file does not hold DCP metadata", where=md_loc.url)
-    return metadata
+    if md_loc.size() > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(f".metadata is larger than {MAX_METADATA_BYTES >> 30} GiB", where=md_loc.url,
+                                     hint="the file is damaged or not DCP metadata")
+    return md_loc.read_bytes()
+
+
+def storage_index(metadata: Metadata, loc: Location) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+    """(key, chunk offsets or None for an object) -> the storage entry saying where its record is.
+
+    Every entry is checked here, before anything is read: a file name that stays inside the
+    checkpoint (``Location.inside``), a non-negative integer offset and length.
+    """
+    where = loc.child(METADATA_FILE).url
+    out: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    checked: set[str] = set()
+    for mi, info in storage.items():
+        fqn, offset = getattr(mi, "fqn", None), getattr(mi, "offset", None)
+        name, start, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if not (isinstance(fqn, str) and _ints_or_none(offset) and _nonneg_int(start) and _nonneg_int(length)):
+            raise CorruptCheckpointError(f"storage entry of {fqn!r} in .metadata is malformed", where=where,
+                                         hint="the .metadata file is damaged; restore it")
+        if name not in checked:
+            loc.inside(name, f"{where} (storage entry of {fqn!r})")
+            checked.add(name)
+        out[(fqn, None if offset is None else tuple(offset))] = info
+    return out
+
+
+def _nonneg_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _ints_or_none(x: Any) -> bool:
+    return x is None or (isinstance(x, (tuple, list)) and all(_nonneg_int(v) for v in x))
 
 
 def check_tensor_metadata(key: str, md: Any, where: str) -> None:
     """Types and ranks of one entry, so a damaged .metadata is a clear error, not a crash later."""
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
     size = getattr(md, "size", None)
-    ok = isinstance(dtype, torch.dtype) and isinstance(size, (tuple, list)) and all(isinstance(s, int) and s >= 0 for s in size)
+    chunks = getattr(md, "chunks", None)
+    ok = (isinstance(dtype, torch.dtype) and isinstance(size, (tuple, list)) and all(_nonneg_int(s) for s in size)
+          and isinstance(chunks, (tuple, list)))
     if ok:
-        for c in md.chunks:
+        for c in chunks:
             offs, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
             if not (isinstance(offs, (tuple, list)) and isinstance(sizes, (tuple, list)) and len(offs) == len(sizes) == len(size)
-                    and all(isinstance(x, int) and x >= 0 for x in (*offs, *sizes))):
+                    and all(_nonneg_int(x) for x in (*offs, *sizes))):
                 ok = False
                 break
     if not ok:

@@ -1,50 +1,16 @@
-"""DCP in the training loop: torch's own reader and writer with our rules, and the step's manifest.
-
-``.metadata`` and every object record go through the allow-listed unpickler (torch would unpickle
-objects with ``weights_only=False``); saves write one fsync'ed file per rank.
+"""DCP saves in the training loop: torch's own writer (one fsync'ed file per rank) and the step's
+manifest. Loads go through ``load.py``, not torch's reader.
 """
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint import FileSystemWriter
 
-from ...checksums import ALGORITHM, hash_range, new_block
-from ...storage import BytesReader, Location
-from ..torchzip import load_object_record
-from .metadata import file_rank, read_metadata
-
-
-class _SafeMetadataMixin:
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:  # noqa: D401 - DCP hook
-        metadata = read_metadata(self._ckpt_location)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
-
-
-class _SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
-    pass
-
-
-def dcp_reader(loc: Location, storage_options: dict[str, Any] | None = None):
-    """A DCP StorageReader for ``loc`` whose ``.metadata`` goes through the allow-list."""
-    if loc.local_path is not None:
-        reader = _SafeFileSystemReader(loc.local_path)
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        class _SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
-            pass
-
-        reader = _SafeFsspecReader(loc.url, **(storage_options or {}))
-    reader._ckpt_location = loc
-    return reader
+from ...checksums import ALGORITHM, hash_bytes, hash_range, new_block
+from ...storage import Location
+from .metadata import METADATA_FILE, file_rank, read_metadata, read_metadata_bytes
 
 
 def dcp_writer(loc: Location, storage_options: dict[str, Any] | None = None):
@@ -54,21 +20,6 @@ def dcp_writer(loc: Location, storage_options: dict[str, Any] | None = None):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     return FsspecWriter(loc.url, single_file_per_rank=True, sync_files=True, **(storage_options or {}))
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but object records are read through our allow-list (DCP uses ``weights_only=False``)."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        data = value.getvalue()
-        obj = load_object_record(BytesReader(data, f"object {fqn!r}"), 0, len(data), f"object {fqn!r}")
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
 
 
 def hash_records(step_dir: Location, rank: int | None = None) -> dict[str, Any]:
@@ -88,3 +39,9 @@ def hash_records(step_dir: Location, rank: int | None = None) -> dict[str, Any]:
         finally:
             reader.close()
     return {"algorithm": ALGORITHM, "records": records}
+
+
+def metadata_row(step_dir: Location) -> dict[str, list[Any]]:
+    """The manifest's entry for ``.metadata`` itself: ``{".metadata": [length, hexdigest]}``."""
+    raw = read_metadata_bytes(step_dir)
+    return {METADATA_FILE: [len(raw), hash_bytes(raw)]}

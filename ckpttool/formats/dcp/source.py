@@ -6,19 +6,21 @@ the archive's zip directory and pickle through the allow-list and read only the 
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from ...checksums import hash_bytes
 from ...errors import CorruptCheckpointError, FormatError, NotFoundError
-from ...index import Chunk, Index, ObjectEntry, TensorEntry
+from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ...layout import Box, intersect, relative, whole
 from ...storage import Location, RangeReader
 from ..base import Source
 from ..torchzip import REMOTE_RECORD, Archive, load_object_record, read_archive, read_tensor_box
-from .metadata import METADATA_FILE, check_tensor_metadata, read_metadata, writer_world_size
+from .metadata import METADATA_FILE, check_tensor_metadata, parse_metadata, read_metadata_bytes, storage_index, writer_world_size
 
 
 class DcpSource(Source):
@@ -26,13 +28,15 @@ class DcpSource(Source):
 
     def __init__(self, location: Location):
         super().__init__(location)
-        self.metadata = read_metadata(location)
-        self._storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
-        for mi, info in (self.metadata.storage_data or {}).items():
-            self._storage[(mi.fqn, None if mi.offset is None else tuple(mi.offset))] = info
+        raw = read_metadata_bytes(location)
+        self.metadata = parse_metadata(raw, location)
+        self.metadata_size = len(raw)
+        self.metadata_digest = hash_bytes(raw)  # the manifest of a ckpttool step covers .metadata too
+        self._storage = storage_index(self.metadata, location)
         self._readers: dict[str, RangeReader] = {}
         self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
         self._index: Index | None = None
+        self._checked: set[str] = set()
 
     def index(self) -> Index:
         if self._index is not None:
@@ -49,13 +53,18 @@ class DcpSource(Source):
             if isinstance(md, TensorStorageMetadata):
                 check_tensor_metadata(key, md, md_url)
                 chunks = []
+                item = dtype_size(md.properties.dtype)
                 for c in md.chunks:
-                    offs = tuple(int(o) for o in c.offsets)
+                    offs, sizes = tuple(c.offsets), tuple(c.sizes)
                     info = self._storage.get((key, offs))
                     if info is None:
                         raise CorruptCheckpointError(f"tensor {key!r}: chunk at {offs} has no storage entry in .metadata", where=md_url)
-                    chunks.append(Chunk(offs, tuple(int(s) for s in c.sizes), info))
-                idx.add(TensorEntry(key, tuple(int(s) for s in md.size), md.properties.dtype, tuple(chunks)), path)
+                    if math.prod(sizes) * item > info.length:
+                        raise CorruptCheckpointError(
+                            f"tensor {key!r}: chunk at {offs} of {list(sizes)} needs more bytes than its record's "
+                            f"{info.length}", where=md_url, hint="the .metadata is damaged; restore it")
+                    chunks.append(Chunk(offs, sizes, info))
+                idx.add(TensorEntry(key, tuple(md.size), md.properties.dtype, tuple(chunks)), path)
             elif isinstance(md, BytesStorageMetadata):
                 info = self._storage.get((key, None))
                 if info is None:
@@ -71,8 +80,7 @@ class DcpSource(Source):
         return writer_world_size(self.files())
 
     def files(self) -> list[str]:
-        names = {getattr(info, "relative_path", "?") for info in self._storage.values()}
-        return sorted(names)
+        return sorted({info.relative_path for info in self._storage.values()})
 
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return entry.chunks[chunk_index].location.relative_path
@@ -81,7 +89,7 @@ class DcpSource(Source):
         """The open reader of one data file (kept open: a file holds many records)."""
         r = self._readers.get(relative_path)
         if r is None:
-            loc = self.location.child(relative_path)
+            loc = self.file(relative_path)
             if not loc.exists():
                 raise NotFoundError(
                     "data file named in .metadata is missing", where=loc.url, hint="restore the file or use another checkpoint"
@@ -89,15 +97,19 @@ class DcpSource(Source):
             r = self._readers[relative_path] = loc.open_reader()
         return r
 
+    def file(self, relative_path: str) -> Location:
+        """A data file named in ``.metadata`` (names were confined to the directory when read)."""
+        return self.location.child(relative_path)
+
     def record_where(self, info: Any, key: str) -> str:
-        return f"{self.location.child(info.relative_path).url} (record of {key!r} at byte {info.offset})"
+        return f"{self.file(info.relative_path).url} (record of {key!r} at byte {info.offset})"
 
     def archive(self, info: Any, key: str) -> Archive:
         """The parsed record behind a storage entry (cached: many reads hit the same chunk)."""
         if getattr(info, "transform_descriptors", None):
             raise FormatError(
                 f"record of {key!r} uses storage transforms {info.transform_descriptors}",
-                where=self.location.child(info.relative_path).url,
+                where=self.file(info.relative_path).url,
                 hint="ckpttool reads plain DCP records only",
             )
         cache_key = (info.relative_path, info.offset)
@@ -118,7 +130,7 @@ class DcpSource(Source):
         """(reference, storage) of a chunk's record, checked against what ``.metadata`` says."""
         arch = self.archive(chunk.location, key)
         ref = arch.obj
-        where = f"{self.location.child(chunk.location.relative_path).url} (key {key!r})"
+        where = f"{self.file(chunk.location.relative_path).url} (key {key!r})"
         if tuple(getattr(ref, "shape", ())) != chunk.sizes or getattr(ref, "dtype", None) != entry.dtype:
             raise CorruptCheckpointError(
                 f"record of {key!r} at {chunk.offsets} holds {getattr(ref, 'dtype', '?')}{list(getattr(ref, 'shape', []))}, "
@@ -130,8 +142,20 @@ class DcpSource(Source):
             raise CorruptCheckpointError(f"record of {key!r} lacks its data", where=where)
         return ref, storage
 
-    def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def checked_entry(self, key: str) -> TensorEntry:
+        """The entry of tensor ``key``, once checked to be safe to read: its chunks tile its shape
+        (no gap to leave uninitialised) and its records lie inside their files (so its declared
+        size is backed by bytes present before anything is allocated for it)."""
         entry = self.entry(key, TensorEntry)
+        if key not in self._checked:
+            entry.check_coverage(self.location.url)
+            for chunk in entry.chunks:
+                self.reader(chunk.location.relative_path).check_range(chunk.location.offset, chunk.location.length)
+            self._checked.add(key)
+        return entry
+
+    def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        entry = self.checked_entry(key)
         box = box if box is not None else whole(entry.shape)
         if out is None:
             out = torch.empty(box[1], dtype=entry.dtype)
@@ -140,7 +164,7 @@ class DcpSource(Source):
             if part is None:
                 continue
             ref, storage = self.tensor_record(key, entry, chunk)
-            where = f"{self.location.child(chunk.location.relative_path).url} (key {key!r})"
+            where = f"{self.file(chunk.location.relative_path).url} (key {key!r})"
             local = tuple(s.start for s in relative(part, (chunk.offsets, chunk.sizes)))
             # read straight into the destination when its slice is contiguous (whole rows)
             read_tensor_box(self.reader(chunk.location.relative_path), ref, storage, (local, part[1]), where,
@@ -152,13 +176,13 @@ class DcpSource(Source):
         spans = []
         for chunk in entry.chunks:
             _, storage = self.tensor_record(key, entry, chunk)
-            spans.append((self.location.child(chunk.location.relative_path), storage.offset, storage.offset + storage.nbytes))
+            spans.append((self.file(chunk.location.relative_path), storage.offset, storage.offset + storage.nbytes))
         return spans
 
     def read_object(self, key: str) -> Any:
         info = self.entry(key, ObjectEntry).location
         return load_object_record(self.reader(info.relative_path), info.offset, info.length,
-                                  f"{self.location.child(info.relative_path).url} (object {key!r})")
+                                  f"{self.file(info.relative_path).url} (object {key!r})")
 
     def close(self) -> None:
         for r in self._readers.values():
