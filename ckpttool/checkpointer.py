@@ -86,7 +86,8 @@ class Checkpointer:
     # --- queries --------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, oldest first. Steps that never committed are not listed."""
+        """Committed steps, oldest first. Steps that never committed, or whose commit record is
+        damaged, are not listed."""
         self._check_root()
         return list_root(self.root).committed
 
@@ -378,7 +379,7 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     Every rank raises the same error when any rank fails.
     """
     from .formats.dcp import DcpSource
-    from .formats.dcp.load import RecordChecks, load_into
+    from .formats.dcp.load import load_into
     from .index import flatten
 
     loc = resolve(path, storage_options)
@@ -387,15 +388,14 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     error: BaseException | None = None
     try:
         record = read_commit_record(loc)
-        with DcpSource(loc) as source:
+        with DcpSource(loc, verify=verify, rank=dist.rank()) as source:
             index = source.index()
             _check_fits(state, index, loc)
             extra_template = _extra_template(source)
             if extra_template:
                 state["extra"] = extra_template
             flat, paths = flatten(state)
-            checks = RecordChecks(source, (record or {}).get("manifest"), dist.rank()) if verify else None
-            load_into(source, flat, checks)
+            load_into(source, flat)
             state = unflatten(flat, paths)
     except CkptError as exc:
         error = exc

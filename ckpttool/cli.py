@@ -180,7 +180,7 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
 @click.option("--dtype", type=click.Choice(CAST_DTYPES), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
 @click.option("--max-shard-size", metavar="SIZE", help=f"Write HF-sharded safetensors with files up to SIZE ({SIZE_HELP}).")
 @click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, help="Most tensor data held in memory at once.")
-@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
 @json_option
 @storage_option
 @click.pass_context
@@ -196,7 +196,8 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
     whole tensor in memory).
     The output is written under a temporary name and appears only when complete.
     safetensors holds tensors; other entries go into its header metadata when they are JSON-able,
-    and the command lists those it had to drop.
+    and the command lists those it had to drop. Every record read is checked (CRC-32, and the
+    manifest of a ckpttool step); the source is distrusted: see docs/security.md for the limits.
 
     \b
     Examples:
@@ -235,11 +236,11 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--world-size", type=int, required=True, help="Ranks of the job that will load DST.")
+@click.option("--world-size", type=int, required=True, help="Ranks of the job that will load DST (1 to 65536).")
 @click.option("--mesh", metavar="RxS", help="HSDP mesh: R replicas x S shards (R*S = world size); boxes follow the shard dim.")
 @click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix.")
 @click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, help="Most tensor data held in memory at once.")
-@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
 @json_option
 @storage_option
 @click.pass_context
@@ -293,8 +294,11 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, r
     Integrity (any format, or every committed step of a training root): every referenced file
     exists and every byte range lies inside it; every tensor's chunks tile its shape with no gap
     or overlap; every record decodes to its declared dtype and shape; the bytes are the ones
-    written (the CRC-32 torch stores for every record of DCP and torch.save files; safetensors
-    has no checksums); pickles are read through the allow-list, never run.
+    written (the CRC-32 torch stores for every record of DCP and torch.save files, and the
+    manifest of a ckpttool step, .metadata included; safetensors has no checksums); pickles are
+    read through the allow-list, never run; no path leads out of the checkpoint. A training root
+    also lists steps whose commit record is damaged. Limits and what is not checked:
+    docs/security.md.
     With --against: keys missing on either side, dtype and shape differences, values bitwise
     (or within --rtol/--atol, with max differences and the first differing index).
     Exit 0 when nothing is wrong, 1 when problems or differences were found, 2 when PATH cannot

@@ -7,15 +7,17 @@ safetensors file map onto each other both ways. Pure code: no I/O, no ``torch.di
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from .errors import CorruptCheckpointError, FormatError
-from .layout import tiles_exactly
+from .layout import Box, intersect, tiles_exactly
 
 PathItem = str | int
 ObjPath = tuple[PathItem, ...]
@@ -54,6 +56,38 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return self.numel * dtype_size(self.dtype)
+
+    @cached_property
+    def _row_bands(self) -> tuple[list[int], list[list[Chunk]]] | None:
+        """The chunks grouped by their rows (dim-0 range), when those ranges partition the rows (any
+        grid layout does): band starts, and the chunks of each band. None otherwise."""
+        if not self.shape:
+            return None
+        bands: dict[tuple[int, int], list[Chunk]] = {}
+        for c in self.chunks:
+            if c.numel:
+                bands.setdefault((c.offsets[0], c.offsets[0] + c.sizes[0]), []).append(c)
+        ranges = sorted(bands)
+        if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+            return None
+        return [r[0] for r in ranges], [bands[r] for r in ranges]
+
+    def chunks_in(self, box: Box) -> Iterator[tuple[Chunk, Box]]:
+        """(chunk, the part of ``box`` it holds) for every chunk that holds part of ``box``: a
+        bisection over row bands when there are many chunks, so reading a box costs the chunks it
+        touches, not all of them."""
+        bands = self._row_bands if len(self.chunks) > 8 else None
+        if bands is None:
+            candidates: Iterable[Chunk] = self.chunks
+        else:
+            starts, groups = bands
+            lo = max(0, bisect.bisect_right(starts, box[0][0]) - 1)
+            hi = bisect.bisect_left(starts, box[0][0] + box[1][0])
+            candidates = (c for group in groups[lo:hi] for c in group)
+        for c in candidates:
+            part = intersect((c.offsets, c.sizes), box)
+            if part is not None:
+                yield c, part
 
     def check_coverage(self, where: str) -> None:
         """Refuse a tensor whose chunks leave a gap or overlap: its gap would be uninitialised
@@ -124,6 +158,10 @@ class Index:
     def path(self, key: str) -> ObjPath:
         return self._paths[key]
 
+    def under(self, top: str | None) -> list[str]:
+        """The keys under the top-level key ``top`` (every key when None), in order."""
+        return list(self) if top is None else [k for k in self if str(self._paths[k][0]) == top]
+
     @property
     def paths(self) -> dict[str, ObjPath]:
         return dict(self._paths)
@@ -133,6 +171,25 @@ class Index:
         return sum(e.nbytes for e in self.tensors())
 
 
+#: the most elements a tensor may declare (counting non-zero dims only: strides are products of them)
+MAX_NUMEL = 1 << 58
+
+
+def plausible_shape(shape: Any) -> bool:
+    """Non-negative int dims whose non-zero product stays far below int64's range (torch computes
+    strides from it, and a zero dim elsewhere would hide a huge product from ``numel``)."""
+    return (isinstance(shape, (tuple, list)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+            and math.prod(d for d in shape if d) <= MAX_NUMEL)
+
+
+#: element dtypes whose values are plain bytes (no quantizer state): the only ones read or written
+PLAIN_DTYPES = frozenset(
+    getattr(torch, name) for name in (
+        "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32", "bool",
+        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    ) if isinstance(getattr(torch, name, None), torch.dtype)
+)
 _DTYPE_SIZES: dict[torch.dtype, int] = {}
 
 
@@ -141,11 +198,9 @@ def dtype_size(dtype: torch.dtype) -> int:
     a dtype whose elements are not plain bytes (quantized tensors, for example)."""
     size = _DTYPE_SIZES.get(dtype)
     if size is None:
-        try:
-            size = torch.empty((), dtype=dtype).element_size()
-        except (RuntimeError, TypeError):
-            raise FormatError(f"dtype {dtype} is not supported", hint="ckpttool reads plain (non-quantized) tensors") from None
-        _DTYPE_SIZES[dtype] = size
+        if dtype not in PLAIN_DTYPES:
+            raise FormatError(f"dtype {dtype} is not supported", hint="ckpttool reads plain (non-quantized) tensors")
+        size = _DTYPE_SIZES[dtype] = torch.empty((), dtype=dtype).element_size()
     return size
 
 

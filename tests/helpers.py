@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 
 import torch
 
@@ -111,3 +113,25 @@ def data_files(path) -> list[str]:
     if os.path.isdir(path):
         return sorted(os.path.join(path, n) for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
     return [path]
+
+
+class Hang(BaseException):
+    """A call that did not return within its time limit (a BaseException: no `except Exception` in the
+    code under test can turn it into an ordinary error)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`Hang` in the block after ``seconds`` (SIGALRM: the main thread only), so a
+    hang fails its test instead of stalling the suite."""
+
+    def on_alarm(signum, frame):
+        raise Hang(f"no result within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

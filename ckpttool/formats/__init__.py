@@ -116,12 +116,14 @@ def detect(loc: Location) -> Format:
     raise NotACheckpointError("not a checkpoint in any format ckpttool knows", where=loc.url, hint=f"expected one of: {known}")
 
 
-def open_source(path: str | Location, fmt: str | None = None, storage_options: dict[str, Any] | None = None) -> Source:
-    """Open a checkpoint for reading, in the format ``fmt`` or the one its content shows."""
+def open_source(path: str | Location, fmt: str | None = None, storage_options: dict[str, Any] | None = None,
+                verify: bool = True) -> Source:
+    """Open a checkpoint for reading, in the format ``fmt`` or the one its content shows; with
+    ``verify``, stored checksums are checked as data is read."""
     from ..storage import resolve
 
     loc = resolve(path, storage_options)
-    return (get(fmt) if fmt else detect(loc)).open_source(loc)
+    return (get(fmt) if fmt else detect(loc)).open_source(loc, verify)
 
 
 __all__ = ["Registration", "all_formats", "detect", "get", "names", "open_source", "output_format", "register", "registrations"]

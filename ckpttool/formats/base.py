@@ -240,15 +240,18 @@ class Format(ABC):
         return None
 
     @abstractmethod
-    def open_source(self, loc: Location) -> Source: ...
+    def open_source(self, loc: Location, verify: bool = True) -> Source:
+        """Open for reading; with ``verify``, stored checksums are checked as the data is read (a
+        mismatch raises :class:`ChecksumError`). ``verify`` itself opens without, to report instead."""
 
     @abstractmethod
     def make_sink(self, loc: Location, options: SinkOptions) -> Sink: ...
 
     @abstractmethod
-    def check_integrity(self, source: Source, report: Report, keys: list[str], progress: Progress | None) -> None:
+    def check_integrity(self, source: Source, report: Report, only: str | None, progress: Progress | None) -> None:
         """This format's part of ``verify``: add a problem to ``report`` for everything wrong with
-        the entries ``keys`` (their files, byte ranges, tiling, decoding and checksums)."""
+        the checkpoint's entries (those under the top-level key ``only``, when given): their files,
+        byte ranges, tiling, decoding and checksums."""
 
 
 class SlabBuffers:

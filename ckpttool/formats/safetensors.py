@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, FormatError, NotACheckpointError
-from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
+from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, plausible_shape
 from ..layout import Box, whole
 from ..report import Report
 from ..storage import Location, RangeReader
@@ -113,7 +113,7 @@ class _File:
                 begin, end = info["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise CorruptCheckpointError(f"bad header entry for {key!r}: {info!r}", where=loc.url) from None
-            if not all(_count(x) for x in (*shape, begin, end)) or begin > end or end > self.data_size \
+            if not plausible_shape(shape) or not all(_count(x) for x in (begin, end)) or begin > end or end > self.data_size \
                     or end - begin != math.prod(shape) * dtype_size(dtype):
                 raise CorruptCheckpointError(
                     f"tensor {key!r}: data_offsets {begin}..{end} do not match {info['dtype']}{list(shape)} "
@@ -259,6 +259,10 @@ class SafetensorsSink(Sink):
 
     def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         tensors, objects = split(entries)
+        for spec in tensors:  # everything is checked before the first byte is written
+            if spec.dtype not in NAMES:
+                raise FormatError(f"safetensors cannot hold dtype {spec.dtype} (key {spec.key!r})",
+                                  hint="convert to dcp or torch, or cast it with --dtype")
         tensors = self.order(tensors)
         encoded: dict[str, Any] = {}
         for spec in objects:
@@ -310,8 +314,6 @@ class SafetensorsSink(Sink):
         self._open = (i, f)
 
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
-        if spec.dtype not in NAMES:
-            raise FormatError(f"safetensors cannot hold dtype {spec.dtype} (key {spec.key!r})")
         i = self._file_of[spec.key]
         if self._open is None or self._open[0] != i:
             self._started.add(i)
@@ -342,13 +344,13 @@ class SafetensorsFormat(Format):
         (n,) = struct.unpack("<Q", probe.head[:8])
         return probe.head[8:9] == b"{" and 8 + n <= probe.size
 
-    def open_source(self, loc: Location) -> SafetensorsSource:
-        return SafetensorsSource(loc)
+    def open_source(self, loc: Location, verify: bool = True) -> SafetensorsSource:
+        return SafetensorsSource(loc)  # the format stores no checksums to verify
 
     def make_sink(self, loc: Location, options: SinkOptions) -> SafetensorsSink:
         return SafetensorsSink(loc, max_shard_size=options.max_shard_size)
 
-    def check_integrity(self, source: SafetensorsSource, report: Report, keys: list[str], progress: Progress | None) -> None:
+    def check_integrity(self, source: SafetensorsSource, report: Report, only: str | None, progress: Progress | None) -> None:
         """Every file's data area tiled by its tensors (no hole, no overlap, nothing trailing) and
         the index's weight map agreeing with the files. There are no checksums to check."""
         for f in source.parts:

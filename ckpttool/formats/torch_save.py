@@ -14,14 +14,14 @@ from typing import IO, Any
 import torch
 
 from ..checksums import new_block, scan
-from ..errors import CkptError, CorruptCheckpointError, FormatError
+from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, flatten, unflatten
 from ..layout import Box, whole
 from ..report import Report
 from ..safe_pickle import TensorRef
 from ..storage import Location
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, stream_tensor
-from .torchzip import ArchiveWriter, StoredStorage, read_archive, read_tensor_box, span_bytes
+from .torchzip import ArchiveWriter, StoredStorage, check_ref, read_archive, read_tensor_box, span_bytes
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -31,10 +31,13 @@ def _is_ref(value: Any) -> bool:
 
 
 class TorchSaveSource(Source):
+    """With ``verify`` (the default) each storage record's CRC-32 is checked before its first read."""
+
     format = "torch"
 
-    def __init__(self, location: Location):
+    def __init__(self, location: Location, verify: bool = True):
         super().__init__(location)
+        self._crc_checked: set[str] | None = set() if verify else None  # storages whose CRC was checked
         self.reader = location.open_reader()
         self._archive = read_archive(self.reader, 0, None, location.url)
         obj = self._archive.obj
@@ -48,6 +51,7 @@ class TorchSaveSource(Source):
         idx = Index()
         for key, value in flat.items():
             if isinstance(value, TensorRef):
+                check_ref(value, self.storage_of(value, key), f"{location.url} (key {key!r})")
                 idx.add(TensorEntry(key, value.shape, value.dtype, (Chunk(tuple(0 for _ in value.shape), value.shape, value),)), paths[key])
             else:
                 idx.add(ObjectEntry(key, value), paths[key])
@@ -63,13 +67,23 @@ class TorchSaveSource(Source):
             raise CorruptCheckpointError("tensor's storage record is missing from the archive", where=f"{self.location.url} (key {key!r})")
         return storage
 
+    def _checked_storage(self, ref: TensorRef, key: str) -> StoredStorage:
+        storage = self.storage_of(ref, key)
+        if self._crc_checked is not None and storage.name not in self._crc_checked:
+            crc = scan(self.reader, storage.offset, storage.nbytes, new_block())
+            if crc != storage.crc32:
+                raise ChecksumError(f"data of {key!r} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
+                                    where=self.location.url, hint="the file changed after it was written; restore it")
+            self._crc_checked.add(storage.name)
+        return storage
+
     def _ref(self, key: str) -> TensorRef:
         return self.entry(key, TensorEntry).chunks[0].location
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         ref = self._ref(key)
         box = box if box is not None else whole(ref.shape)
-        return read_tensor_box(self.reader, ref, self.storage_of(ref, key), box, f"{self.location.url} (key {key!r})", out)
+        return read_tensor_box(self.reader, ref, self._checked_storage(ref, key), box, f"{self.location.url} (key {key!r})", out)
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         storage = self.storage_of(self._ref(key), key)
@@ -118,17 +132,18 @@ class TorchSaveFormat(Format):
                                hint="load and re-save it with a current torch")
         return None
 
-    def open_source(self, loc: Location) -> TorchSaveSource:
-        return TorchSaveSource(loc)
+    def open_source(self, loc: Location, verify: bool = True) -> TorchSaveSource:
+        return TorchSaveSource(loc, verify=verify)
 
     def make_sink(self, loc: Location, options: SinkOptions) -> TorchSaveSink:
         return TorchSaveSink(loc)
 
-    def check_integrity(self, source: TorchSaveSource, report: Report, keys: list[str], progress: Progress | None) -> None:
+    def check_integrity(self, source: TorchSaveSource, report: Report, only: str | None, progress: Progress | None) -> None:
         """The zip's CRC-32 of every storage record the entries use, and each tensor inside its record."""
         buf = new_block()
         checked: set[str] = set()
         index = source.index()
+        keys = index.under(only)
         total = sum(index[k].nbytes for k in keys if isinstance(index[k], TensorEntry))
         done = 0
         for key in keys:

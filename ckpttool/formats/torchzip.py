@@ -14,14 +14,15 @@ import math
 import pickle
 import struct
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, FormatError
-from ..index import dtype_size
+from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError
+from ..index import dtype_size, plausible_shape
 from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
 from ..storage import RangeReader
 from .base import read_c_order_box, tensor_buffer
@@ -118,12 +119,24 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
         reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
     window = _Window(reader, start, length, prefetched)
     try:
-        zf = zipfile.ZipFile(window)
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CorruptCheckpointError(
-            f"not a torch.save archive ({exc})", where=where, hint="the file is damaged or in another format"
-        ) from None
-    pkl_name = next((n for n in zf.namelist() if n.endswith("data.pkl")), None)
+        pkl, byteorder, storages = _parse_zip(window, start, length, where)
+    except CkptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - zipfile parses untrusted bytes: any failure means a damaged archive
+        raise CorruptCheckpointError(f"not a readable torch.save archive ({type(exc).__name__}: {exc})", where=where,
+                                     hint="the file is damaged or in another format") from None
+    if byteorder != "little":
+        raise FormatError(f"byte order {byteorder!r}", where=where, hint="only little-endian checkpoints are supported")
+    obj = load_torch_pickle(pkl, where)
+    return Archive(obj, storages, byteorder)
+
+
+def _parse_zip(window: _Window, start: int, length: int, where: str) -> tuple[bytes, str, dict[str, StoredStorage]]:
+    """(data.pkl, byte order, storages) of the archive in ``window``; zipfile checks the CRC-32 of
+    every entry it reads whole (the pickle, the byte order)."""
+    zf = zipfile.ZipFile(window)
+    names = zf.namelist()
+    pkl_name = next((n for n in names if n.endswith("data.pkl")), None)
     if pkl_name is None:
         raise CorruptCheckpointError("archive has no data.pkl", where=where)
     prefix = pkl_name[: -len("data.pkl")]
@@ -139,18 +152,12 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
                 raise CorruptCheckpointError(f"bad zip local header for {info.filename!r}", where=where)
             fields = _LOCAL_HEADER.unpack(header)
             data_start = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
-            if data_start + info.file_size > length:
+            if info.header_offset < 0 or data_start + info.file_size > length:
                 raise CorruptCheckpointError(f"record {info.filename!r} runs past the end of its archive", where=where)
             storages[key] = StoredStorage(start + data_start, info.file_size, info.CRC, info.filename)
-    try:
-        pkl = zf.read(pkl_name)
-        byteorder = zf.read(prefix + "byteorder").decode() if (prefix + "byteorder") in zf.namelist() else "little"
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise CorruptCheckpointError(f"cannot read the archive's pickle ({exc})", where=where) from None
-    if byteorder != "little":
-        raise FormatError(f"byte order {byteorder!r}", where=where, hint="only little-endian checkpoints are supported")
-    obj = load_torch_pickle(pkl, where)
-    return Archive(obj, storages, byteorder)
+    pkl = zf.read(pkl_name)
+    byteorder = zf.read(prefix + "byteorder").decode() if (prefix + "byteorder") in names else "little"
+    return pkl, byteorder, storages
 
 
 def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage, box, where: str,
@@ -175,7 +182,7 @@ def check_ref(ref: TensorRef, storage: StoredStorage, where: str) -> None:
     """A tensor a pickle describes must lie inside its storage record: no negative size, stride or
     offset, and no more elements than the record has bytes for (an overlapping view such as
     stride 0 would let a 1 KB file declare terabytes)."""
-    if (len(ref.stride) != len(ref.shape) or ref.storage_offset < 0 or any(s < 0 for s in ref.shape)
+    if (len(ref.stride) != len(ref.shape) or ref.storage_offset < 0 or not plausible_shape(ref.shape)
             or any(st < 0 for st in ref.stride)):
         raise CorruptCheckpointError(
             f"tensor has a negative or inconsistent size, stride or offset (shape {list(ref.shape)}, "
@@ -210,6 +217,11 @@ def load_object_record(reader: RangeReader, start: int, length: int, where: str)
             storage = arch.storages.get(value.storage.key)
             if storage is None:
                 raise CorruptCheckpointError("object record lacks the data of a tensor it holds", where=where)
+            check_ref(value, storage, where)
+            crc = zlib.crc32(reader.read(storage.offset, storage.nbytes))
+            if crc != storage.crc32:  # like tensor records: an object's data is checked as it is read
+                raise ChecksumError(f"a tensor inside the object does not match its CRC-32 (stored {storage.crc32:08x}, "
+                                    f"computed {crc:08x})", where=where, hint="the bytes changed after they were written")
             return read_tensor_box(reader, value, storage, (tuple(0 for _ in value.shape), value.shape), where)
         if isinstance(value, dict):
             return type(value)((k, materialise(v)) for k, v in value.items())

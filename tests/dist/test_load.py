@@ -9,7 +9,7 @@ import pytest
 from ckpttool.formats import open_source
 
 from .harness import run_ranks
-from .workloads import assert_same, load_and_verify, load_wrong_shape
+from .workloads import assert_same, load_and_report, load_and_verify, load_wrong_shape
 
 
 @pytest.mark.parametrize("w_save", [1, 2, 3])
@@ -54,3 +54,30 @@ def test_odd_shapes_bf16_and_buffers_through_the_checkpointer(tmp_path, w_save, 
     assert all(r["ok"] and r["extra"] == {"k": (1, 2)} for r in results)
     assert_same_nested(results[0]["model"], expected["model"], "model")  # full state dicts live on rank 0
     assert_same_nested(results[0]["optim"], expected["optim"], "optim")
+
+
+@pytest.mark.parametrize("w_load", [2, 3])
+def test_a_flipped_bit_in_one_shard_fails_the_load_on_every_rank(saved, tmp_path, w_load):
+    """Loads check what they read by default: the rank that reads the damaged record names it,
+    with the key and the file, and every rank raises; verify=False loads it (the opt-out)."""
+    root = str(tmp_path / "copy")
+    shutil.copytree(saved[2][0], root)
+    key = "model.layers.1.attention.wq.weight"
+    with open_source(f"{root}/step-3", verify=False) as src:
+        file, start, _ = src.data_spans(key)[1]  # rank 1's shard
+    with open(file.path, "r+b") as f:
+        f.seek(start + 8)
+        b = f.read(1)[0]
+        f.seek(start + 8)
+        f.write(bytes([b ^ 0x10]))
+    results = run_ranks(load_and_report, w_load, root)
+    assert all(r["error"] is not None for r in results), results
+    readers = [i for i, r in enumerate(results) if r["error"] == "ChecksumError"]
+    assert readers, results  # the rank(s) whose box touches the damaged shard name it
+    for i in readers:
+        msg = results[i]["message"]
+        assert key in msg and file.name in msg and "CRC-32" in msg and f"on rank {i}" in msg, msg
+    for i, r in enumerate(results):  # every other rank raises the reader's error, naming its rank
+        if i not in readers:
+            assert r["error"] == "RuntimeError" and f"rank {readers[0]} failed: ChecksumError" in r["message"], r
+    assert all(r["error"] is None and r["step"] == 3 for r in run_ranks(load_and_report, w_load, root, False))

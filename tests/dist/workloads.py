@@ -221,6 +221,21 @@ def load_wrong_shape(root: str) -> str:
     return "no error"
 
 
+def load_and_report(root: str, verify: bool = True, mesh_shape: tuple[int, ...] | None = None) -> dict[str, object]:
+    """Load the newest step; return the typed error's type and message instead of raising."""
+    from ckpttool import Checkpointer
+    from ckpttool.errors import CkptError
+
+    model, optimizer = fresh_model(seed=999, mesh_shape=mesh_shape)
+    try:
+        res = Checkpointer(root).load(model, optimizer, verify=verify)
+    except CkptError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    except RuntimeError as exc:  # another rank's error, as every rank agrees on failure
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None, "step": res.step}
+
+
 # --- async save, failures and crashes --------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from ckpttool import convert, formats
 from ckpttool.describe import inspect_path
-from ckpttool.errors import CkptError
+from ckpttool.errors import ChecksumError, CkptError
 from ckpttool.formats import detect, open_source
 from ckpttool.index import TensorEntry, flatten
 from ckpttool.storage import resolve
@@ -139,12 +139,14 @@ class TestConformance:
             assert end - start == flat[key].numel() * flat[key].element_size(), key  # the span is exactly the data
             work = copy_of(dst, tmp_path / f"flip{i}-{dst.name}")
             flip_bit(os.path.join(work, os.path.relpath(file, dst)) if os.path.isdir(dst) else work, (start, end - 1)[i % 2], 3)
-            with open_source(str(work)) as src:
+            with open_source(str(work), verify=False) as src:
                 assert not torch.equal(src.read_tensor(key).reshape(-1).view(torch.uint8),
                                        flat[key].contiguous().reshape(-1).view(torch.uint8)), key
             report = verify_path(str(work))
             if formats.get(fmt).checksums:
                 assert report.problems and {p.key for p in report.problems} == {key}, (key, [p.line() for p in report.problems])
+                with open_source(str(work)) as src, pytest.raises(ChecksumError):  # reads check by default
+                    src.read_tensor(key)
             else:
                 assert report.ok and any("no checksums" in n for n in report.notes)
 

@@ -45,3 +45,26 @@ def test_strip_prefix_keeps_one_top_level_key():
     _, paths = flatten(sample_state())
     model = strip_prefix(paths, "model")
     assert sorted(v[0] for v in model.values()) == ["emb", "layers.0.w"]
+
+
+def test_chunks_in_finds_exactly_the_chunks_a_box_touches():
+    """The row-band bisection (used for tensors of many chunks) agrees with checking every chunk,
+    on random grid layouts with empty chunks among them."""
+    import random
+
+    from ckpttool.index import Chunk, TensorEntry
+    from ckpttool.layout import intersect
+
+    for trial in range(300):
+        r = random.Random(trial)
+        n0, n1 = r.randrange(1, 30), r.randrange(1, 6)
+        cuts0 = sorted({0, n0, *(r.randrange(n0 + 1) for _ in range(r.randrange(12)))})
+        cuts1 = sorted({0, n1, *(r.randrange(n1 + 1) for _ in range(r.randrange(3)))})
+        chunks = [Chunk((a, c), (b - a, d - c)) for a, b in zip(cuts0, cuts0[1:]) for c, d in zip(cuts1, cuts1[1:])]
+        chunks += [Chunk((n0, 0), (0, n1))] * r.randrange(2)  # FSDP2's empty shard
+        entry = TensorEntry("k", (n0, n1), torch.float32, tuple(chunks))
+        for _ in range(20):
+            o0, o1 = r.randrange(n0), r.randrange(n1)
+            box = ((o0, o1), (r.randrange(1, n0 - o0 + 1), r.randrange(1, n1 - o1 + 1)))
+            want = [(c, intersect((c.offsets, c.sizes), box)) for c in chunks if intersect((c.offsets, c.sizes), box)]
+            assert sorted(map(repr, entry.chunks_in(box))) == sorted(map(repr, want)), (chunks, box)

@@ -31,14 +31,14 @@ class DcpFormat(Format):
                                        hint="use a complete checkpoint")
         return None
 
-    def open_source(self, loc: Location) -> DcpSource:
-        return DcpSource(loc)
+    def open_source(self, loc: Location, verify: bool = True) -> DcpSource:
+        return DcpSource(loc, verify=verify)
 
     def make_sink(self, loc: Location, options: SinkOptions) -> DcpSink:
         return DcpSink(loc, layout=options.layout)
 
-    def check_integrity(self, source: DcpSource, report: Report, keys: list[str], progress: Progress | None) -> None:
-        integrity.check_integrity(source, report, keys, progress)
+    def check_integrity(self, source: DcpSource, report: Report, only: str | None, progress: Progress | None) -> None:
+        integrity.check_integrity(source, report, only, progress)
 
 
 FORMAT = DcpFormat()

@@ -24,8 +24,10 @@ from .source import DcpSource
 Manifest = dict[tuple[str, int], tuple[int, str]]
 
 
-def check_integrity(source: DcpSource, report: Report, keys: list[str], progress: Progress | None) -> None:
+def check_integrity(source: DcpSource, report: Report, only: str | None, progress: Progress | None) -> None:
+    manifest = _load_manifest(source, report)  # first: it says whether .metadata itself is the one saved
     index = source.index()
+    keys = index.under(only)
     sizes: dict[str, int | None] = {}
     for name in source.files():
         loc = source.file(name)
@@ -35,7 +37,6 @@ def check_integrity(source: DcpSource, report: Report, keys: list[str], progress
             report.add("data file is missing", loc.url, lost[0] if lost else None,
                        hint=f"{len(lost)} entries lose their data; restore the file")
     buf = new_block()
-    manifest = _load_manifest(source, report)
     total = sum(index[k].nbytes for k in keys if isinstance(index[k], TensorEntry))
     done = 0
     for key in keys:

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CorruptCheckpointError, NotACheckpointError, NotFoundError
+from ...index import plausible_shape
 from ...safe_pickle import load_dcp_metadata
 from ...storage import Location
 
@@ -48,8 +49,11 @@ def read_metadata(loc: Location) -> Metadata:
 def parse_metadata(data: bytes, loc: Location) -> Metadata:
     md_loc = loc.child(METADATA_FILE)
     metadata = load_dcp_metadata(data, md_loc.url)
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError("the .metadata file does not hold DCP metadata", where=md_loc.url)
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(metadata, "storage_data", None), dict) \
+            or not isinstance(getattr(metadata, "planner_data", None), (dict, type(None))):
+        raise CorruptCheckpointError("the .metadata file does not hold DCP metadata", where=md_loc.url,
+                                     hint="the .metadata file is damaged; restore it")
     return metadata
 
 
@@ -106,13 +110,12 @@ def check_tensor_metadata(key: str, md: Any, where: str) -> None:
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
     size = getattr(md, "size", None)
     chunks = getattr(md, "chunks", None)
-    ok = (isinstance(dtype, torch.dtype) and isinstance(size, (tuple, list)) and all(_nonneg_int(s) for s in size)
-          and isinstance(chunks, (tuple, list)))
+    ok = isinstance(dtype, torch.dtype) and plausible_shape(size) and isinstance(chunks, (tuple, list))
     if ok:
         for c in chunks:
             offs, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
-            if not (isinstance(offs, (tuple, list)) and isinstance(sizes, (tuple, list)) and len(offs) == len(sizes) == len(size)
-                    and all(_nonneg_int(x) for x in (*offs, *sizes))):
+            if not (isinstance(offs, (tuple, list)) and plausible_shape(sizes) and len(offs) == len(sizes) == len(size)
+                    and all(_nonneg_int(x) for x in offs)):
                 ok = False
                 break
     if not ok:

@@ -16,17 +16,23 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from ...checksums import hash_bytes
 from ...errors import CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
-from ...layout import Box, intersect, relative, whole
+from ...layout import Box, relative, whole
 from ...storage import Location, RangeReader
+from ...steps import read_commit_record
 from ..base import Source
 from ..torchzip import REMOTE_RECORD, Archive, load_object_record, read_archive, read_tensor_box
+from .checks import RecordChecks
 from .metadata import METADATA_FILE, check_tensor_metadata, parse_metadata, read_metadata_bytes, storage_index, writer_world_size
 
 
 class DcpSource(Source):
+    """With ``verify`` (the default) every record is checked before its first use: torch's CRC-32
+    and, for a ckpttool step, the manifest of its commit record (a damaged record refuses the
+    step). ``rank`` names the reader in the errors of a distributed load."""
+
     format = "dcp"
 
-    def __init__(self, location: Location):
+    def __init__(self, location: Location, verify: bool = True, rank: int | None = None):
         super().__init__(location)
         raw = read_metadata_bytes(location)
         self.metadata = parse_metadata(raw, location)
@@ -37,6 +43,10 @@ class DcpSource(Source):
         self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
         self._index: Index | None = None
         self._checked: set[str] = set()
+        self.checks: RecordChecks | None = None
+        if verify:
+            record = read_commit_record(location)
+            self.checks = RecordChecks(self, (record or {}).get("manifest"), rank)
 
     def index(self) -> Index:
         if self._index is not None:
@@ -159,10 +169,9 @@ class DcpSource(Source):
         box = box if box is not None else whole(entry.shape)
         if out is None:
             out = torch.empty(box[1], dtype=entry.dtype)
-        for chunk in entry.chunks:
-            part = intersect((chunk.offsets, chunk.sizes), box)
-            if part is None:
-                continue
+        for chunk, part in entry.chunks_in(box):
+            if self.checks is not None and not self.checks.done(chunk.location):
+                self.checks.scan_chunk(key, entry, chunk)
             ref, storage = self.tensor_record(key, entry, chunk)
             where = f"{self.file(chunk.location.relative_path).url} (key {key!r})"
             local = tuple(s.start for s in relative(part, (chunk.offsets, chunk.sizes)))
@@ -181,6 +190,8 @@ class DcpSource(Source):
 
     def read_object(self, key: str) -> Any:
         info = self.entry(key, ObjectEntry).location
+        if self.checks is not None:
+            self.checks.check_object(key, info)
         return load_object_record(self.reader(info.relative_path), info.offset, info.length,
                                   f"{self.file(info.relative_path).url} (object {key!r})")
 

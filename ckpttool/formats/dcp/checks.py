@@ -1,0 +1,123 @@
+"""Checking every DCP record a read touches, once: torch's CRC-32 of its tensor data and, when the
+step has a manifest, the manifest's hash of the whole record (and of ``.metadata``).
+
+Offline reads scan a record before its first use; loads read a record straight into the shard and
+check it there (one pass). A mismatch is a :class:`ChecksumError` naming the key, file and rank.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...checksums import new_block, new_hasher, scan
+from ...errors import ChecksumError
+from ...index import Chunk, TensorEntry, dtype_size
+from ...layout import Box, relative
+from ..base import SlabBuffers, tensor_buffer
+from ..torchzip import check_ref
+from .metadata import METADATA_FILE
+
+if TYPE_CHECKING:
+    from .source import DcpSource
+
+#: (file, offset) -> (length, hex digest), from a step's manifest
+Manifest = dict[tuple[str, int], tuple[int, str]]
+
+
+class RecordChecks:
+    """The checks of one reader: which records were checked, and the manifest to check them against."""
+
+    def __init__(self, source: DcpSource, manifest: dict[str, Any] | None, rank: int | None = None):
+        self.source = source
+        self.on = f" on rank {rank}" if rank is not None else ""
+        self.rows: Manifest | None = None
+        self._done: set[tuple[str, int]] = set()
+        self._scratch = SlabBuffers(1)
+        self._block: memoryview | None = None
+        if manifest:
+            self.rows = {(name, off): (length, digest) for name, rows in manifest.get("records", {}).items()
+                         for off, length, digest in rows}
+            expected = manifest.get("files", {}).get(METADATA_FILE)
+            if expected is not None and list(expected) != [source.metadata_size, source.metadata_digest]:
+                raise ChecksumError(f".metadata does not match the manifest written at commit{self.on}",
+                                    where=source.location.child(METADATA_FILE).url,
+                                    hint="it changed after the save; the step cannot be trusted: load an earlier one")
+
+    def done(self, info: Any) -> bool:
+        return (info.relative_path, info.offset) in self._done
+
+    def scan_chunk(self, key: str, entry: TensorEntry, chunk: Chunk) -> None:
+        """Read a chunk's record once for its checksums (before an offline read uses it)."""
+        source, info = self.source, chunk.location
+        ref, storage = source.tensor_record(key, entry, chunk)
+        reader = source.reader(info.relative_path)
+        if self._block is None:
+            self._block = new_block()
+        hasher = new_hasher() if self.rows is not None else None
+        if hasher is None:
+            crc = scan(reader, storage.offset, storage.nbytes, self._block)
+        else:
+            crc = scan(reader, info.offset, info.length, self._block, crc_span=(storage.offset, storage.offset + storage.nbytes),
+                       hasher=hasher)
+        self._compare_crc(key, chunk, crc, storage.crc32)
+        if hasher is not None:
+            self._compare_digest(key, info, hasher.hexdigest())
+        self._done.add((info.relative_path, info.offset))
+
+    def read_chunk(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> None:
+        """Read the whole record of ``chunk`` once, check it, and copy ``part`` of it into ``dst``:
+        straight into ``dst`` when it is the whole chunk in CPU memory of the stored dtype."""
+        source, info = self.source, chunk.location
+        ref, storage = source.tensor_record(key, entry, chunk)
+        check_ref(ref, storage, f"{source.file(info.relative_path).url} (key {key!r}, chunk at {list(chunk.offsets)})")
+        reader = source.reader(info.relative_path)
+        item = dtype_size(ref.dtype)
+        straight = (part == (chunk.offsets, chunk.sizes) and dst.device.type == "cpu" and dst.dtype == ref.dtype
+                    and dst.is_contiguous() and ref.is_contiguous() and ref.storage_offset == 0
+                    and storage.nbytes == dst.numel() * item)
+        if straight:  # the common case: a rank loads the very shard it saved
+            data = tensor_buffer(dst)
+            reader.readinto(storage.offset, data)
+        else:
+            raw = self._scratch.view((storage.nbytes,), torch.uint8, 0)
+            data = tensor_buffer(raw)
+            reader.readinto(storage.offset, data)
+            full = raw[: storage.nbytes // item * item].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.storage_offset)
+            dst.copy_(full[relative(part, (chunk.offsets, chunk.sizes))])
+        self._compare_crc(key, chunk, zlib.crc32(data), storage.crc32)
+        if self.rows is not None:
+            h = new_hasher()
+            h.update(reader.read(info.offset, storage.offset - info.offset))
+            h.update(data)
+            end = storage.offset + storage.nbytes
+            h.update(reader.read(end, info.offset + info.length - end))
+            self._compare_digest(key, info, h.hexdigest())
+        self._done.add((info.relative_path, info.offset))
+
+    def check_object(self, key: str, info: Any) -> None:
+        """The manifest's hash of an object's record (its pickle's CRC-32 is checked as it is read)."""
+        if self.rows is not None and not self.done(info):
+            h = new_hasher()
+            h.update(self.source.reader(info.relative_path).read(info.offset, info.length))
+            self._compare_digest(key, info, h.hexdigest())
+            self._done.add((info.relative_path, info.offset))
+
+    def _compare_crc(self, key: str, chunk: Chunk, crc: int, stored: int) -> None:
+        if crc != stored:
+            raise ChecksumError(f"tensor data of {key!r} (chunk at {list(chunk.offsets)}) does not match its CRC-32 "
+                                f"(stored {stored:08x}, computed {crc:08x}){self.on}",
+                                where=self.source.file(chunk.location.relative_path).url,
+                                hint="the bytes changed after they were written; restore the file or use another step")
+
+    def _compare_digest(self, key: str, info: Any, digest: str) -> None:
+        url = self.source.file(info.relative_path).url
+        row = self.rows.get((info.relative_path, info.offset)) if self.rows is not None else None
+        if row is None or row[0] != info.length:
+            raise ChecksumError(f"record of {key!r} at byte {info.offset} is not in the manifest written at commit{self.on}",
+                                where=url, hint="the .metadata changed after the save")
+        if digest != row[1]:
+            raise ChecksumError(f"record of {key!r} at byte {info.offset} does not match the manifest's checksum{self.on}",
+                                where=url, hint="the bytes changed after the save committed; restore the file or use another step")
