@@ -58,8 +58,9 @@ def test_odd_shapes_bf16_and_buffers_through_the_checkpointer(tmp_path, w_save, 
 
 @pytest.mark.parametrize("w_load", [2, 3])
 def test_a_flipped_bit_in_one_shard_fails_the_load_on_every_rank(saved, tmp_path, w_load):
-    """Loads check what they read by default: the rank that reads the damaged record names it,
-    with the key and the file, and every rank raises; verify=False loads it (the opt-out)."""
+    """Loads check what they read by default (a ckpttool step: against its manifest): the rank that
+    reads the damaged record names it, with the key and the file, and every rank raises;
+    verify=False loads it (the opt-out)."""
     root = str(tmp_path / "copy")
     shutil.copytree(saved[2][0], root)
     key = "model.layers.1.attention.wq.weight"
@@ -76,7 +77,7 @@ def test_a_flipped_bit_in_one_shard_fails_the_load_on_every_rank(saved, tmp_path
     assert readers, results  # the rank(s) whose box touches the damaged shard name it
     for i in readers:
         msg = results[i]["message"]
-        assert key in msg and file.name in msg and "CRC-32" in msg and f"on rank {i}" in msg, msg
+        assert key in msg and file.name in msg and "manifest's checksum" in msg and f"on rank {i}" in msg, msg
     for i, r in enumerate(results):  # every other rank raises the reader's error, naming its rank
         if i not in readers:
             assert r["error"] == "RuntimeError" and f"rank {readers[0]} failed: ChecksumError" in r["message"], r
