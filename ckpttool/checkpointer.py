@@ -14,6 +14,7 @@ so a step directory is a plain DCP checkpoint that ``torch.distributed.checkpoin
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import logging
@@ -37,8 +38,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import dist
 from .errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
+from .formats.dcp import save as save_writer
 from .formats.dcp.online import dcp_writer, hash_records, metadata_row
 from .index import Index, TensorEntry, unflatten
+from .lease import Lease
 from .steps import COMMIT_FILE, commit_record, list_root, parse_step, read_commit_record, retention_victims, step_name
 from .storage import Location, resolve
 
@@ -68,6 +71,8 @@ class Checkpointer:
         keep_every: int | None = None,
         storage_options: dict[str, Any] | None = None,
         async_save: bool = False,
+        commit_timeout: float = 1800.0,
+        lease_stale_after: float = 600.0,
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
@@ -78,6 +83,8 @@ class Checkpointer:
         self.keep_every = keep_every
         self.storage_options = storage_options or {}
         self.async_save = async_save
+        self.commit_timeout = commit_timeout  # how long rank 0 waits for the other ranks' parts of a step
+        self._lease = Lease(self.root, stale_after=lease_stale_after)  # taken by rank 0 at the first save
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._group: Any = None  # checkpoint-only process group, made on the first async save
@@ -97,15 +104,34 @@ class Checkpointer:
         return list_root(self.root).incomplete
 
     def clean(self) -> list[str]:
-        """Remove what never committed (call when no save is running); returns the removed names."""
+        """Remove what never committed; returns the removed names. Refused (:class:`LeaseError`)
+        while another live job holds the root, whose save in progress would be removed."""
         self.wait()
         removed: list[str] = []
+        error: BaseException | None = None
         if dist.rank() == 0:
-            for name in self.incomplete():
-                self.root.child(name).remove()
-                removed.append(name)
-        dist.barrier("ckpttool.clean")
+            try:
+                if not self.root.exists():
+                    raise NotFoundError("training root does not exist", where=self.root.url, hint="check the path")
+                self._hold_lease()
+                for name in self.incomplete():
+                    self.root.child(name).remove()
+                    removed.append(name)
+            except CkptError as exc:
+                error = exc
+        error = dist.first_error(error)
+        if error is not None:
+            raise error
         return removed
+
+    def _hold_lease(self) -> None:
+        if not self._lease.held:
+            self._check_root()
+            self.root.makedirs()  # a missing bucket is an error here, never created
+            self._lease.acquire()
+            atexit.register(self._lease.release)  # after the interpreter joined a pending save
+        else:
+            self._lease.check()
 
     def step_path(self, step: int) -> str:
         return self.root.child(step_name(step)).url
@@ -116,24 +142,39 @@ class Checkpointer:
              blocking: bool | None = None) -> str:
         """Write ``{"model", "optim", "extra"}`` of this step as DCP and commit it; returns its path.
 
-        Asynchronous when the Checkpointer was made with ``async_save=True`` (or ``blocking=False``):
-        the call returns once this rank's state is copied (a snapshot: training may change the
-        parameters at once), the write and the commit go on in a background thread over a process
-        group of their own, and the next ``save``/``wait``/``close`` waits for them and raises
-        their error if they failed. Raises :class:`OutputExistsError` if the step exists,
-        :class:`StorageError` when the storage refuses the write (earlier steps stay intact).
+        Every rank writes its own shards and an index of them; rank 0 merges the indexes into
+        ``.metadata``, writes the commit record last and renames the step into place. No
+        collective runs in the write or the commit, so with ``async_save=True`` (or
+        ``blocking=False``) the call returns once this rank's state is copied (a snapshot: training
+        may change the parameters at once) and a background thread finishes the save even if the
+        process group is destroyed meanwhile; the interpreter does not exit before it has. The
+        next ``save``, ``wait`` or ``close`` waits for it and raises its error (``save``: on every
+        rank). Raises :class:`OutputExistsError` if the step exists, :class:`StorageError` when the
+        storage refuses the write (earlier steps stay intact).
         """
         if not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         blocking = not self.async_save if blocking is None else blocking
-        self.wait()
+        error = self._join_pending()  # a failed background save fails every rank's next save
+        if error is None and dist.rank() == 0:
+            try:
+                self._hold_lease()
+            except CkptError as exc:
+                error = exc
+        error = dist.first_error(error)
+        if error is not None:
+            raise error
         state = training_state(model, optimizer, extra)
         final = self.root.child(step_name(step))
         tmp = self._prepare_step_dir(step, final)
+        own = save_writer.supports(state)  # else DCP's own writer, which needs the process group
         if blocking:
-            self._write_and_commit(state, step, tmp, final, group=None)
+            if own:
+                self._save_own_sync(state, step, tmp, final)
+            else:
+                self._write_and_commit_dcp(state, step, tmp, final, group=None)
             return final.url
-        if self._group is None and dist.active():
+        if not own and self._group is None and dist.active():
             import torch.distributed as tdist
 
             # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
@@ -141,19 +182,62 @@ class Checkpointer:
             self._group = tdist.new_group(backend="gloo")
         staged = self._staged = _stage(state, self._staged)
         _pause_point("after-stage")
-        self._pending = threading.Thread(
-            target=self._background, args=(staged, step, tmp, final), name=f"ckpttool-save-{step}", daemon=True
-        )
+        self._pending = threading.Thread(target=self._background, args=(staged, step, tmp, final, own, dist.rank(), dist.world_size()),
+                                         name=f"ckpttool-save-{step}", daemon=False)
         self._pending.start()
         return final.url
 
-    def _background(self, staged: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
+    def _background(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, own: bool, rank: int,
+                    world_size: int) -> None:
         try:
-            self._write_and_commit(staged, step, tmp, final, group=self._group)
+            if own:
+                self._write_own(staged, tmp, rank)
+                if rank == 0:
+                    self._commit_own(step, tmp, final, world_size)
+            else:
+                self._write_and_commit_dcp(staged, step, tmp, final, group=self._group)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
             self._pending_error = exc
 
-    def _write_and_commit(self, state: dict[str, Any], step: int, tmp: Location, final: Location, group: Any) -> None:
+    def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
+        error: BaseException | None = None
+        try:
+            self._write_own(state, tmp, dist.rank())
+        except CkptError as exc:
+            error = exc
+        error = dist.first_error(error)
+        if error is not None:
+            raise error
+        if dist.rank() == 0:
+            try:
+                self._commit_own(step, tmp, final, dist.world_size())
+            except CkptError as exc:
+                error = exc
+        error = dist.first_error(error)
+        if error is not None:
+            raise error
+
+    def _write_own(self, state: dict[str, Any], tmp: Location, rank: int) -> None:
+        try:
+            save_writer.write_rank(tmp, rank, state, after_write=lambda: _pause_point("after-write"))
+        except CkptError:
+            raise
+        except Exception as exc:  # a write the storage refused: one line naming the step
+            raise _save_error(exc, tmp) from None
+
+    def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int) -> None:
+        """Rank 0: wait for every rank's index in storage, write .metadata, then the commit record
+        (last), publish the step and apply retention."""
+        indexes = save_writer.read_rank_indexes(tmp, world_size, self.commit_timeout)
+        manifest = save_writer.commit_metadata(tmp, indexes)
+        tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, {"manifest": manifest}))
+        _pause_point("before-rename")
+        self.root.commit_policy.publish(tmp, final)
+        self._apply_retention()
+
+    def _write_and_commit_dcp(self, state: dict[str, Any], step: int, tmp: Location, final: Location, group: Any) -> None:
+        """The fallback for placements ckpttool's writer does not lay out: DCP's own writer, whose
+        planning and commit are collectives over ``group``."""
         try:
             with _single_process_quiet():
                 dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options), process_group=group)
@@ -161,28 +245,37 @@ class Checkpointer:
             raise _save_error(exc, tmp) from None
         _pause_point("after-write")
         manifest = _manifest_of_own_file(tmp, group)
-        self._commit(step, tmp, final, manifest, group)
+        self._commit_dcp(step, tmp, final, manifest, group)
         self._apply_retention()
 
-    def wait(self) -> None:
-        """Block until the pending background save has committed; raise its error if it failed."""
+    def _join_pending(self) -> BaseException | None:
         if self._pending is not None:
             self._pending.join()
             self._pending = None
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
+        error, self._pending_error = self._pending_error, None
+        return error
+
+    def wait(self) -> None:
+        """Block until this rank's pending background save is done (on rank 0: committed); raise
+        its error if it failed."""
+        error = self._join_pending()
+        if error is not None:
             raise error
 
     def close(self) -> None:
-        """Drain the pending save and release the checkpoint process group."""
+        """Drain the pending save and release what the Checkpointer holds (its process group, the
+        root's lease). Also runs at ``with`` exit; a process that never calls it still finishes
+        its pending save before the interpreter exits."""
         try:
             self.wait()
         finally:
             self._staged = None
+            self._lease.release()
             if self._group is not None:
                 import torch.distributed as tdist
 
-                tdist.destroy_process_group(self._group)
+                if dist.active():
+                    tdist.destroy_process_group(self._group)
                 self._group = None
 
     def __enter__(self) -> Checkpointer:
@@ -214,7 +307,7 @@ class Checkpointer:
             raise error
         return self.root.child(dist.broadcast(tmp.name if tmp else None))
 
-    def _commit(self, step: int, tmp: Location, final: Location, manifest: dict[str, Any], group: Any = None) -> None:
+    def _commit_dcp(self, step: int, tmp: Location, final: Location, manifest: dict[str, Any], group: Any = None) -> None:
         dist.barrier("ckpttool.commit", group)
         error: BaseException | None = None
         if dist.rank() == 0:
@@ -337,7 +430,11 @@ def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
 
 
 def _pause_point(name: str) -> None:
-    """Crash tests stop a rank here (CKPTTOOL_PAUSE_AT=name) to kill it at a known moment."""
+    """Crash tests stop a rank here (CKPTTOOL_PAUSE_AT=name) to kill it at a known moment, or
+    slow it down (CKPTTOOL_DELAY_AT=name:seconds) to make a save still pending at a known moment."""
+    delay = os.environ.get("CKPTTOOL_DELAY_AT", "")
+    if delay.partition(":")[0] == name:
+        time.sleep(float(delay.partition(":")[2] or 1))
     if os.environ.get("CKPTTOOL_PAUSE_AT") != name:
         return
     marker = os.environ.get("CKPTTOOL_PAUSE_FILE", "/tmp/ckpttool-paused")

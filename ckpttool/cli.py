@@ -355,9 +355,12 @@ def clean(root: str, dry_run: bool, as_json: bool, storage_options: tuple[str, .
       ckpttool clean runs/exp1
     """
     from .checkpointer import Checkpointer
+    from .errors import NotFoundError
 
-    ckpt = Checkpointer(root, storage_options=_storage_options(storage_options))
-    names = ckpt.incomplete() if dry_run else ckpt.clean()
+    with Checkpointer(root, storage_options=_storage_options(storage_options)) as ckpt:  # releases the lease clean takes
+        if not ckpt.root.exists():
+            raise NotFoundError("training root does not exist", where=ckpt.root.url, hint="check the path")
+        names = ckpt.incomplete() if dry_run else ckpt.clean()
     if as_json:
         _emit_json({"root": ckpt.root.url, "removed": [] if dry_run else names, "would_remove": names if dry_run else []})
         return

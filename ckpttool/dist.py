@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
@@ -52,12 +53,26 @@ def all_gather(obj: T, group: Any = None) -> list[T]:
     return out
 
 
+_FLAGS: dict[int, torch.Tensor] = {}
+
+
 def first_error(error: BaseException | None, group: Any = None) -> BaseException | None:
     """Agree on failure: every rank gets the lowest rank's error (or None when all succeeded).
 
     Used after a step that may fail on some ranks only, so that all ranks raise together instead of
-    some waiting forever in the next collective.
+    some waiting forever in the next collective. The common case is one all-reduce of a flag that
+    lives as long as the process: gloo's worker threads release a collective's tensors after it
+    completes, and a tensor whose Python object died with it would need the GIL there, which a
+    process exiting right after the save cannot give (the interpreter finalizing, the thread is
+    torn down inside a noexcept destructor: "terminate called without an active exception").
     """
+    if not active():
+        return error
+    flag = _FLAGS.setdefault(id(group), torch.zeros(1, dtype=torch.int64))
+    flag.fill_(0 if error is None else 1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return None
     errors = all_gather(None if error is None else (type(error).__name__, str(error)), group)
     for r, item in enumerate(errors):
         if item is not None:

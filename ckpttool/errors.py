@@ -74,3 +74,7 @@ class StorageError(CkptError):
 
 class UnsafePathError(CkptError):
     """A checkpoint names a path outside itself (``..``, absolute, a symlink out); nothing was read there."""
+
+
+class LeaseError(CkptError):
+    """Another live job holds the training root (or took it over from this one)."""

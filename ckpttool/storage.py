@@ -141,6 +141,10 @@ class _Backend(ABC):
     def local_path(self, path: str) -> str | None:
         return None
 
+    @abstractmethod
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless it exists; False when it did."""
+
     def islink(self, path: str) -> bool:
         return False
 
@@ -230,6 +234,18 @@ class _LocalDisk(_Backend):
     def local_path(self, path: str) -> str | None:
         return path
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
     def islink(self, path: str) -> bool:
         return os.path.islink(path)
 
@@ -243,6 +259,10 @@ class _LocalDisk(_Backend):
 
 class _NotRegular(OSError):
     """A path that exists but is not a regular file (a FIFO, a device, a directory)."""
+
+
+class _NoBucket(Exception):
+    """An object store's bucket (or container) that does not exist."""
 
 
 class _Fsspec(_Backend):
@@ -306,6 +326,11 @@ class _Fsspec(_Backend):
         f.close()  # completes the upload: only now does the object exist
 
     def makedirs(self, path: str) -> None:
+        split = getattr(self.fs, "split_path", None)  # object stores (s3fs, gcsfs, adlfs): bucket first
+        if callable(split):
+            bucket = split(path)[0]
+            if bucket and not self.fs.exists(bucket):
+                raise _NoBucket(bucket)  # fsspec's makedirs would create it: never do that
         self.fs.makedirs(path, exist_ok=True)
 
     def remove(self, path: str) -> None:
@@ -314,6 +339,20 @@ class _Fsspec(_Backend):
 
     def rename(self, src: str, dst: str) -> None:
         self.fs.mv(src, dst, recursive=True)
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        try:
+            with self.fs.open(path, "xb") as f:  # s3fs: a conditional put (If-None-Match)
+                f.write(data)
+            return True
+        except FileExistsError:
+            return False
+        except (ValueError, NotImplementedError, TypeError):  # the backend has no exclusive create
+            if self.fs.exists(path):
+                return False
+            with self.fs.open(path, "wb") as f:
+                f.write(data)
+            return True
 
 
 def _discard_upload(f: Any) -> None:
@@ -458,6 +497,23 @@ class Location:
         with self.open_write() as f:
             f.write(data)
 
+    def create_exclusive(self, data: bytes) -> bool:
+        """Create this file with ``data`` unless it exists (atomically where the storage can:
+        O_EXCL locally, a conditional put on S3); False when it existed."""
+        try:
+            return bool(self._backend.create_exclusive(self.path, data))
+        except OSError as exc:
+            raise StorageError(describe_os_error(exc, "write"), where=self.url) from None
+
+    def replace_bytes(self, data: bytes) -> None:
+        """Replace this file's content in one step (local: a temporary file renamed over it)."""
+        if self.local_path is None:
+            self.write_bytes(data)
+            return
+        tmp = temp_sibling(self)
+        tmp.write_bytes(data)
+        tmp.rename_to(self)
+
     def remove(self) -> None:
         """Remove a file or a directory tree; a missing path is not an error."""
         self._call(self._backend.remove, verb="remove")
@@ -476,6 +532,9 @@ class Location:
             return fn(self.path, *args)
         except FileNotFoundError:
             raise NotFoundError(missing, where=self.url) from None
+        except _NoBucket as exc:
+            raise NotFoundError(f"bucket {exc} does not exist", where=self.url,
+                                hint="create it first; ckpttool never creates buckets") from None
         except (_NotRegular, IsADirectoryError):
             raise NotACheckpointError("not a regular file (a directory, FIFO or device?)", where=self.url,
                                       hint="name a checkpoint file or directory") from None
@@ -495,7 +554,7 @@ def describe_os_error(exc: OSError, verb: str = "access") -> str:
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         return f"no space left on device while writing ({exc.strerror}); free space or write elsewhere"
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"cannot {verb} here: {exc.strerror}"
+        return f"permission denied: cannot {verb} here ({exc.strerror})"
     return exc.strerror or str(exc)
 
 

@@ -228,5 +228,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Leave without interpreter finalization, once everything is committed and flushed.
+
+    gloo's worker threads release a collective's tensors after it completes; under CPU load that
+    can lag behind the main thread. A tensor whose Python object died meanwhile needs the GIL to be
+    freed, and once the interpreter is finalizing a thread asking for it is torn down inside a
+    noexcept destructor: std::terminate, "terminate called without an active exception", exit
+    code 1 from a run that succeeded. By now the trainer has closed its Checkpointer (every save
+    committed, the lease released) and destroyed the process group, so nothing is left for
+    finalization to do but that race.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import fsspec
+import pytest
 import torch
 
 from ckpttool import convert
@@ -107,3 +108,23 @@ def test_dcp_records_on_s3_cost_one_request_each(s3_server, bucket, tmp_path):
 
     back = load_file(str(tmp_path / "back.safetensors"))
     assert all(torch.equal(back[f"model.w{i}"], state["model"][f"w{i}"]) for i in range(n))
+
+
+def test_a_missing_bucket_is_never_created(s3_server, bucket, ref_pt):
+    """convert, reshard and the Checkpointer refuse a bucket that does not exist (exit 2, one line)
+    instead of creating it, as `aws s3 cp` refuses."""
+    import torch
+
+    from ckpttool import Checkpointer
+    from ckpttool.errors import NotFoundError
+
+    s3 = fsspec.filesystem("s3", skip_instance_cache=True)
+    for args in (("convert", ref_pt, "s3://no-such-bucket-abc/x"), ("convert", ref_pt, "s3://no-such-bucket-abc/x.safetensors"),
+                 ("convert", ref_pt, "s3://no-such-bucket-abc/x.pt"), ("clean", "s3://no-such-bucket-abc/run")):
+        r = cli(*args)
+        assert r.returncode == 2 and "no-such-bucket-abc" in r.stderr and "does not exist" in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(NotFoundError, match="bucket no-such-bucket-abc does not exist"):
+        Checkpointer("s3://no-such-bucket-abc/run").save(1, model)
+    assert not s3.exists("no-such-bucket-abc")

@@ -153,7 +153,8 @@ def test_sync_save_that_cannot_write_fails_clearly_and_keeps_earlier_steps(how, 
         os.chmod(base, 0o755)
         root = os.path.join(base, "run")
         model, opt = make()
-        Checkpointer(root).save(1, model, opt)
+        with Checkpointer(root) as ckpt:  # released: the child is the next job on this root
+            ckpt.save(1, model, opt)
         os.chmod(root, 0o555 if how == "permission" else 0o755)
         ctx = multiprocessing.get_context("spawn")  # a fork after torch's thread pool ran can deadlock
         queue = ctx.Queue()

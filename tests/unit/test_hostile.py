@@ -236,7 +236,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, ref_pt):
             assert_refused(code, out, err, "no space left on device while writing", name)
         assert os.listdir(mnt) == []
         model = torch.nn.Linear(100, 100)
-        with pytest.raises(CkptError, match="no space left on device while saving"):
+        with pytest.raises(CkptError, match="no space left on device while writing"):
             Checkpointer(mnt / "run").save(1, model, torch.optim.AdamW(model.parameters()))
     finally:
         subprocess.run(["umount", str(mnt)], check=True)

@@ -1,0 +1,277 @@
+"""Saving live training state as a DCP step with no collective in the write or the commit.
+
+Every rank writes its own data file (``__<rank>_0.distcp``: its DTensor shards, each box once; the
+plain tensors and objects on rank 0) and then a small JSON index of what it wrote, with the
+manifest rows of its records hashed as they were written. Rank 0 waits for every rank's index in
+storage, merges them into ``.metadata`` and returns the manifest for the commit record. A
+background save therefore needs no process group (the user may destroy theirs before it ends),
+and the output is the layout torch's ``FileSystemWriter`` writes: plain ``dcp.load`` reads it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ...checksums import ALGORITHM, hash_bytes, new_hasher
+from ...compat import local_shard_box
+from ...errors import CkptError, CorruptCheckpointError, StorageError
+from ...index import ObjPath, dtype_size, flatten
+from ...layout import Box, relative, slabs, tiles_exactly
+from ...storage import Location
+from ..base import tensor_buffer
+from ..torchzip import ArchiveWriter
+from .metadata import DCP_VERSION, METADATA_FILE, data_file_name
+
+PARTIAL = ".ckpttool-rank-{rank}.json"
+MAX_PARTIAL_BYTES = 256 << 20
+SLAB = 64 << 20  # bytes of a tensor copied to the host at a time (GPU shards)
+
+
+def partial_name(rank: int) -> str:
+    return PARTIAL.format(rank=rank)
+
+
+def _replicas_first(value: Any) -> bool:
+    """Whether this rank stores its box of a DTensor: once per box, by the rank whose coordinate
+    is 0 on every mesh dim the tensor is replicated over. Raises for placements the writer does
+    not lay out (``Partial``, strided shards)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    coordinate = value.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False  # this rank is not on the tensor's mesh
+    for placement, c in zip(value.placements, coordinate):
+        if type(placement) is Replicate:
+            if c != 0:
+                return False
+        elif type(placement) is not Shard:
+            raise UnsupportedPlacement(placement)
+    return True
+
+
+class UnsupportedPlacement(Exception):
+    """A DTensor placement this writer cannot lay out; the caller falls back to ``dcp.save``."""
+
+
+def supports(state: dict[str, Any]) -> bool:
+    """Whether every DTensor of ``state`` has only Shard and Replicate placements."""
+    from torch.distributed.tensor import DTensor
+
+    flat, _ = flatten(state)
+    try:
+        for value in flat.values():
+            if isinstance(value, DTensor):
+                _replicas_first(value)
+    except UnsupportedPlacement:
+        return False
+    return True
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only, non-seekable stream over ``out`` that hashes each record as it is written.
+
+    Non-seekable on purpose: zipfile then writes sizes and CRCs in data descriptors after the data
+    (as torch's own writer does) instead of seeking back into bytes already hashed.
+    """
+
+    def __init__(self, out: IO[bytes]):
+        self._out = out
+        self._pos = 0
+        self._hasher: Any = None
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self._out.write(view)
+        if self._hasher is not None:
+            self._hasher.update(view)
+        self._pos += view.nbytes
+        return view.nbytes
+
+    def begin(self) -> None:
+        self._hasher = new_hasher()
+
+    def digest(self) -> str:
+        digest, self._hasher = self._hasher.hexdigest(), None
+        return digest
+
+
+@dataclass
+class RankIndex:
+    """What one rank wrote (JSON in storage): its tensors' chunks and objects, where each record
+    lies in its file, the manifest rows, and (rank 0) the nesting of every key."""
+
+    rank: int
+    file: str
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    objects: dict[str, list[int]] = field(default_factory=dict)
+    records: list[list[Any]] = field(default_factory=list)
+    paths: dict[str, list[Any]] = field(default_factory=dict)
+    error: str | None = None
+
+
+def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
+               after_write: Callable[[], None] | None = None) -> None:
+    """Write this rank's part of the step into ``step_dir``: its data file, then its index (the
+    index's appearance in storage tells rank 0 this rank is done). On failure the index carries
+    the error instead, so rank 0 stops waiting, and the error is raised here too."""
+    flat, paths = flatten(state)
+    index = RankIndex(rank, data_file_name(rank))
+    try:
+        with step_dir.child(index.file).open_write() as raw:
+            out = _HashingWriter(raw)
+            for key, value in flat.items():
+                if isinstance(value, torch.Tensor):
+                    _write_tensor(out, index, key, value)
+                elif rank == 0:
+                    out.begin()
+                    start = out.tell()
+                    buf = io.BytesIO()
+                    torch.save(value, buf)
+                    out.write(buf.getbuffer())
+                    index.objects[key] = [start, out.tell() - start]
+                    index.records.append([start, out.tell() - start, out.digest()])
+        if rank == 0:
+            index.paths = {k: list(p) for k, p in paths.items()}
+        if after_write is not None:
+            after_write()
+    except BaseException as exc:
+        index.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CkptError) else exc.message()
+        try:
+            step_dir.child(partial_name(rank)).write_bytes(json.dumps(index.__dict__).encode())
+        except Exception:  # noqa: BLE001 - the storage refuses writes; rank 0 times out instead
+            pass
+        raise
+    step_dir.child(partial_name(rank)).write_bytes(json.dumps(index.__dict__).encode())
+
+
+def _write_tensor(out: _HashingWriter, index: RankIndex, key: str, value: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor
+
+    entry = index.tensors.setdefault(key, {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+                                           "chunks": []})
+    if isinstance(value, DTensor):
+        if not _replicas_first(value):
+            return
+    elif index.rank != 0:  # a plain tensor is the same on every rank: rank 0 stores it
+        return
+    local, box = local_shard_box(value)
+    local = local.detach()
+    out.begin()
+    start = out.tell()
+    with ArchiveWriter(out) as writer:
+        placeholder, stream = writer.new_tensor(local.dtype, box[1])
+        with stream:
+            for slab in slabs(box[1], dtype_size(local.dtype), SLAB):
+                part = local[relative(slab, ((0,) * len(box[1]), box[1]))]
+                stream.write(tensor_buffer(part.to("cpu").contiguous()))
+        length = writer.finish(placeholder)
+    entry["chunks"].append([list(box[0]), list(box[1]), start, length])
+    index.records.append([start, length, out.digest()])
+
+
+def read_rank_indexes(step_dir: Location, world_size: int, timeout: float) -> list[RankIndex]:
+    """Wait until every rank's index is in storage (or one says it failed), then read them all."""
+    names = [partial_name(r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while True:
+        present = set(step_dir.listdir())
+        if all(n in present for n in names):
+            break
+        for n in names:
+            if n in present:
+                index = _read_index(step_dir.child(n))
+                if index.error:
+                    raise StorageError(f"rank {index.rank} could not write its part: {index.error}", where=step_dir.url)
+        if time.monotonic() > deadline:
+            missing = [r for r, n in enumerate(names) if n not in present]
+            raise StorageError(f"ranks {missing} did not finish writing within {timeout:.0f} s", where=step_dir.url,
+                               hint="a rank died or its storage stalled; the step stays uncommitted")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+    indexes = [_read_index(step_dir.child(n)) for n in names]
+    for index in indexes:
+        if index.error:
+            raise StorageError(f"rank {index.rank} could not write its part: {index.error}", where=step_dir.url)
+    return indexes
+
+
+def _read_index(loc: Location) -> RankIndex:
+    if loc.size() > MAX_PARTIAL_BYTES:
+        raise CorruptCheckpointError("a rank's index is too large", where=loc.url)
+    try:
+        return RankIndex(**json.loads(loc.read_bytes()))
+    except (ValueError, TypeError) as exc:
+        raise CorruptCheckpointError(f"a rank's index is damaged ({exc})", where=loc.url) from None
+
+
+def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, Any]:
+    """Merge the ranks' indexes into ``.metadata`` (after checking that every tensor's chunks tile
+    it), remove the indexes, and return the step's manifest."""
+    state_md: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    order = list(indexes[0].paths)
+    chunks: dict[str, list[tuple[Box, str, int, int]]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for index in indexes:
+        for key, t in index.tensors.items():
+            shapes.setdefault(key, (tuple(t["shape"]), t["dtype"]))
+            chunks.setdefault(key, []).extend(((tuple(o), tuple(s)), index.file, off, n) for o, s, off, n in t["chunks"])
+        for key, (off, n) in index.objects.items():
+            state_md[key] = BytesStorageMetadata()
+            storage[MetadataIndex(key)] = _StorageInfo(index.file, off, n)
+    for key in order:
+        if key not in shapes:
+            continue
+        shape, dtype = shapes[key]
+        boxes = sorted(chunks[key], key=lambda c: c[0][0])
+        problem = tiles_exactly(shape, [b for b, *_ in boxes])
+        if problem:  # a writer bug, never a checkpoint to commit
+            raise CorruptCheckpointError(f"the ranks' chunks of {key!r} do not tile it: {problem}", where=step_dir.url)
+        md_chunks = []
+        for i, (box, file, off, n) in enumerate(boxes):
+            storage[MetadataIndex(key, torch.Size(box[0]), i)] = _StorageInfo(file, off, n)
+            md_chunks.append(ChunkStorageMetadata(offsets=torch.Size(box[0]), sizes=torch.Size(box[1])))
+        state_md[key] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)), torch.Size(shape), md_chunks)
+    planner_data: dict[str, ObjPath] = {k: tuple(p) for k, p in indexes[0].paths.items()}
+    metadata = Metadata(
+        state_dict_metadata={k: state_md[k] for k in order if k in state_md},
+        planner_data=planner_data,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None),
+        version=DCP_VERSION,
+    )
+    raw = pickle.dumps(metadata)
+    step_dir.child(METADATA_FILE).write_bytes(raw)
+    for index in indexes:
+        step_dir.child(partial_name(index.rank)).remove()
+    return {"algorithm": ALGORITHM, "records": {i.file: i.records for i in indexes},
+            "files": {METADATA_FILE: [len(raw), hash_bytes(raw)]}}
