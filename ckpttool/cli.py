@@ -16,10 +16,20 @@ from typing import Any
 import click
 
 from . import formats
-from .choices import CAST_DTYPES
+from .choices import CAST_DTYPES, parse_size
 from .errors import EXIT_BAD_INPUT, CkptError
 
 SIZE_HELP = "sizes like 512MiB, 2GB or plain bytes"
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Check a size option while parsing, before torch is imported; the library parses it again."""
+    if value is not None:
+        try:
+            parse_size(value)
+        except CkptError as exc:
+            raise click.BadParameter(f"{exc.what} ({exc.hint})" if exc.hint else exc.what) from None
+    return value
 
 
 # --- shared plumbing -----------------------------------------------------------------------------
@@ -178,8 +188,9 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
 @click.option("--to", type=click.Choice(formats.names()), help="Output format (default: from DST's suffix).")
 @click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix (e.g. --only model).")
 @click.option("--dtype", type=click.Choice(CAST_DTYPES), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
-@click.option("--max-shard-size", metavar="SIZE", help=f"Write HF-sharded safetensors with files up to SIZE ({SIZE_HELP}).")
-@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, help="Most tensor data held in memory at once.")
+@click.option("--max-shard-size", metavar="SIZE", callback=_size,
+              help=f"Write HF-sharded files of up to SIZE ({SIZE_HELP}): safetensors, or torch .bin with --to torch.")
+@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
 @json_option
 @storage_option
@@ -239,7 +250,7 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @click.option("--world-size", type=int, required=True, help="Ranks of the job that will load DST (1 to 65536).")
 @click.option("--mesh", metavar="RxS", help="HSDP mesh: R replicas x S shards (R*S = world size); boxes follow the shard dim.")
 @click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix.")
-@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, help="Most tensor data held in memory at once.")
+@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
 @json_option
 @storage_option
@@ -279,14 +290,15 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int, mesh: str |
 @click.argument("path")
 @click.option("--against", "other", metavar="OTHER", help="Compare entry by entry with another checkpoint in any format.")
 @click.option("--only", metavar="KEY", help="Check only entries under this top-level key (with --against: compare them, prefix dropped).")
-@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance for --against (default: bitwise).")
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance for --against.")
+@click.option("--against-only", metavar="KEY", help="With --against: compare only OTHER's entries under this top-level key, prefix dropped.")
+@click.option("--rtol", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="Relative tolerance for --against (default: bitwise).")
+@click.option("--atol", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="Absolute tolerance for --against.")
 @click.option("--cast", is_flag=True, help="With --against: where dtypes differ, cast PATH's values to OTHER's dtype first (for exports made with --dtype).")
-@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, help="Most tensor data held in memory at once.")
+@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
 @json_option
 @storage_option
 @click.pass_context
-def verify(ctx: click.Context, path: str, other: str | None, only: str | None, rtol: float, atol: float, cast: bool,
+def verify(ctx: click.Context, path: str, other: str | None, only: str | None, against_only: str | None, rtol: float, atol: float, cast: bool,
            memory_budget: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Check a checkpoint's integrity, or compare it with another.
 
@@ -310,15 +322,15 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, r
       ckpttool verify runs/exp1/step-100 --json
       ckpttool verify runs/exp1/step-100 --against model.safetensors --only model
       ckpttool verify runs/exp1/step-100 --against model-bf16.safetensors --only model --cast
+      ckpttool verify hf-export/ --against runs/exp1/step-100 --against-only model
     """
-    from .pipeline import parse_size
     from .verify import verify_against, verify_path
 
     progress = Progress("verify", not _quiet(ctx) and not as_json)
     opts = _storage_options(storage_options)
     try:
         if other:
-            report = verify_against(path, other, only=only, rtol=rtol, atol=atol, cast=cast, memory_budget=parse_size(memory_budget),
+            report = verify_against(path, other, only=only, against_only=against_only, rtol=rtol, atol=atol, cast=cast, memory_budget=parse_size(memory_budget, "--memory-budget"),
                                     storage_options=opts, progress=progress)
         else:
             report = verify_path(path, only=only, storage_options=opts, progress=progress)

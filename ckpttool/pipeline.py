@@ -7,14 +7,13 @@ budget, so no more than about one slab (plus its cast) is in memory at once, wha
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import formats
-from .choices import CAST_DTYPES
+from .choices import CAST_DTYPES, parse_size
 from .errors import FormatError, OutputExistsError, StorageError, UsageError
 from .formats.base import ObjectSpec, Progress, ReadFn, Sink, SinkOptions, SlabBuffers, Source, TensorSpec
 from .index import TensorEntry, dtype_size, strip_prefix
@@ -24,24 +23,6 @@ from .storage import Location, describe_os_error, resolve
 
 DEFAULT_BUDGET = 1 << 30
 DTYPE_NAMES = {name: getattr(torch, name) for name in CAST_DTYPES}
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """``"1GiB"``, ``"500MB"``, ``"2G"``, ``"4096"`` -> bytes (K/M/G/T are powers of 1024 with or without i)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise UsageError(f"cannot read size {text!r}", hint="write e.g. 512MiB, 2GB or a number of bytes")
-    number, unit, _ = m.groups()
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit.lower()]
-    value = int(float(number) * scale)
-    if value < 1:
-        raise UsageError(f"size must be positive, got {text!r}")
-    return value
-
 
 def _castable(entry: TensorEntry) -> bool:
     """``--dtype`` casts floating-point tensors; integers and 0-d counters (AdamW's ``step``) keep theirs."""
@@ -209,9 +190,9 @@ def convert(
         if dtype not in DTYPE_NAMES:
             raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
         dtype = DTYPE_NAMES[dtype]
-    budget = parse_size(memory_budget)
-    options = SinkOptions(max_shard_size=parse_size(max_shard_size) if max_shard_size is not None else None)
-    fmt = formats.get(formats.output_format(dst_loc.name, to))
+    budget = parse_size(memory_budget, "--memory-budget")
+    options = SinkOptions(max_shard_size=parse_size(max_shard_size, "--max-shard-size") if max_shard_size is not None else None)
+    fmt = formats.get(formats.output_format(dst_loc.name, to, sharded=options.max_shard_size is not None))
     _check_options(fmt, options)
     if src_loc.url == dst_loc.url:
         raise UsageError("source and destination are the same path", where=dst_loc.url)
@@ -270,7 +251,7 @@ def reshard(
     dcp = formats.get("dcp")
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
-    budget = parse_size(memory_budget)
+    budget = parse_size(memory_budget, "--memory-budget")
     if src_loc.url == dst_loc.url:
         raise UsageError("source and destination are the same path", where=dst_loc.url)
     with formats.open_source(src_loc) as source:

@@ -14,10 +14,12 @@ Tensors in ``torch.save`` pickles are not materialised: they come back as :class
 from __future__ import annotations
 
 import collections
+import datetime
 import io
 import operator
 import pathlib
 import pickle
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +68,117 @@ def _bytearray(source: Any = b"", *args: Any) -> bytearray:
     return bytearray(source, *args)
 
 
-_COMMON = {
+# --- plain stdlib values that training states hold ---------------------------------------------
+# Each is rebuilt by a function of ours from checked arguments, never by calling the global the
+# pickle names: torchtitan's losses kept as io.BytesIO, LR scheduler and data loader states.
+
+
+class _BytesIOState:
+    """Stands for a pickled ``io.BytesIO`` until the whole value is read (pickle builds it with
+    NEWOBJ then BUILD: the class is "called" with no arguments, then given its state), then
+    :func:`_finish` replaces it by a real ``io.BytesIO`` holding the same bytes, position and
+    attributes."""
+
+    __slots__ = ("state",)
+
+    def __new__(cls, *args: Any) -> _BytesIOState:
+        if args:
+            raise UnsafePickleError("refused io.BytesIO built with arguments")
+        obj = super().__new__(cls)
+        obj.state = None
+        return obj
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], (bytes, bytearray))
+                and isinstance(state[1], int) and 0 <= state[1] and (state[2] is None or isinstance(state[2], dict))):
+            raise UnsafePickleError("refused an io.BytesIO whose state is not (bytes, position, attributes)")
+        self.state = state
+
+    def build(self) -> io.BytesIO:
+        if self.state is None:
+            return io.BytesIO()
+        value, pos, attrs = self.state
+        out = io.BytesIO(bytes(value))
+        out.seek(pos)
+        for name, attr in (attrs or {}).items():
+            if not isinstance(name, str) or name.startswith("__"):
+                raise UnsafePickleError(f"refused io.BytesIO attribute {name!r}")
+            setattr(out, name, attr)
+        return out
+
+
+# what a defaultdict may make for a missing key: the empty value of a plain type
+_FACTORIES = (list, dict, set, int, float, str, tuple, collections.OrderedDict)
+
+
+def _defaultdict(factory: Any = None, *args: Any) -> collections.defaultdict:
+    if args or not (factory is None or factory in _FACTORIES):
+        raise UnsafePickleError(f"refused collections.defaultdict with default factory {factory!r}")
+    return collections.defaultdict(factory)
+
+
+def _deque(items: Any = (), maxlen: Any = None) -> collections.deque:
+    if not isinstance(items, (list, tuple)) or not (maxlen is None or (isinstance(maxlen, int) and maxlen >= 0)):
+        raise UnsafePickleError("refused collections.deque from anything but a list and a length")
+    return collections.deque(items, maxlen)
+
+
+def _counter(items: Any = None) -> collections.Counter:
+    if not (items is None or isinstance(items, dict)):
+        raise UnsafePickleError("refused collections.Counter from anything but a dict")
+    return collections.Counter(items or {})
+
+
+def _checked(cls: type, *types: type) -> Any:
+    """A datetime constructor whose arguments must be of ``types`` (a state in bytes, numbers, a tzinfo)."""
+
+    def build(*args: Any) -> Any:
+        if len(args) > 8 or not all(isinstance(a, types) for a in args):
+            raise UnsafePickleError(f"refused {cls.__module__}.{cls.__name__}{tuple(type(a).__name__ for a in args)}")
+        return cls(*args)
+
+    return build
+
+
+_TZ = (datetime.timezone,)
+_VALUES = {
+    ("_io", "BytesIO"): _BytesIOState,
+    ("io", "BytesIO"): _BytesIOState,
     ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "defaultdict"): _defaultdict,
+    ("collections", "deque"): _deque,
+    ("collections", "Counter"): _counter,
+    ("datetime", "datetime"): _checked(datetime.datetime, bytes, int, *_TZ),
+    ("datetime", "date"): _checked(datetime.date, bytes, int),
+    ("datetime", "time"): _checked(datetime.time, bytes, int, *_TZ),
+    ("datetime", "timedelta"): _checked(datetime.timedelta, int, float),
+    ("datetime", "timezone"): _checked(datetime.timezone, datetime.timedelta, str),
+}
+
+#: the plain value types a checkpoint may hold besides containers, scalars and tensors (docs/security.md)
+VALUE_TYPES = ("io.BytesIO", "collections.OrderedDict", "collections.defaultdict", "collections.deque",
+               "collections.Counter", "datetime.datetime", "datetime.date", "datetime.time", "datetime.timedelta",
+               "datetime.timezone")
+
+
+def _finish(value: Any) -> Any:
+    """Replace every :class:`_BytesIOState` in a freshly unpickled tree by its ``io.BytesIO``."""
+    if isinstance(value, _BytesIOState):
+        return value.build()
+    if isinstance(value, (list, collections.deque)):
+        items = [_finish(v) for v in value]
+        value.clear()
+        value.extend(items)
+    elif isinstance(value, tuple):
+        return type(value)(_finish(v) for v in value) if type(value) is tuple else value
+    elif isinstance(value, dict):
+        for k in list(value):
+            value[k] = _finish(value[k])
+    return value
+
+
+_COMMON = {
+    **_VALUES,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): pathlib.PurePosixPath,
@@ -75,6 +186,13 @@ _COMMON = {
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     ("builtins", "set"): set,
+    # plain types, named as a defaultdict's factory; called, each makes a value from data present
+    ("builtins", "list"): list,
+    ("builtins", "dict"): dict,
+    ("builtins", "tuple"): tuple,
+    ("builtins", "int"): int,
+    ("builtins", "float"): float,
+    ("builtins", "str"): str,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
@@ -99,6 +217,7 @@ class _AllowListUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self._source = source
         self._extra = extra or {}
+        self.placeholders = False  # a value was read as a stand-in that _finish replaces
 
     def find_class(self, module: str, name: str) -> Any:
         # Protocol-2 pickles (torch.save's default) spell builtins as Python 2 did
@@ -106,6 +225,7 @@ class _AllowListUnpickler(pickle.Unpickler):
         if key in self._extra:
             return self._extra[key]
         if key in _COMMON:
+            self.placeholders |= _COMMON[key] is _BytesIOState
             return _COMMON[key]
         if key in _DCP_CLASSES:
             return super().find_class(module, name)
@@ -141,7 +261,7 @@ def check_shape(value: Any, source: str, budget: int) -> Any:
                                          hint="it repeats shared containers (a 'billion laughs' pickle); the file is hostile or damaged")
         if isinstance(node, dict):
             children = [*node.keys(), *node.values()]
-        elif isinstance(node, (list, tuple, set, frozenset)):
+        elif isinstance(node, (list, tuple, set, frozenset, collections.deque)):
             children = list(node)
         else:
             continue
@@ -167,7 +287,8 @@ def _unpickle(unpickler: pickle.Unpickler, data: bytes, source: str, what: str, 
         raise CorruptCheckpointError(f"{what} nests too deeply to read", where=source, hint=hint) from None
     except Exception as exc:  # a truncated or random file: say so, with the file
         raise CorruptCheckpointError(f"cannot read {what} ({type(exc).__name__}: {exc})", where=source, hint=hint) from None
-    return check_shape(value, source, budget=100_000 + 4 * len(data))
+    value = check_shape(value, source, budget=100_000 + 4 * len(data))
+    return _finish(value) if getattr(unpickler, "placeholders", False) else value
 
 
 def load_dcp_metadata(data: bytes, source: str) -> Any:
@@ -280,3 +401,21 @@ def load_torch_pickle(data: bytes, source: str) -> Any:
     Used for ``torch.save`` files and for DCP's object records (each a ``torch.save`` archive)."""
     return _unpickle(_TorchSaveUnpickler(data, source, _TORCH_REBUILDERS), data, source, "the pickle",
                      "the file is damaged or not written by torch.save")
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two unpickled values are the same data: same types, same structure and order, floats
+    bit for bit (a NaN equals itself), an ``io.BytesIO`` by its bytes and position (``==`` compares
+    identity there)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, io.BytesIO):
+        return a.getvalue() == b.getvalue() and a.tell() == b.tell() and same_value(vars(a), vars(b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a) and same_value(
+            getattr(a, "default_factory", None), getattr(b, "default_factory", None))
+    if isinstance(a, (list, tuple, collections.deque)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b)) and getattr(a, "maxlen", None) == getattr(b, "maxlen", None)
+    return bool(a == b)

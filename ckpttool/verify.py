@@ -15,12 +15,13 @@ import torch
 
 from . import dist, formats
 from .compat import local_shard_box
-from .errors import CkptError, UnsafePickleError
+from .errors import CkptError, UnsafePickleError, UsageError
 from .formats.base import Progress, SlabBuffers, Source
-from .index import TensorEntry, dtype_size, flatten
+from .index import TensorEntry, dtype_size, flatten, strip_prefix
 from .layout import slabs, whole
 from .pipeline import DEFAULT_BUDGET, plan_entries
 from .report import Problem, Report
+from .safe_pickle import same_value
 from .steps import is_training_root, list_root, step_name
 from .storage import Location, resolve
 
@@ -73,47 +74,61 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if flat.numel() else flat
 
 
-def verify_against(path: str | Location, other: str | Location, *, only: str | None = None, rtol: float = 0.0, atol: float = 0.0,
-                   cast: bool = False, memory_budget: int = DEFAULT_BUDGET, storage_options: dict[str, Any] | None = None,
-                   progress: Progress | None = None) -> Report:
-    """Compare ``path`` (optionally one top-level key of it, prefix dropped) with ``other`` entry by
-    entry: keys on either side, dtypes and shapes, values bitwise or within rtol/atol."""
+def verify_against(path: str | Location, other: str | Location, *, only: str | None = None, against_only: str | None = None,
+                   rtol: float = 0.0, atol: float = 0.0, cast: bool = False, memory_budget: int = DEFAULT_BUDGET,
+                   storage_options: dict[str, Any] | None = None, progress: Progress | None = None) -> Report:
+    """Compare ``path`` with ``other`` entry by entry: keys on either side, dtypes and shapes,
+    values bitwise or within rtol/atol. ``only`` / ``against_only`` compare one top-level key of
+    that side, prefix dropped (an HF export's flat keys against the ``model`` of a DCP step, either
+    way round). A difference is reported under both files (and keys), a missing key under the
+    file that has it."""
     a_loc, b_loc = resolve(path, storage_options), resolve(other, storage_options)
     report = Report(a_loc.url, "equality")
     with formats.open_source(a_loc) as a, formats.open_source(b_loc) as b:
         plan = plan_entries(a, only, None)
         b_index = b.index()
+        if against_only is not None:
+            b_keys = {out: key for key, (out, _) in strip_prefix(b_index.paths, against_only).items()}
+            if not b_keys:
+                tops = sorted({str(b_index.path(k)[0]) for k in b_index})
+                raise UsageError(f"no entries under the top-level key {against_only!r} in {b_loc.url}",
+                                 hint=f"top-level keys there are: {', '.join(tops)}")
+        else:
+            b_keys = {k: k for k in b_index}
         a_keys = plan.source_key
-        for key in sorted(b_index.keys() - a_keys.keys()):
-            report.add(f"only in {b_loc.url}", a_loc.url, key)
+        for key in sorted(b_keys.keys() - a_keys.keys()):
+            report.add(f"only in {b_loc.url}, missing from {a_loc.url}", b_loc.url, b_keys[key])
         tensors = plan.tensors
         total = sum(t.nbytes for t in tensors)
         done = 0
         for spec in plan.entries:
             a_key = a_keys[spec.key]
-            if spec.key not in b_index:
-                report.add(f"only in {a_loc.url}, missing from {b_loc.url}", b_loc.url, spec.key)
+            if spec.key not in b_keys:
+                report.add(f"only in {a_loc.url}, missing from {b_loc.url}", a_loc.url, a_key)
                 continue
-            b_entry = b_index[spec.key]
+            b_key = b_keys[spec.key]
+            b_entry = b_index[b_key]
+            both = f"{a_loc.url} vs {b_loc.url}" + (f" (key {b_key!r} there)" if b_key != a_key else "")
             if not hasattr(spec, "shape"):
                 if isinstance(b_entry, TensorEntry):
-                    report.add("an object here, a tensor in the other", b_loc.url, spec.key)
+                    report.add("an object here, a tensor in the other", both, a_key)
                     continue
-                if a.read_object(a_key) != b.read_object(spec.key):
-                    report.add(f"objects differ: {a.read_object(a_key)!r} vs {b.read_object(spec.key)!r}", b_loc.url, spec.key)
+                a_value, b_value = a.read_object(a_key), b.read_object(b_key)
+                if not same_value(a_value, b_value):
+                    report.add(f"objects differ: {a_value!r} vs {b_value!r}", both, a_key)
                 report.objects_checked += 1
                 continue
             if not isinstance(b_entry, TensorEntry):
-                report.add("a tensor here, an object in the other", b_loc.url, spec.key)
+                report.add("a tensor here, an object in the other", both, a_key)
                 continue
             if tuple(spec.shape) != tuple(b_entry.shape):
-                report.add(f"shapes differ: {list(spec.shape)} vs {list(b_entry.shape)}", b_loc.url, spec.key)
+                report.add(f"shapes differ: {list(spec.shape)} vs {list(b_entry.shape)}", both, a_key)
                 continue
             if spec.dtype != b_entry.dtype and not cast:
-                report.add(f"dtypes differ: {spec.dtype} vs {b_entry.dtype}", b_loc.url, spec.key,
+                report.add(f"dtypes differ: {spec.dtype} vs {b_entry.dtype}", both, a_key,
                            hint="pass --cast to compare an export made with --dtype after casting")
                 continue
-            _compare_tensor(a, a_key, b, spec.key, spec.shape, spec.dtype, b_entry.dtype, rtol, atol, memory_budget, report, b_loc.url)
+            _compare_tensor(a, a_key, b, b_key, spec.shape, spec.dtype, b_entry.dtype, rtol, atol, memory_budget, report, both)
             report.tensors_checked += 1
             report.bytes_checked += spec.nbytes
             done += spec.nbytes
@@ -158,7 +173,7 @@ def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype
         detail = f"{count} element(s) differ; first at index {first}: {first_vals[0]!r} vs {first_vals[1]!r}"
         if rtol or atol:
             detail += f"; max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}"
-        report.add(detail, where, b_key)
+        report.add(detail, where, a_key)
 
 
 def _unravel(flat: int, sizes) -> list[int]:

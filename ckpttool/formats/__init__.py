@@ -31,21 +31,24 @@ class Registration:
     suffixes: tuple[str, ...]  # output names ending so are written in this format
     summary: str
     default: bool  # the output format for a name with no known suffix (a directory)
+    sharded_default: bool  # ... when the output is to be sharded (--max-shard-size)
 
 
 _REGISTRY: dict[str, Registration] = {}
 
 
-def register(name: str, module: str, *, suffixes: tuple[str, ...] = (), summary: str = "", default: bool = False) -> None:
+def register(name: str, module: str, *, suffixes: tuple[str, ...] = (), summary: str = "", default: bool = False,
+             sharded_default: bool = False) -> None:
     if name in _REGISTRY:
         raise ValueError(f"format {name!r} is registered twice")
-    _REGISTRY[name] = Registration(name, module, suffixes, summary, default)
+    _REGISTRY[name] = Registration(name, module, suffixes, summary, default, sharded_default)
 
 
 register("dcp", "ckpttool.formats.dcp", summary="torch.distributed.checkpoint directory", default=True)
-register("torch", "ckpttool.formats.torch_save", suffixes=(".pt", ".pth", ".bin"), summary="one torch.save file")
+register("torch", "ckpttool.formats.torch_save", suffixes=(".pt", ".pth", ".bin"),
+         summary="one torch.save file, or an HF-sharded directory of .bin files")
 register("safetensors", "ckpttool.formats.safetensors", suffixes=(".safetensors",),
-         summary="one .safetensors file, or an HF-sharded directory")
+         summary="one .safetensors file, or an HF-sharded directory", sharded_default=True)
 
 
 def names() -> tuple[str, ...]:
@@ -72,8 +75,10 @@ def all_formats() -> list[Format]:
     return [get(name) for name in _REGISTRY]
 
 
-def output_format(name: str, to: str | None = None) -> str:
-    """The format an output path implies by its suffix (``to`` overrides). Imports no torch."""
+def output_format(name: str, to: str | None = None, sharded: bool = False) -> str:
+    """The format an output path implies by its suffix (``to`` overrides); a name with no known
+    suffix is a directory of the default format, or of the sharded default when the output is to
+    be sharded. Imports no torch."""
     if to is not None:
         get(to)  # a clear error for an unknown name
         return to
@@ -81,7 +86,7 @@ def output_format(name: str, to: str | None = None) -> str:
     for reg in _REGISTRY.values():
         if reg.suffixes and lowered.endswith(reg.suffixes):
             return reg.name
-    return next(reg.name for reg in _REGISTRY.values() if reg.default)
+    return next(reg.name for reg in _REGISTRY.values() if (reg.sharded_default if sharded else reg.default))
 
 
 def detect(loc: Location) -> Format:

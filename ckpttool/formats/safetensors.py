@@ -23,13 +23,13 @@ from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, plausibl
 from ..layout import Box, whole
 from ..report import Report
 from ..storage import Location, RangeReader
+from .hf_index import group, index_bytes, read_weight_map, shard_files, shard_name
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, read_c_order_box, split, stream_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
 META_OBJECTS = "ckpttool.objects"
 META_PATHS = "ckpttool.paths"
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
-MAX_INDEX_BYTES = 64 << 20
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -147,14 +147,13 @@ class SafetensorsSource(Source):
         super().__init__(location)
         self.parts: list[_File] = []  # the parsed files
         if location.isdir():
-            index_loc = location.child(INDEX_FILE)
-            if index_loc.exists():
-                names = sorted(set(read_weight_map(index_loc).values()))
+            if location.child(INDEX_FILE).exists():
+                files = shard_files(location, INDEX_FILE)
             else:
-                names = [n for n in location.listdir() if n.endswith(".safetensors")]
-            if not names:
+                files = [location.inside(n, location.url) for n in location.listdir() if n.endswith(".safetensors")]
+            if not files:
                 raise NotACheckpointError("directory holds no .safetensors files", where=location.url)
-            self.parts = [_File(location.inside(n, f"{index_loc.url} (weight_map)")) for n in names]
+            self.parts = [_File(loc) for loc in files]
         else:
             self.parts = [_File(location)]
         meta = self.parts[0].metadata
@@ -205,17 +204,6 @@ class SafetensorsSource(Source):
     def close(self) -> None:
         for f in self.parts:
             f.reader.close()
-
-
-def read_weight_map(index_loc: Location) -> dict[str, str]:
-    """``weight_map`` of an HF index file (tensor key -> shard file name), checked for shape."""
-    if index_loc.size() > MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(f"index file is larger than {MAX_INDEX_BYTES >> 20} MiB", where=index_loc.url)
-    index = _json(index_loc.read_bytes(), index_loc.url, "index file")
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-        raise CorruptCheckpointError("index file has no weight_map of file names", where=index_loc.url)
-    return weight_map
 
 
 def _path(paths: dict[str, list], key: str) -> tuple:
@@ -279,14 +267,7 @@ class SafetensorsSink(Sink):
             self._metadata[META_OBJECTS] = json.dumps({k: encoded[k] for k in kept})
         if any(tuple(p) != (k,) for k, p in paths.items()) or encoded:
             self._metadata[META_PATHS] = json.dumps(paths)
-        self._shards = [[]]
-        size = 0
-        for spec in tensors:
-            if self.sharded and self._shards[-1] and size + spec.nbytes > self.max_shard_size:
-                self._shards.append([])
-                size = 0
-            self._shards[-1].append(spec)
-            size += spec.nbytes
+        self._shards = group(tensors, lambda spec: spec.nbytes, self.max_shard_size)
         for i, shard in enumerate(self._shards):
             for spec in shard:
                 self._file_of[spec.key] = i
@@ -295,7 +276,7 @@ class SafetensorsSink(Sink):
         self.total_size = sum(s.nbytes for s in tensors)
 
     def _shard_name(self, i: int) -> str:
-        return f"model-{i + 1:05d}-of-{len(self._shards):05d}.safetensors"
+        return shard_name("model", ".safetensors", i, len(self._shards))
 
     def _shard_loc(self, i: int) -> Location:
         return self.tmp.child(self._shard_name(i)) if self.sharded else self.tmp
@@ -327,8 +308,7 @@ class SafetensorsSink(Sink):
         self.close_files()  # the index, written last, is what makes a sharded output complete
         if self.sharded:
             weight_map = {spec.key: self._shard_name(i) for i, shard in enumerate(self._shards) for spec in shard}
-            index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-            self.tmp.child(INDEX_FILE).write_bytes(json.dumps(index, indent=2).encode())
+            self.tmp.child(INDEX_FILE).write_bytes(index_bytes(self.total_size, weight_map))
 
 
 class SafetensorsFormat(Format):

@@ -1,4 +1,6 @@
-"""One ``torch.save`` file of a nested state dict: the registered format, its Source and Sink.
+"""``torch.save`` files of a nested state dict: one file, or an HF-sharded directory
+(``pytorch_model-00001-of-0000n.bin`` files and ``pytorch_model.bin.index.json``, as older
+transformers and many hub models have them). The registered format, its Source and Sink.
 
 Reading never materialises the file: the archive's pickle is unpickled through the allow-list with
 tensors as references, and each tensor's bytes are read by range. Writing streams each tensor into
@@ -14,13 +16,14 @@ from typing import IO, Any
 import torch
 
 from ..checksums import new_block, scan
-from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError
+from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, flatten, unflatten
 from ..layout import Box, whole
 from ..report import Report
 from ..safe_pickle import TensorRef
 from ..storage import Location
-from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, stream_tensor
+from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, split, stream_tensor
+from .hf_index import group, index_bytes, read_weight_map, shard_files, shard_name
 from .torchzip import ArchiveWriter, StoredStorage, check_ref, read_archive, read_tensor_box, span_bytes
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -30,51 +33,119 @@ def _is_ref(value: Any) -> bool:
     return isinstance(value, TensorRef)
 
 
+#: the index of an HF-sharded torch checkpoint, and what its files are called
+INDEX_FILE = "pytorch_model.bin.index.json"
+INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
+
+
+def _index_name(names: tuple[str, ...] | list[str]) -> str | None:
+    found = sorted(n for n in names if n.endswith(INDEX_SUFFIXES))
+    return found[0] if found else None
+
+
+class _TorchFile:
+    """One ``torch.save`` archive: its reader, parsed pickle and storage records."""
+
+    def __init__(self, location: Location):
+        self.location = location
+        self.reader = location.open_reader()
+        try:
+            self.archive = read_archive(self.reader, 0, None, location.url)
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def storage_of(self, ref: TensorRef, key: str) -> StoredStorage:
+        """Where the bytes of the storage ``ref`` views lie."""
+        storage = self.archive.storages.get(ref.storage.key)
+        if storage is None:
+            raise CorruptCheckpointError("tensor's storage record is missing from the archive", where=f"{self.location.url} (key {key!r})")
+        return storage
+
+
 class TorchSaveSource(Source):
-    """With ``verify`` (the default) each storage record's CRC-32 is checked before its first read."""
+    """With ``verify`` (the default) each storage record's CRC-32 is checked before its first read.
+    A directory is an HF-sharded checkpoint: its index names the files, whose dicts are merged (a
+    key in two files is refused)."""
 
     format = "torch"
 
     def __init__(self, location: Location, verify: bool = True):
         super().__init__(location)
-        self._crc_checked: set[str] | None = set() if verify else None  # storages whose CRC was checked
-        self.reader = location.open_reader()
-        self._archive = read_archive(self.reader, 0, None, location.url)
-        obj = self._archive.obj
-        if isinstance(obj, TensorRef):
-            obj = {"tensor": obj}
-        if not isinstance(obj, Mapping):
-            raise FormatError(
-                f"top level of the file is a {type(obj).__name__}, not a dict", where=location.url, hint="ckpttool reads state dicts"
-            )
-        flat, paths = flatten(obj, is_tensor=_is_ref)
+        self._crc_checked: set[tuple[int, str]] | None = set() if verify else None  # (file, storage) checked
+        self.parts: list[_TorchFile] = []
+        try:
+            self._index = self._read_index(location)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_index(self, location: Location) -> Index:
+        if location.isdir():
+            name = _index_name(location.listdir())
+            if name is None:
+                raise NotACheckpointError(f"directory holds no {INDEX_FILE}", where=location.url)
+            files = shard_files(location, name)
+        else:
+            files = [location]
         idx = Index()
-        for key, value in flat.items():
-            if isinstance(value, TensorRef):
-                check_ref(value, self.storage_of(value, key), f"{location.url} (key {key!r})")
-                idx.add(TensorEntry(key, value.shape, value.dtype, (Chunk(tuple(0 for _ in value.shape), value.shape, value),)), paths[key])
-            else:
-                idx.add(ObjectEntry(key, value), paths[key])
-        self._index = idx
+        self._part_of: dict[str, int] = {}
+        for i, loc in enumerate(files):
+            part = _TorchFile(loc)
+            self.parts.append(part)
+            obj = part.archive.obj
+            if isinstance(obj, TensorRef):
+                obj = {"tensor": obj}
+            if not isinstance(obj, Mapping):
+                raise FormatError(f"top level of the file is a {type(obj).__name__}, not a dict", where=loc.url,
+                                  hint="ckpttool reads state dicts")
+            flat, paths = flatten(obj, is_tensor=_is_ref)
+            for key, value in flat.items():
+                if key in self._part_of:
+                    raise CorruptCheckpointError(f"key {key!r} is in both {self.parts[self._part_of[key]].location.name} "
+                                                 f"and {loc.name}", where=location.url, hint="the shards overlap; the set is damaged")
+                self._part_of[key] = i
+                if isinstance(value, TensorRef):
+                    check_ref(value, part.storage_of(value, key), f"{loc.url} (key {key!r})")
+                    idx.add(TensorEntry(key, value.shape, value.dtype, (Chunk(tuple(0 for _ in value.shape), value.shape, value),)), paths[key])
+                else:
+                    idx.add(ObjectEntry(key, value), paths[key])
+        return idx
 
     def index(self) -> Index:
         return self._index
 
+    def files(self) -> list[str]:
+        return [p.location.name for p in self.parts]
+
+    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+        return self.part(entry.key).location.name
+
+    def part(self, key: str) -> _TorchFile:
+        """The file that holds ``key``."""
+        i = self._part_of.get(key)
+        if i is None:
+            raise FormatError(f"{key!r} is not an entry of this checkpoint", where=self.location.url)
+        return self.parts[i]
+
+    @property
+    def reader(self):
+        """The reader of a single-file checkpoint."""
+        return self.parts[0].reader
+
     def storage_of(self, ref: TensorRef, key: str) -> StoredStorage:
-        """Where the bytes of the storage ``ref`` views lie."""
-        storage = self._archive.storages.get(ref.storage.key)
-        if storage is None:
-            raise CorruptCheckpointError("tensor's storage record is missing from the archive", where=f"{self.location.url} (key {key!r})")
-        return storage
+        return self.part(key).storage_of(ref, key)
 
     def _checked_storage(self, ref: TensorRef, key: str) -> StoredStorage:
-        storage = self.storage_of(ref, key)
-        if self._crc_checked is not None and storage.name not in self._crc_checked:
-            crc = scan(self.reader, storage.offset, storage.nbytes, new_block())
+        part = self.part(key)
+        storage = part.storage_of(ref, key)
+        seen = (self._part_of[key], storage.name)
+        if self._crc_checked is not None and seen not in self._crc_checked:
+            crc = scan(part.reader, storage.offset, storage.nbytes, new_block())
             if crc != storage.crc32:
                 raise ChecksumError(f"data of {key!r} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
-                                    where=self.location.url, hint="the file changed after it was written; restore it")
-            self._crc_checked.add(storage.name)
+                                    where=part.location.url, hint="the file changed after it was written; restore it")
+            self._crc_checked.add(seen)
         return storage
 
     def _ref(self, key: str) -> TensorRef:
@@ -83,48 +154,105 @@ class TorchSaveSource(Source):
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         ref = self._ref(key)
         box = box if box is not None else whole(ref.shape)
-        return read_tensor_box(self.reader, ref, self._checked_storage(ref, key), box, f"{self.location.url} (key {key!r})", out)
+        part = self.part(key)
+        return read_tensor_box(part.reader, ref, self._checked_storage(ref, key), box, f"{part.location.url} (key {key!r})", out)
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         storage = self.storage_of(self._ref(key), key)
-        return [(self.location, storage.offset, storage.offset + storage.nbytes)]
+        return [(self.part(key).location, storage.offset, storage.offset + storage.nbytes)]
 
     def close(self) -> None:
-        self.reader.close()
+        for p in self.parts:
+            p.reader.close()
 
 
 class TorchSaveSink(Sink):
+    """One file, or with ``max_shard_size`` an HF-sharded directory: ``pytorch_model-0000k-of-0000n.bin``
+    files (each a ``torch.save`` of its tensors, the first also holding the non-tensor entries) and
+    ``pytorch_model.bin.index.json``, written last."""
+
     format = "torch"
 
-    def __init__(self, location: Location):
+    def __init__(self, location: Location, max_shard_size: int | None = None):
         super().__init__(location)
+        self.max_shard_size = max_shard_size
         self._writer: ArchiveWriter | None = None
+        self._shards: list[list[TensorSpec]] = []
+        self._shard_of: dict[str, int] = {}
+        self._open = -1  # the shard being written
         self._flat: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
+        self._objects: dict[str, Any] = {}
+
+    @property
+    def sharded(self) -> bool:
+        return self.max_shard_size is not None
 
     def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
-        f: IO[bytes] = self.open_file(self.tmp)
-        self._writer = self.enter(ArchiveWriter(f, name="archive"))
+        tensors, objects = split(entries)
+        self._shards = group(tensors, lambda spec: spec.nbytes, self.max_shard_size)
+        self._shard_of = {spec.key: i for i, shard in enumerate(self._shards) for spec in shard}
         for spec in entries:  # the pickled dict keeps the source's key order
             self._flat[spec.key] = spec.value if isinstance(spec, ObjectSpec) else None
             self._paths[spec.key] = tuple(spec.path)
+        self._objects = {spec.key: spec.value for spec in objects}
+        if self.sharded:
+            self.tmp.makedirs()
+        else:
+            self._start(0)
+
+    def _name(self, i: int) -> str:
+        return shard_name("pytorch_model", ".bin", i, len(self._shards))
+
+    def _start(self, i: int) -> None:
+        """Finish the shard being written (its pickle names what it holds) and open shard ``i``."""
+        self._finish_open()
+        f: IO[bytes] = self.next_file(self.tmp.child(self._name(i)) if self.sharded else self.tmp)
+        self._writer = self.enter(ArchiveWriter(f, name="archive"))
+        self._open = i
+
+    def _finish_open(self) -> None:
+        if self._writer is None:
+            return
+        i = self._open
+        if self.sharded:
+            keys = [k for k in self._flat if self._shard_of.get(k) == i or (i == 0 and k in self._objects)]
+        else:
+            keys = list(self._flat)
+        self._writer.finish(unflatten({k: self._flat[k] for k in keys}, {k: self._paths[k] for k in keys}))
+        self._writer = None
 
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
+        i = self._shard_of[spec.key]
+        if self._writer is None or self._open != i:
+            self._start(i)  # shards are written in order: the previous one is complete
         placeholder, stream = self._writer.new_tensor(spec.dtype, spec.shape)
         with stream:
             stream_tensor(stream.write, spec, read, budget)
         self._flat[spec.key] = placeholder
 
     def complete(self) -> None:
-        self._writer.finish(unflatten(self._flat, self._paths))
+        if self.sharded:
+            for i in range(max(self._open + 1, 0), len(self._shards)):  # shards not started (no tensors)
+                self._start(i)
+        self._finish_open()
+        self.close_files()
+        if self.sharded:  # the index, written last, is what makes a sharded output complete
+            weight_map = {spec.key: self._name(i) for i, shard in enumerate(self._shards) for spec in shard}
+            total = sum(spec.nbytes for shard in self._shards for spec in shard)
+            self.tmp.child(INDEX_FILE).write_bytes(index_bytes(total, weight_map))
 
 
 class TorchSaveFormat(Format):
     name = "torch"
     checksums = True  # the zip's CRC-32 of every storage record
 
+    sink_options = frozenset({"max_shard_size"})
+
     def sniff(self, probe: Probe) -> bool:
-        return not probe.is_dir and probe.head[:4] == ZIP_MAGIC
+        if probe.is_dir:
+            return _index_name(probe.names) is not None
+        return probe.head[:4] == ZIP_MAGIC
 
     def diagnose(self, probe: Probe) -> FormatError | None:
         if not probe.is_dir and probe.head[:1] == b"\x80":
@@ -136,10 +264,11 @@ class TorchSaveFormat(Format):
         return TorchSaveSource(loc, verify=verify)
 
     def make_sink(self, loc: Location, options: SinkOptions) -> TorchSaveSink:
-        return TorchSaveSink(loc)
+        return TorchSaveSink(loc, max_shard_size=options.max_shard_size)
 
     def check_integrity(self, source: TorchSaveSource, report: Report, only: str | None, progress: Progress | None) -> None:
-        """The zip's CRC-32 of every storage record the entries use, and each tensor inside its record."""
+        """The zip's CRC-32 of every storage record the entries use, each tensor inside its record,
+        and for a sharded directory the index agreeing with the files."""
         buf = new_block()
         checked: set[str] = set()
         index = source.index()
@@ -152,23 +281,31 @@ class TorchSaveFormat(Format):
                 report.objects_checked += 1
                 continue
             ref = entry.chunks[0].location
+            part = source.part(key)
             try:
-                storage = source.storage_of(ref, key)
+                storage = part.storage_of(ref, key)
             except CkptError as exc:
-                report.add(exc.what, source.location.url, key)
+                report.add(exc.what, part.location.url, key)
                 continue
-            if storage.name not in checked:
-                checked.add(storage.name)
-                crc = scan(source.reader, storage.offset, storage.nbytes, buf)
+            if (part.location.url, storage.name) not in checked:
+                checked.add((part.location.url, storage.name))
+                crc = scan(part.reader, storage.offset, storage.nbytes, buf)
                 if crc != storage.crc32:
                     report.add(f"data of {storage.name} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
-                               source.location.url, key, hint="the file changed after it was written; restore it")
+                               part.location.url, key, hint="the file changed after it was written; restore it")
             if ref.storage_offset * dtype_size(ref.dtype) + span_bytes(ref) > storage.nbytes:
-                report.add("tensor extends past its storage record", source.location.url, key)
+                report.add("tensor extends past its storage record", part.location.url, key)
             report.checked_tensor(entry.nbytes)
             done += entry.nbytes
             if progress:
                 progress(done, total, key)
+        name = _index_name(source.location.listdir()) if source.location.isdir() else None
+        if name is not None:
+            index_loc = source.location.child(name)
+            for key, fname in read_weight_map(index_loc).items():
+                held = source.part(key).location.name if key in index else "no file"
+                if held != fname:
+                    report.add(f"index maps it to {fname} but it is in {held}", index_loc.url, key)
 
 
 FORMAT = TorchSaveFormat()

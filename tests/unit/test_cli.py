@@ -32,8 +32,9 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, ref_pt):
         (["convert", ref_pt, tmp_path / "o.pt", "--dtype", "int3"], "--dtype"),
         (["convert", ref_pt, tmp_path / "exists.pt"], "already exists"),
         (["convert", ref_pt, ref_pt], "same path"),
-        (["convert", ref_pt, tmp_path / "x.pt", "--max-shard-size", "1GB"], "safetensors output only"),
-        (["convert", ref_pt, tmp_path / "y.pt", "--memory-budget", "lots"], "cannot read size"),
+        (["convert", ref_pt, tmp_path / "x", "--to", "dcp", "--max-shard-size", "1GB"], "torch or safetensors output only"),
+        (["convert", ref_pt, tmp_path / "y.pt", "--memory-budget", "lots"], "Invalid value for '--memory-budget': cannot read size 'lots'"),
+        (["verify", ref_pt, "--against", ref_pt, "--rtol", "-1"], "--rtol"),
         (["convert", ref_pt, tmp_path / "z.safetensors", "--only", "nope"], "top-level keys are"),
     ]
     for args, expect in cases:
@@ -127,3 +128,16 @@ def test_train_flags_are_checked_before_launching():
     assert result.exit_code == 2 and "--batch-size 5" in result.output and "Traceback" not in result.output
     result = run("train", "--nproc", "2", "--steps", "2", "--save-every", "1")
     assert result.exit_code == 2 and "--save-every needs --ckpt-dir" in result.output
+
+
+def test_flag_errors_come_before_torch_is_imported():
+    """A mistyped flag is answered at once, not after torch's import (10-20 s on a loaded machine)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from click.testing import CliRunner; from ckpttool.cli import main; "
+            "r = CliRunner().invoke(main, sys.argv[1:]); print(r.exit_code, 'torch' in sys.modules)")
+    for args in (["convert", "a", "b", "--memory-budget", "garbage"], ["convert", "a", "b", "--max-shard-size", "-3"],
+                 ["verify", "a", "--against", "b", "--rtol", "-1"], ["convert", "a", "b", "--dtype", "int3"]):
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True).stdout.split()
+        assert out == ["2", "False"], (args, out)

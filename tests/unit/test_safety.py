@@ -86,3 +86,30 @@ def test_failed_convert_leaves_no_output_and_no_temp(tmp_path, ref_pt):
         assert not (tmp_path / "outs" / name).exists()
     leftovers = [p.name for p in (tmp_path / "outs").iterdir()] if (tmp_path / "outs").exists() else []
     assert leftovers == []
+
+
+def test_plain_stdlib_values_come_back_as_themselves_and_nothing_named_is_called(tmp_path):
+    import collections
+    import datetime
+    import io
+
+    from ckpttool.safe_pickle import load_torch_pickle, same_value
+
+    losses = io.BytesIO()
+    torch.save([1.5, 2.5], losses)
+    losses.seek(3)
+    value = {"losses": losses, "window": collections.deque([1.0, 2.0], maxlen=4),
+             "seen": collections.defaultdict(list, a=[1]), "counts": collections.Counter("aab"),
+             "when": datetime.datetime(2026, 11, 23, 3, 4, 5, tzinfo=datetime.timezone.utc),
+             "took": datetime.timedelta(seconds=3), "nested": (io.BytesIO(b"x"), [io.BytesIO(b"y")])}
+    back = load_torch_pickle(pickle.dumps(value, protocol=2), "x.pt")
+    assert same_value(back, value)
+    assert type(back["losses"]) is io.BytesIO and back["losses"].tell() == 3
+    assert torch.load(io.BytesIO(back["losses"].getvalue()), weights_only=True) == [1.5, 2.5]
+    assert back["window"].maxlen == 4 and back["seen"].default_factory is list
+    assert not same_value(back, {**value, "losses": io.BytesIO(b"other")})
+    # what a pickle names is never called: a defaultdict whose factory is not a plain type is refused
+    with pytest.raises(UnsafePickleError, match="default factory"):
+        load_torch_pickle(pickle.dumps(collections.defaultdict(collections.Counter), protocol=2), "bad.pt")
+    with pytest.raises(UnsafePickleError, match="Evil"):
+        load_torch_pickle(pickle.dumps(collections.defaultdict(Evil), protocol=2), "bad.pt")

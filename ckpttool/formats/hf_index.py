@@ -1,0 +1,62 @@
+"""Hugging Face's sharded layout, shared by the formats that use it: a directory of numbered shard
+files (``model-00001-of-00003.safetensors``, ``pytorch_model-00001-of-00003.bin``) and an index
+``<prefix>.index.json`` whose ``weight_map`` names the shard of every tensor. The index is written
+last: it is what makes a sharded output complete.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from ..errors import CorruptCheckpointError
+from ..storage import Location
+
+MAX_INDEX_BYTES = 64 << 20
+
+T = TypeVar("T")
+
+
+def read_weight_map(index_loc: Location) -> dict[str, str]:
+    """``weight_map`` of an HF index file (tensor key -> shard file name), checked for shape."""
+    if index_loc.size() > MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(f"index file is larger than {MAX_INDEX_BYTES >> 20} MiB", where=index_loc.url)
+    try:
+        index = json.loads(index_loc.read_bytes())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"index file is not valid JSON ({type(exc).__name__}: {exc})", where=index_loc.url) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise CorruptCheckpointError("index file has no weight_map of file names", where=index_loc.url)
+    return weight_map
+
+
+def shard_files(dir_loc: Location, index_name: str) -> list[Location]:
+    """The shard files an index names, each confined to the directory (refused otherwise)."""
+    index_loc = dir_loc.child(index_name)
+    names = sorted(set(read_weight_map(index_loc).values()))
+    return [dir_loc.inside(n, f"{index_loc.url} (weight_map)") for n in names]
+
+
+def group(items: Sequence[T], size_of: Any, max_size: int | None) -> list[list[T]]:
+    """Consecutive items in groups of at most ``max_size`` bytes (an item larger than that alone);
+    one group when ``max_size`` is None."""
+    groups: list[list[T]] = [[]]
+    total = 0
+    for item in items:
+        n = size_of(item)
+        if max_size is not None and groups[-1] and total + n > max_size:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += n
+    return groups
+
+
+def shard_name(stem: str, suffix: str, i: int, count: int) -> str:
+    return f"{stem}-{i + 1:05d}-of-{count:05d}{suffix}"
+
+
+def index_bytes(total_size: int, weight_map: dict[str, str]) -> bytes:
+    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2).encode()
