@@ -40,6 +40,7 @@ from . import dist
 from .errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
 from .formats.dcp import save as save_writer
 from .formats.dcp.online import dcp_writer, hash_records, metadata_row
+from .formats.dcp.transforms import check_compress
 from .index import Index, TensorEntry, unflatten
 from .lease import Lease
 from .steps import COMMIT_FILE, commit_record, list_root, parse_step, read_commit_record, retention_victims, step_name
@@ -73,6 +74,7 @@ class Checkpointer:
         async_save: bool = False,
         commit_timeout: float = 1800.0,
         lease_stale_after: float = 600.0,
+        compress: str | None = None,
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
@@ -83,6 +85,8 @@ class Checkpointer:
         self.keep_every = keep_every
         self.storage_options = storage_options or {}
         self.async_save = async_save
+        check_compress(compress)
+        self.compress = compress  # "zstd": every record stored compressed (plain torch reads it back)
         self.commit_timeout = commit_timeout  # how long rank 0 waits for the other ranks' parts of a step
         self._lease = Lease(self.root, stale_after=lease_stale_after)  # taken by rank 0 at the first save
         self._pending: threading.Thread | None = None
@@ -219,7 +223,7 @@ class Checkpointer:
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int) -> None:
         try:
-            save_writer.write_rank(tmp, rank, state, after_write=lambda: _pause_point("after-write"))
+            save_writer.write_rank(tmp, rank, state, after_write=lambda: _pause_point("after-write"), compress=self.compress)
         except CkptError:
             raise
         except Exception as exc:  # a write the storage refused: one line naming the step
@@ -240,7 +244,7 @@ class Checkpointer:
         planning and commit are collectives over ``group``."""
         try:
             with _single_process_quiet():
-                dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options), process_group=group)
+                dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options, self.compress), process_group=group)
         except _DCP_ERRORS as exc:
             raise _save_error(exc, tmp) from None
         _pause_point("after-write")

@@ -9,6 +9,9 @@ from .errors import UsageError
 #: ``--dtype`` casts floating-point tensors to one of these
 CAST_DTYPES = ("float32", "bfloat16", "float16")
 
+#: ``--compress`` stores each DCP record compressed, as torch's ``_extensions=[ZStandard()]`` does
+COMPRESSIONS = ("zstd",)
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 

@@ -6,6 +6,7 @@ are one line on stderr (what, where, what to do); ``--debug`` shows the tracebac
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ from typing import Any
 import click
 
 from . import formats
-from .choices import CAST_DTYPES, parse_size
+from .choices import CAST_DTYPES, COMPRESSIONS, parse_size
 from .errors import EXIT_BAD_INPUT, CkptError
 
 SIZE_HELP = "sizes like 512MiB, 2GB or plain bytes"
@@ -190,13 +191,16 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
 @click.option("--dtype", type=click.Choice(CAST_DTYPES), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
 @click.option("--max-shard-size", metavar="SIZE", callback=_size,
               help=f"Write HF-sharded files of up to SIZE ({SIZE_HELP}): safetensors, or torch .bin with --to torch.")
+@click.option("--compress", type=click.Choice(COMPRESSIONS),
+              help="DCP output: store each record zstd-compressed, as torch's FileSystemWriter(_extensions=[ZStandard()]) does "
+                   "(plain torch reads it; needs ckpttool[zstd]).")
 @click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
 @json_option
 @storage_option
 @click.pass_context
 def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | None, dtype: str | None, max_shard_size: str | None,
-            memory_budget: str, force: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
+            compress: str | None, memory_budget: str, force: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Convert SRC to DST between DCP, torch.save and safetensors.
 
     \b
@@ -221,7 +225,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
 
     progress = Progress("convert", not _quiet(ctx) and not as_json)
     try:
-        report = run_convert(src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size,
+        report = run_convert(src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size, compress=compress,
                              memory_budget=memory_budget, force=force, storage_options=_storage_options(storage_options),
                              progress=progress)
     finally:
@@ -250,12 +254,16 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @click.option("--world-size", type=int, required=True, help="Ranks of the job that will load DST (1 to 65536).")
 @click.option("--mesh", metavar="RxS", help="HSDP mesh: R replicas x S shards (R*S = world size); boxes follow the shard dim.")
 @click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix.")
+@click.option("--compress", type=click.Choice(COMPRESSIONS),
+              help="DCP output: store each record zstd-compressed, as torch's FileSystemWriter(_extensions=[ZStandard()]) does "
+                   "(plain torch reads it; needs ckpttool[zstd]).")
 @click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
 @json_option
 @storage_option
 @click.pass_context
-def reshard(ctx: click.Context, src: str, dst: str, world_size: int, mesh: str | None, only: str | None, memory_budget: str,
+def reshard(ctx: click.Context, src: str, dst: str, world_size: int, mesh: str | None, only: str | None, compress: str | None,
+            memory_budget: str,
             force: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Rewrite a DCP checkpoint for a new world size, in one process, without a cluster.
 
@@ -270,12 +278,14 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int, mesh: str |
     Examples:
       ckpttool reshard runs/exp1/step-100 step-100-w4 --world-size 4
       ckpttool reshard runs/exp1/step-100 step-100-hsdp --world-size 4 --mesh 2x2
+      ckpttool reshard runs/exp1/step-100 step-100-w8-zstd --world-size 8 --compress zstd
     """
     from .pipeline import reshard as run_reshard
 
     progress = Progress("reshard", not _quiet(ctx) and not as_json)
     try:
-        report = run_reshard(src, dst, world_size=world_size, mesh=mesh, only=only, memory_budget=memory_budget, force=force,
+        report = run_reshard(src, dst, world_size=world_size, mesh=mesh, only=only, compress=compress, memory_budget=memory_budget,
+                             force=force,
                              storage_options=_storage_options(storage_options), progress=progress)
     finally:
         progress.close()
@@ -343,9 +353,9 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
             click.echo(f"problem: {problem.line()}")
         for note in report.notes:
             click.echo(f"note: {note}")
-        verdict = "OK" if report.ok else f"{len(report.problems)} problem(s)"
-        click.echo(f"{verdict}: {report.tensors_checked} tensors ({_human(report.bytes_checked)}) and "
-                   f"{report.objects_checked} objects checked in {report.path}")
+        scope = (f"{report.tensors_checked} tensors ({_human(report.bytes_checked)}) and {report.objects_checked} objects "
+                 f"{'checked' if report.ok else 'examined'} in {report.path}")
+        click.echo(f"OK: {scope}" if report.ok else f"{len(report.problems)} problem(s) found; {scope}")
     ctx.exit(0 if report.ok else 1)
 
 
@@ -380,14 +390,37 @@ def clean(root: str, dry_run: bool, as_json: bool, storage_options: tuple[str, .
     click.echo(f"{verb} {len(names)} incomplete step(s){': ' + ', '.join(names) if names else ''}")
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+class _TrainCommand(_Command):
+    """``train``'s help also lists the trainer's own flags (argparse's, passed through)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_options(ctx, formatter)
+        from .trainer.args import make_parser
+
+        rows = []
+        for action in make_parser()._actions:
+            if not action.option_strings or "-h" in action.option_strings:
+                continue
+            names = ", ".join(action.option_strings)
+            if action.metavar or (action.nargs != 0 and not isinstance(action, argparse.BooleanOptionalAction)):
+                names += f" {action.metavar or action.dest.upper()}"
+            text = action.help or ""
+            if action.choices:
+                text += f" (one of {', '.join(map(str, action.choices))})"
+            if action.required:
+                text += " [required]"
+            rows.append((names, text))
+        with formatter.section("Trainer options (passed to every rank)"):
+            formatter.write_dl(rows)
+
+
+@main.command(cls=_TrainCommand, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--nproc", type=int, default=2, show_default=True, help="Ranks to start (processes on this machine).")
 @click.pass_context
 def train(ctx: click.Context, nproc: int) -> None:
     """Train the bundled FSDP2 Transformer on NPROC ranks (launches torchrun for you).
 
-    Every other option goes to the trainer: --steps, --ckpt-dir, --save-every,
-    --resume/--no-resume, --model-size tiny|small|1g, --seed, --mixed-precision, --keep-last, ...
+    Every other option goes to the trainer (listed below); they are checked before any rank starts.
 
     \b
     Examples:
@@ -396,7 +429,7 @@ def train(ctx: click.Context, nproc: int) -> None:
     """
     if nproc < 1:
         raise click.BadParameter("must be at least 1", param_hint="--nproc")
-    from .trainer.train import check_args, make_parser
+    from .trainer.args import check_args, make_parser
 
     parser = make_parser()
     try:

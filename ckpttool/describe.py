@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 from typing import Any
 
 from .formats import detect, open_source
@@ -27,7 +29,7 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
                 })
             else:
                 value = source.read_object(key)
-                text = repr(value)
+                text = _value_text(value)
                 entries.append({
                     "key": key, "kind": "object", "type": type(value).__name__,
                     "value": text if len(text) <= _VALUE_CHARS else text[: _VALUE_CHARS - 3] + "...", "path": path,
@@ -42,6 +44,13 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
             "total_bytes": index.tensor_bytes,
             "entries": entries,
         }
+
+
+def _value_text(value: Any) -> str:
+    """What inspect shows of a value: its repr, but a buffer by its size (its repr is an address)."""
+    if isinstance(value, io.BytesIO):
+        return f"BytesIO({value.getbuffer().nbytes} bytes)"
+    return repr(value)
 
 
 def describe_root(loc: Location) -> dict[str, Any]:

@@ -131,7 +131,7 @@ class ConvertReport(WriteReport):
     dropped: list[str] = field(default_factory=list)
 
 
-_OPTION_FLAGS = {"max_shard_size": "--max-shard-size", "layout": "--world-size"}
+_OPTION_FLAGS = {"max_shard_size": "--max-shard-size", "layout": "--world-size", "compress": "--compress"}
 
 
 def _check_options(fmt: formats.Format, options: SinkOptions) -> None:
@@ -171,6 +171,7 @@ def convert(
     only: str | None = None,
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str | None = None,
+    compress: str | None = None,
     memory_budget: int | str = DEFAULT_BUDGET,
     force: bool = False,
     src_format: str | None = None,
@@ -191,7 +192,8 @@ def convert(
             raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
         dtype = DTYPE_NAMES[dtype]
     budget = parse_size(memory_budget, "--memory-budget")
-    options = SinkOptions(max_shard_size=parse_size(max_shard_size, "--max-shard-size") if max_shard_size is not None else None)
+    options = SinkOptions(max_shard_size=parse_size(max_shard_size, "--max-shard-size") if max_shard_size is not None else None,
+                          compress=compress)
     fmt = formats.get(formats.output_format(dst_loc.name, to, sharded=options.max_shard_size is not None))
     _check_options(fmt, options)
     if src_loc.url == dst_loc.url:
@@ -240,6 +242,7 @@ def reshard(
     force: bool = False,
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    compress: str | None = None,
 ) -> ReshardReport:
     """Rewrite a DCP checkpoint as FSDP2 would lay it out on ``world_size`` ranks (or an HSDP
     ``mesh`` "RxS"): one ``__<rank>_0.distcp`` per target rank holding exactly that rank's boxes.
@@ -264,7 +267,7 @@ def reshard(
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, None)
         layout = FsdpLayout(target, replicated_keys(source, plan))
-        sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout))
+        sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout, compress=compress))
         run(source, sink, plan, budget, progress)
         return ReshardReport.of(src_loc, dst_loc, plan, sink, source_world_size=source.world_size,
                                 world_size=target.world_size, mesh=f"{target.replicate}x{target.shard}",

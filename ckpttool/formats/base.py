@@ -64,6 +64,7 @@ class SinkOptions:
 
     max_shard_size: int | None = None  # split the output into files of at most this many bytes
     layout: Layout | None = None  # which rank's file stores which box of each tensor
+    compress: str | None = None  # store each record compressed (``"zstd"``)
 
     def given(self) -> set[str]:
         return {f.name for f in fields(self) if getattr(self, f.name) is not None}

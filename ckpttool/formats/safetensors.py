@@ -20,13 +20,16 @@ import torch
 
 from ..errors import CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, plausible_shape
-from ..layout import Box, whole
+from ..layout import Box, relative, tiles_exactly, whole
 from ..report import Report
 from ..storage import Location, RangeReader
 from .hf_index import group, index_bytes, read_weight_map, shard_files, shard_name
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, read_c_order_box, split, stream_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
+#: torch's HuggingFaceStorageWriter(save_distributed=True): each rank's file holds its shards, and
+#: this __metadata__ entry gives each one's offsets in the global tensor
+SHARDING_INFO = "DCP_SHARDING_INFO"
 META_OBJECTS = "ckpttool.objects"
 META_PATHS = "ckpttool.paths"
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
@@ -168,11 +171,30 @@ class SafetensorsSource(Source):
             raise CorruptCheckpointError(f"cannot decode ckpttool's __metadata__ ({type(exc).__name__}: {exc})",
                                          where=where) from None
         idx = Index()
-        self._where: dict[str, _File] = {}
-        for f in self.parts:
+        self._checked: set[str] = set()
+        sharded = [SHARDING_INFO in f.metadata for f in self.parts]
+        if any(sharded) and not location.isdir():
+            raise FormatError(f"this file is one rank's part of a distributed checkpoint ({SHARDING_INFO}: written by torch's "
+                              "HuggingFaceStorageWriter); its tensors are pieces of larger ones", where=location.url,
+                              hint=f"open the directory that holds every rank's file: {location.parent.url}")
+        if any(sharded) and not all(sharded):
+            raise CorruptCheckpointError(f"some files carry {SHARDING_INFO} and some do not", where=location.url,
+                                         hint="the directory mixes a sharded checkpoint with other files")
+        chunks: dict[str, list[Chunk]] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        for i, f in enumerate(self.parts):
+            offsets = _sharding_info(f) if all(sharded) and sharded else {}
             for key, (dtype, shape, begin, end) in f.tensors.items():
-                self._where[key] = f
-                idx.add(TensorEntry(key, shape, dtype, (Chunk(tuple(0 for _ in shape), shape, (f.loc.name, begin, end)),)), _path(paths, key))
+                if dtypes.setdefault(key, dtype) != dtype:
+                    raise CorruptCheckpointError(f"tensor {key!r} is {dtypes[key]} in one file and {dtype} in {f.loc.name}",
+                                                 where=location.url)
+                if key in chunks and not offsets:
+                    raise CorruptCheckpointError(f"key {key!r} appears in two files", where=f.loc.url,
+                                                 hint="the shards overlap; the set is damaged")
+                chunks.setdefault(key, []).append(Chunk(offsets.get(key, tuple(0 for _ in shape)), shape, (i, begin, end)))
+        for key, parts in chunks.items():
+            shape = parts[0].sizes if len(parts) == 1 and not any(sharded) else _global_shape(key, parts, location.url)
+            idx.add(TensorEntry(key, shape, dtypes[key], tuple(parts)), _path(paths, key))
         for key, value in objects.items():
             idx.add(ObjectEntry(key, value), _path(paths, key))
         self._index = _in_original_order(idx, paths)
@@ -184,26 +206,54 @@ class SafetensorsSource(Source):
         return [f.loc.name for f in self.parts]
 
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
-        return entry.chunks[0].location[0]
+        return self.parts[entry.chunks[chunk_index].location[0]].loc.name
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        f = self._where.get(key)
-        if f is None:
-            raise FormatError(f"{key!r} is not a tensor of this checkpoint")
-        dtype, shape, begin, _ = f.tensors[key]
-        box = box if box is not None else whole(shape)
-        return read_c_order_box(f.reader, f.data_start + begin, shape, dtype, box, out)
+        entry = self.entry(key, TensorEntry)
+        if key not in self._checked:  # the ranks' shards must tile the tensor: no gap read as memory
+            entry.check_coverage(self.location.url)
+            self._checked.add(key)
+        box = box if box is not None else whole(entry.shape)
+        if len(entry.chunks) == 1 and not any(entry.chunks[0].offsets):
+            i, begin, _ = entry.chunks[0].location
+            return read_c_order_box(self.parts[i].reader, self.parts[i].data_start + begin, entry.shape, entry.dtype, box, out)
+        if out is None:
+            out = torch.empty(box[1], dtype=entry.dtype)
+        for chunk, part in entry.chunks_in(box):
+            i, begin, _ = chunk.location
+            local = tuple(s.start for s in relative(part, (chunk.offsets, chunk.sizes)))
+            read_c_order_box(self.parts[i].reader, self.parts[i].data_start + begin, chunk.sizes, entry.dtype, (local, part[1]),
+                             out[relative(part, box)])
+        return out
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
-        f = self._where.get(key)
-        if f is None:
-            raise FormatError(f"{key!r} is not a tensor of this checkpoint")
-        _, _, begin, end = f.tensors[key]
-        return [(f.loc, f.data_start + begin, f.data_start + end)]
+        entry = self.entry(key, TensorEntry)
+        return [(self.parts[c.location[0]].loc, self.parts[c.location[0]].data_start + c.location[1],
+                 self.parts[c.location[0]].data_start + c.location[2]) for c in entry.chunks]
 
     def close(self) -> None:
         for f in self.parts:
             f.reader.close()
+
+
+def _sharding_info(f: _File) -> dict[str, tuple[int, ...]]:
+    """Each tensor's offsets in its global tensor, from a HuggingFaceStorageWriter shard's header."""
+    info = _json(f.metadata[SHARDING_INFO], f.loc.url, f"__metadata__ {SHARDING_INFO}")
+    out: dict[str, tuple[int, ...]] = {}
+    for key, (_, shape, _, _) in f.tensors.items():
+        offsets = info.get(key, {}).get("saved_offsets") if isinstance(info, dict) and isinstance(info.get(key), dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == len(shape) and all(_count(o) for o in offsets)):
+            raise CorruptCheckpointError(f"{SHARDING_INFO} gives no valid offsets for {key!r}", where=f.loc.url)
+        out[key] = tuple(offsets)
+    return out
+
+
+def _global_shape(key: str, chunks: list[Chunk], where: str) -> tuple[int, ...]:
+    """A sharded tensor's shape: how far its shards reach in each dimension (they must then tile it)."""
+    shape = tuple(max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes)))
+    if any(len(c.sizes) != len(shape) for c in chunks) or not plausible_shape(shape):
+        raise CorruptCheckpointError(f"the shards of {key!r} do not agree on its rank or reach an implausible shape", where=where)
+    return shape
 
 
 def _path(paths: dict[str, list], key: str) -> tuple:
@@ -345,8 +395,13 @@ class SafetensorsFormat(Format):
             if pos != f.data_size:
                 report.add(f"header describes {pos} data bytes but the file holds {f.data_size}", f.loc.url,
                            hint="the file is truncated or has trailing bytes")
-            report.tensors_checked += len(f.tensors)
             report.bytes_checked += sum(end - begin for (_, _, begin, end) in f.tensors.values())
+        for entry in source.index().tensors():  # the shards of a distributed set tile each tensor
+            gap = tiles_exactly(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
+            if gap:
+                report.add(f"shards do not tile the shape {list(entry.shape)}: {gap}", source.location.url, entry.key,
+                           hint="a rank's file is missing or damaged")
+            report.tensors_checked += 1
         index_loc = source.location.child(INDEX_FILE) if source.location.isdir() else None
         if index_loc is not None and index_loc.exists():
             weight_map = read_weight_map(index_loc)

@@ -10,6 +10,7 @@ nested dict, and memory holds one slab at a time.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -27,6 +28,8 @@ from .hf_index import group, index_bytes, read_weight_map, shard_files, shard_na
 from .torchzip import ArchiveWriter, StoredStorage, check_ref, read_archive, read_tensor_box, span_bytes
 
 ZIP_MAGIC = b"PK\x03\x04"
+#: a DCP data file (``__<rank>_<i>.distcp``): a run of torch.save records, not one torch file
+_DCP_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
 def _is_ref(value: Any) -> bool:
@@ -252,9 +255,13 @@ class TorchSaveFormat(Format):
     def sniff(self, probe: Probe) -> bool:
         if probe.is_dir:
             return _index_name(probe.names) is not None
-        return probe.head[:4] == ZIP_MAGIC
+        return probe.head[:4] == ZIP_MAGIC and not _DCP_DATA_FILE.match(probe.loc.name)
 
     def diagnose(self, probe: Probe) -> FormatError | None:
+        if not probe.is_dir and _DCP_DATA_FILE.match(probe.loc.name):
+            return NotACheckpointError("this is one data file of a DCP checkpoint (its records are pieces of the "
+                                       "checkpoint; .metadata beside it says what they are)", where=probe.loc.url,
+                                       hint=f"open its directory: {probe.loc.parent.url}")
         if not probe.is_dir and probe.head[:1] == b"\x80":
             return FormatError("legacy (pre-1.6, non-zip) torch.save file", where=probe.loc.url,
                                hint="load and re-save it with a current torch")

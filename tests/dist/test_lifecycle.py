@@ -116,8 +116,8 @@ def test_the_readme_example_commits_its_last_step(tmp_path, form):
 
 
 def save_forever(root: str, expect_dir: str, async_save: bool) -> None:
-    """Train and save every step; after each save() returns, record this rank's shards (what the
-    step holds: for an async save, the snapshot) so the test can check what survives a kill."""
+    """Train and save every step, recording this rank's shards first (what the step will hold) so
+    the test can check what survives a kill."""
     from torch.distributed.tensor import DTensor
 
     import torch.distributed as dist
@@ -131,9 +131,13 @@ def save_forever(root: str, expect_dir: str, async_save: bool) -> None:
     while True:
         _train_steps(model, optimizer, step, 1)
         step += 1
-        ckpt.save(step, model, optimizer, extra={"step": step})
+        # recorded before the save (what it will hold; for an async save, the snapshot) and
+        # atomically: the kill may land at any moment, and step N may commit only once its record exists
         shards = {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
-        torch.save(shards, os.path.join(expect_dir, f"step-{step}-rank-{dist.get_rank()}.pt"))
+        record = os.path.join(expect_dir, f"step-{step}-rank-{dist.get_rank()}.pt")
+        torch.save(shards, record + ".tmp")
+        os.replace(record + ".tmp", record)
+        ckpt.save(step, model, optimizer, extra={"step": step})
 
 
 def load_shards(root: str) -> dict[str, object]:

@@ -360,3 +360,14 @@ def oddnet_ckpt_load(root: str, mesh_shape: tuple[int, ...] | None = None) -> di
     report = verify_loaded(model, optimizer, res.path)
     fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"model": fmsd, "optim": fosd, "ok": report.ok, "extra": res.extra}
+
+
+def compressed_save(root: str, async_save: bool) -> dict[str, object]:
+    """The trainer's model trained a step, saved by a Checkpointer that compresses every record."""
+    from ckpttool import Checkpointer
+
+    model, optimizer = fresh_model(seed=7)
+    _train_steps(model, optimizer, 0, 1)
+    with Checkpointer(root, compress="zstd", async_save=async_save) as ckpt:
+        ckpt.save(1, model, optimizer, extra={"note": "zstd"})
+    return {"state": full_state(model, optimizer)}

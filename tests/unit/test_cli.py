@@ -141,3 +141,26 @@ def test_flag_errors_come_before_torch_is_imported():
                  ["verify", "a", "--against", "b", "--rtol", "-1"], ["convert", "a", "b", "--dtype", "int3"]):
         out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True).stdout.split()
         assert out == ["2", "False"], (args, out)
+
+
+def test_train_help_lists_the_trainers_flags_and_presets_agree():
+    from ckpttool.trainer.args import PRESET_NAMES, make_parser
+    from ckpttool.trainer.model import PRESETS
+
+    assert tuple(sorted(PRESETS)) == PRESET_NAMES
+    out = run("train", "--help").output
+    for action in make_parser()._actions:
+        for flag in action.option_strings:
+            if flag not in ("-h", "--help"):
+                assert flag in out, flag
+
+
+def test_train_flag_errors_come_before_torch_is_imported():
+    import subprocess
+    import sys
+
+    code = ("import sys; from click.testing import CliRunner; from ckpttool.cli import main; "
+            "r = CliRunner().invoke(main, sys.argv[1:]); print(r.exit_code, 'torch' in sys.modules)")
+    for args in (["train", "--steps", "x"], ["train", "--steps", "4", "--batch-size", "5"], ["train", "--steps", "2", "--save-every", "1"]):
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True).stdout.split()
+        assert out[-2:] == ["2", "False"], (args, out)

@@ -20,7 +20,7 @@ from .source import DcpSource
 class DcpFormat(Format):
     name = "dcp"
     checksums = True  # torch's CRC-32 of every record, and ckpttool's manifest
-    sink_options = frozenset({"layout"})
+    sink_options = frozenset({"layout", "compress"})
 
     def sniff(self, probe: Probe) -> bool:
         return probe.is_dir and METADATA_FILE in probe.names
@@ -35,7 +35,7 @@ class DcpFormat(Format):
         return DcpSource(loc, verify=verify)
 
     def make_sink(self, loc: Location, options: SinkOptions) -> DcpSink:
-        return DcpSink(loc, layout=options.layout)
+        return DcpSink(loc, layout=options.layout, compress=options.compress)
 
     def check_integrity(self, source: DcpSource, report: Report, only: str | None, progress: Progress | None) -> None:
         integrity.check_integrity(source, report, only, progress)

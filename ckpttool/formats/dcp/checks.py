@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...checksums import new_block, new_hasher, scan
+from ...checksums import hash_range, new_block, new_hasher, scan
 from ...errors import ChecksumError
 from ...index import Chunk, TensorEntry, dtype_size
 from ...layout import Box, relative
@@ -54,14 +54,15 @@ class RecordChecks:
         """Read a chunk's record once for its checksums (before an offline read uses it)."""
         source, info = self.source, chunk.location
         ref, storage = source.tensor_record(key, entry, chunk)
-        reader = source.reader(info.relative_path)
         if self._block is None:
             self._block = new_block()
-        if self.rows is None:
+        if self.rows is None:  # torch's CRC-32 of the (decoded) record's tensor data
+            reader = source.record(info, key)[0]
             self._compare_crc(key, chunk, scan(reader, storage.offset, storage.nbytes, self._block), storage.crc32)
-        else:
+        else:  # the manifest's hash of the record as stored (compressed or not)
             hasher = new_hasher()
-            scan(reader, info.offset, info.length, self._block, crc_span=(info.offset, info.offset), hasher=hasher)
+            scan(source.reader(info.relative_path), info.offset, info.length, self._block, crc_span=(info.offset, info.offset),
+                 hasher=hasher)
             self._compare_digest(key, info, hasher.hexdigest())
         self._done.add((info.relative_path, info.offset))
 
@@ -71,7 +72,8 @@ class RecordChecks:
         source, info = self.source, chunk.location
         ref, storage = source.tensor_record(key, entry, chunk)
         check_ref(ref, storage, f"{source.file(info.relative_path).url} (key {key!r}, chunk at {list(chunk.offsets)})")
-        reader = source.reader(info.relative_path)
+        reader = source.record(info, key)[0]
+        packed = source.transformed(info)
         item = dtype_size(ref.dtype)
         straight = (part == (chunk.offsets, chunk.sizes) and dst.device.type == "cpu" and dst.dtype == ref.dtype
                     and dst.is_contiguous() and ref.is_contiguous() and ref.storage_offset == 0
@@ -86,6 +88,11 @@ class RecordChecks:
             full = raw[: storage.nbytes // item * item].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.storage_offset)
             dst.copy_(full[relative(part, (chunk.offsets, chunk.sizes))])
         if self.rows is None:
+            self._compare_crc(key, chunk, zlib.crc32(data), storage.crc32)
+        elif packed:  # the manifest hashed the compressed bytes: hash them as stored, and check the CRC too
+            if self._block is None:
+                self._block = new_block()
+            self._compare_digest(key, info, hash_range(source.reader(info.relative_path), info.offset, info.length, self._block))
             self._compare_crc(key, chunk, zlib.crc32(data), storage.crc32)
         else:
             h = new_hasher()

@@ -148,11 +148,16 @@ def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, ma
         if storage is None or storage.nbytes < need:
             report.add("record's data is shorter than its tensor", url, key)
             return
-        reader = source.reader(info.relative_path)
-        if hasher is not None:
-            crc = scan(reader, info.offset, info.length, buf, crc_span=(storage.offset, storage.offset + storage.nbytes), hasher=hasher)
+        if source.transformed(info):  # the manifest covers the compressed bytes, the CRC-32 the decoded record
+            if hasher is not None:
+                _compare_digest(row, hash_range(source.reader(info.relative_path), info.offset, info.length, buf), info, url, key, report)
+                hasher = None
+            crc = scan(source.record(info, key)[0], storage.offset, storage.nbytes, buf)
+        elif hasher is not None:
+            crc = scan(source.reader(info.relative_path), info.offset, info.length, buf,
+                       crc_span=(storage.offset, storage.offset + storage.nbytes), hasher=hasher)
         else:
-            crc = scan(reader, storage.offset, storage.nbytes, buf)
+            crc = scan(source.reader(info.relative_path), storage.offset, storage.nbytes, buf)
         if crc != storage.crc32:
             report.add(f"tensor data of the chunk at {list(chunk.offsets)} does not match its CRC-32 "
                        f"(stored {storage.crc32:08x}, computed {crc:08x})", url, key,

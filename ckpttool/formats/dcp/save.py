@@ -40,6 +40,7 @@ from ...storage import Location
 from ..base import tensor_buffer
 from ..torchzip import ArchiveWriter
 from .metadata import DCP_VERSION, METADATA_FILE, data_file_name
+from .transforms import record_stream, storage_info
 
 PARTIAL = ".ckpttool-rank-{rank}.json"
 MAX_PARTIAL_BYTES = 256 << 20
@@ -135,15 +136,16 @@ class RankIndex:
     records: list[list[Any]] = field(default_factory=list)
     paths: dict[str, list[Any]] = field(default_factory=dict)
     error: str | None = None
+    compress: str | None = None  # every record of this rank stored through this transform
 
 
 def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
-               after_write: Callable[[], None] | None = None) -> None:
+               after_write: Callable[[], None] | None = None, compress: str | None = None) -> None:
     """Write this rank's part of the step into ``step_dir``: its data file, then its index (the
     index's appearance in storage tells rank 0 this rank is done). On failure the index carries
     the error instead, so rank 0 stops waiting, and the error is raised here too."""
     flat, paths = flatten(state)
-    index = RankIndex(rank, data_file_name(rank))
+    index = RankIndex(rank, data_file_name(rank), compress=compress)
     try:
         with step_dir.child(index.file).open_write() as raw:
             out = _HashingWriter(raw)
@@ -155,7 +157,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                     start = out.tell()
                     buf = io.BytesIO()
                     torch.save(value, buf)
-                    out.write(buf.getbuffer())
+                    with record_stream(out, compress) as rec:
+                        rec.write(buf.getbuffer())
                     index.objects[key] = [start, out.tell() - start]
                     index.records.append([start, out.tell() - start, out.digest()])
         if rank == 0:
@@ -186,13 +189,14 @@ def _write_tensor(out: _HashingWriter, index: RankIndex, key: str, value: torch.
     local = local.detach()
     out.begin()
     start = out.tell()
-    with ArchiveWriter(out) as writer:
+    with record_stream(out, index.compress) as rec, ArchiveWriter(rec) as writer:
         placeholder, stream = writer.new_tensor(local.dtype, box[1])
         with stream:
             for slab in slabs(box[1], dtype_size(local.dtype), SLAB):
                 part = local[relative(slab, ((0,) * len(box[1]), box[1]))]
                 stream.write(tensor_buffer(part.to("cpu").contiguous()))
-        length = writer.finish(placeholder)
+        writer.finish(placeholder)
+    length = out.tell() - start
     entry["chunks"].append([list(box[0]), list(box[1]), start, length])
     index.records.append([start, length, out.digest()])
 
@@ -247,7 +251,8 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
             chunks.setdefault(key, []).extend(((tuple(o), tuple(s)), index.file, off, n) for o, s, off, n in t["chunks"])
         for key, (off, n) in index.objects.items():
             state_md[key] = BytesStorageMetadata()
-            storage[MetadataIndex(key)] = _StorageInfo(index.file, off, n)
+            storage[MetadataIndex(key)] = storage_info(index.file, off, n, index.compress)
+    compress_of = {index.file: index.compress for index in indexes}
     for key in order:
         if key not in shapes:
             continue
@@ -258,7 +263,7 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
             raise CorruptCheckpointError(f"the ranks' chunks of {key!r} do not tile it: {problem}", where=step_dir.url)
         md_chunks = []
         for i, (box, file, off, n) in enumerate(boxes):
-            storage[MetadataIndex(key, torch.Size(box[0]), i)] = _StorageInfo(file, off, n)
+            storage[MetadataIndex(key, torch.Size(box[0]), i)] = storage_info(file, off, n, compress_of[file])
             md_chunks.append(ChunkStorageMetadata(offsets=torch.Size(box[0]), sizes=torch.Size(box[1])))
         state_md[key] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)), torch.Size(shape), md_chunks)
     planner_data: dict[str, ObjPath] = {k: tuple(p) for k, p in indexes[0].paths.items()}

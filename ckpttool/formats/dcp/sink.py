@@ -31,6 +31,7 @@ from ...storage import Location
 from ..base import ObjectSpec, ReadFn, Sink, TensorSpec, split, stream_tensor
 from ..torchzip import ArchiveWriter
 from .metadata import DCP_VERSION, METADATA_FILE, data_file_name
+from .transforms import check_compress, record_stream, storage_info
 
 
 class DcpSink(Sink):
@@ -40,9 +41,11 @@ class DcpSink(Sink):
 
     format = "dcp"
 
-    def __init__(self, location: Location, layout: Layout | None = None):
+    def __init__(self, location: Location, layout: Layout | None = None, compress: str | None = None):
         super().__init__(location)
         self.layout = layout or SingleRank()
+        check_compress(compress)
+        self.compress = compress
         self._objects: list[ObjectSpec] = []
         self._chunks: dict[str, list[ChunkStorageMetadata]] = {}
         self._state_md: dict[str, Any] = {}
@@ -81,20 +84,22 @@ class DcpSink(Sink):
         start = f.tell()
         buf = io.BytesIO()
         torch.save(spec.value, buf)
-        f.write(buf.getvalue())
-        self._storage[MetadataIndex(spec.key)] = _StorageInfo(data_file_name(0), start, f.tell() - start)
+        with record_stream(f, self.compress) as out:
+            out.write(buf.getvalue())
+        self._storage[MetadataIndex(spec.key)] = storage_info(data_file_name(0), start, f.tell() - start, self.compress)
         self._state_md[spec.key] = BytesStorageMetadata()
 
     def _add_chunk(self, f: IO[bytes], rank: int, spec: TensorSpec, box: Box, read: ReadFn, budget: int) -> None:
         chunks = self._chunks.setdefault(spec.key, [])
         start = f.tell()
-        with ArchiveWriter(f) as writer:
+        with record_stream(f, self.compress) as out, ArchiveWriter(out) as writer:
             placeholder, stream = writer.new_tensor(spec.dtype, box[1])
             with stream:
                 stream_tensor(stream.write, spec, read, budget, box)
-            length = writer.finish(placeholder)
+            writer.finish(placeholder)
+        length = f.tell() - start
         self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + length
-        self._storage[MetadataIndex(spec.key, box[0], len(chunks))] = _StorageInfo(data_file_name(rank), start, length)
+        self._storage[MetadataIndex(spec.key, box[0], len(chunks))] = storage_info(data_file_name(rank), start, length, self.compress)
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(box[0]), sizes=torch.Size(box[1])))
 
     def complete(self) -> None:

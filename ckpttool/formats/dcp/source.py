@@ -22,6 +22,7 @@ from ...steps import read_commit_record
 from ..base import Source
 from ..torchzip import REMOTE_RECORD, Archive, load_object_record, read_archive, read_tensor_box
 from .checks import RecordChecks
+from .transforms import ARCHIVE_SLACK, MAX_OBJECT_BYTES, DecodedRecord, check_descriptors
 from .metadata import METADATA_FILE, check_tensor_metadata, parse_metadata, read_metadata_bytes, storage_index, writer_world_size
 
 
@@ -41,6 +42,7 @@ class DcpSource(Source):
         self._storage = storage_index(self.metadata, location)
         self._readers: dict[str, RangeReader] = {}
         self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
+        self._decoded: OrderedDict[tuple[str, int], DecodedRecord] = OrderedDict()  # compressed records, decoded
         self._index: Index | None = None
         self._checked: set[str] = set()
         self.checks: RecordChecks | None = None
@@ -69,7 +71,10 @@ class DcpSource(Source):
                     info = self._storage.get((key, offs))
                     if info is None:
                         raise CorruptCheckpointError(f"tensor {key!r}: chunk at {offs} has no storage entry in .metadata", where=md_url)
-                    if math.prod(sizes) * item > info.length:
+                    transformed = getattr(info, "transform_descriptors", None)
+                    if transformed:  # its size is checked as it decodes
+                        check_descriptors(transformed, self.file(info.relative_path).url)
+                    elif math.prod(sizes) * item > info.length:
                         raise CorruptCheckpointError(
                             f"tensor {key!r}: chunk at {offs} of {list(sizes)} needs more bytes than its record's "
                             f"{info.length}", where=md_url, hint="the .metadata is damaged; restore it")
@@ -79,6 +84,8 @@ class DcpSource(Source):
                 info = self._storage.get((key, None))
                 if info is None:
                     raise CorruptCheckpointError(f"object {key!r} has no storage entry in .metadata", where=self.location.url)
+                if getattr(info, "transform_descriptors", None):
+                    check_descriptors(info.transform_descriptors, self.file(info.relative_path).url)
                 idx.add(ObjectEntry(key, info), path)
             else:
                 raise FormatError(f"unknown entry type {type(md).__name__} for {key!r}", where=self.location.url)
@@ -114,23 +121,42 @@ class DcpSource(Source):
     def record_where(self, info: Any, key: str) -> str:
         return f"{self.file(info.relative_path).url} (record of {key!r} at byte {info.offset})"
 
+    @staticmethod
+    def transformed(info: Any) -> bool:
+        """Whether a record is stored through a transform (compressed) rather than as plain bytes."""
+        return bool(getattr(info, "transform_descriptors", None))
+
+    def record(self, info: Any, key: str) -> tuple[Any, int, int]:
+        """(reader, offset, length) of a record's plain bytes: a range of its data file, or for a
+        compressed record its decoded copy (a few kept: a slab may revisit the chunks of a tensor)."""
+        if not self.transformed(info):
+            return self.reader(info.relative_path), info.offset, info.length
+        cache_key = (info.relative_path, info.offset)
+        decoded = self._decoded.get(cache_key)
+        if decoded is None:
+            raw = self.reader(info.relative_path)
+            raw.check_range(info.offset, info.length)
+            entry = self.index()[key] if key in self.index() else None
+            limit = entry.nbytes + ARCHIVE_SLACK if isinstance(entry, TensorEntry) else MAX_OBJECT_BYTES
+            decoded = self._decoded[cache_key] = DecodedRecord(raw, info.offset, info.length, limit, self.record_where(info, key))
+            if len(self._decoded) > 16:
+                self._decoded.popitem(last=False)[1].close()
+        else:
+            self._decoded.move_to_end(cache_key)
+        return decoded, 0, decoded.size()
+
     def archive(self, info: Any, key: str) -> Archive:
         """The parsed record behind a storage entry (cached: many reads hit the same chunk)."""
-        if getattr(info, "transform_descriptors", None):
-            raise FormatError(
-                f"record of {key!r} uses storage transforms {info.transform_descriptors}",
-                where=self.file(info.relative_path).url,
-                hint="ckpttool reads plain DCP records only",
-            )
         cache_key = (info.relative_path, info.offset)
         arch = self._archives.get(cache_key)
         if arch is None:
-            reader = self.reader(info.relative_path)
-            for other in self._readers.values():  # at most one record held in memory per source
-                if other is not reader:
-                    other.release()
-            arch = read_archive(reader, info.offset, info.length, self.record_where(info, key),
-                                whole_up_to=REMOTE_RECORD if self.location.batch_reads else 0)
+            reader, offset, length = self.record(info, key)
+            if not self.transformed(info):
+                for other in self._readers.values():  # at most one record held in memory per source
+                    if other is not reader:
+                        other.release()
+            arch = read_archive(reader, offset, length, self.record_where(info, key),
+                                whole_up_to=REMOTE_RECORD if self.location.batch_reads and not self.transformed(info) else 0)
             self._archives[cache_key] = arch
             if len(self._archives) > 4096:
                 self._archives.popitem(last=False)
@@ -176,7 +202,7 @@ class DcpSource(Source):
             where = f"{self.file(chunk.location.relative_path).url} (key {key!r})"
             local = tuple(s.start for s in relative(part, (chunk.offsets, chunk.sizes)))
             # read straight into the destination when its slice is contiguous (whole rows)
-            read_tensor_box(self.reader(chunk.location.relative_path), ref, storage, (local, part[1]), where,
+            read_tensor_box(self.record(chunk.location, key)[0], ref, storage, (local, part[1]), where,
                             out=out[relative(part, box)])
         return out
 
@@ -184,6 +210,8 @@ class DcpSource(Source):
         entry = self.entry(key, TensorEntry)
         spans = []
         for chunk in entry.chunks:
+            if self.transformed(chunk.location):
+                raise FormatError(f"{key!r} is stored compressed: its data has no byte span in the file", where=self.location.url)
             _, storage = self.tensor_record(key, entry, chunk)
             spans.append((self.file(chunk.location.relative_path), storage.offset, storage.offset + storage.nbytes))
         return spans
@@ -192,10 +220,13 @@ class DcpSource(Source):
         info = self.entry(key, ObjectEntry).location
         if self.checks is not None:
             self.checks.check_object(key, info)
-        return load_object_record(self.reader(info.relative_path), info.offset, info.length,
-                                  f"{self.file(info.relative_path).url} (object {key!r})")
+        reader, offset, length = self.record(info, key)
+        return load_object_record(reader, offset, length, f"{self.file(info.relative_path).url} (object {key!r})")
 
     def close(self) -> None:
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+        for d in self._decoded.values():
+            d.close()
+        self._decoded.clear()
