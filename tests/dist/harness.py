@@ -11,6 +11,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -105,3 +106,16 @@ def spawn_ranks(fn: Callable, world_size: int, rdzv_dir: str, *args: Any, env: d
     for p in procs:
         p.start()
     return procs, out
+
+
+def wait_then_kill(procs: list, ready: Callable[[], bool], timeout: float = 120, what: str = "ranks never got ready") -> None:
+    """Poll until ``ready()`` while every rank is still alive, then kill -9 all of them and reap them."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, what
+        assert all(p.exitcode is None for p in procs), [p.exitcode for p in procs]
+        time.sleep(0.05)
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.join(10)

@@ -4,17 +4,14 @@ save (kill -9 of every rank) leaves the previous step as the newest one that loa
 from __future__ import annotations
 
 import glob
-import os
-import signal
 import tempfile
-import time
 
 import pytest
 import torch
 
 from ckpttool import Checkpointer
 
-from .harness import run_ranks, spawn_ranks
+from .harness import run_ranks, spawn_ranks, wait_then_kill
 from .workloads import assert_same, async_snapshot, async_write_error, crash_during_save
 
 
@@ -65,15 +62,7 @@ def test_kill_9_during_save_leaves_the_previous_step(tmp_path, point, async_save
         procs, _ = spawn_ranks(crash_during_save, 2, rdzv, root, expected_path, async_save,
                                env={"CKPTTOOL_PAUSE_AT": point, "CKPTTOOL_PAUSE_FILE": pause_file})
         need = 1 if point == "before-rename" else 2  # only rank 0 renames
-        deadline = time.monotonic() + 120
-        while len(glob.glob(pause_file + ".*")) < need:
-            assert time.monotonic() < deadline, "ranks never reached the pause point"
-            assert all(p.exitcode is None for p in procs), [p.exitcode for p in procs]
-            time.sleep(0.1)
-        for p in procs:
-            os.kill(p.pid, signal.SIGKILL)
-        for p in procs:
-            p.join(10)
+        wait_then_kill(procs, lambda: len(glob.glob(pause_file + ".*")) >= need, what="ranks never reached the pause point")
     ckpt = Checkpointer(root)
     assert ckpt.steps() == [2]
     assert any(name.startswith((".step-4", "step-4")) for name in ckpt.incomplete())

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import torch
 
 from ckpttool import Checkpointer
 
-from .harness import spawn_ranks
+from .harness import spawn_ranks, wait_then_kill
 from .workloads import assert_same
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,13 +166,7 @@ def soak(tmp_path: Path, kills: int, seed: int) -> list[tuple[str, float, int]]:
             procs, _ = spawn_ranks(save_forever, 2, rdzv, root, str(expect), async_save)
             at = rnd.uniform(4.0, 12.0)
             deadline = time.monotonic() + at
-            while time.monotonic() < deadline:
-                assert all(p.exitcode is None for p in procs), [p.exitcode for p in procs]
-                time.sleep(0.05)
-            for p in procs:
-                os.kill(p.pid, signal.SIGKILL)
-            for p in procs:
-                p.join(10)
+            wait_then_kill(procs, lambda: time.monotonic() >= deadline, timeout=at + 1)
         ckpt = Checkpointer(root)
         steps = ckpt.steps()
         assert steps, f"round {round_}: nothing committed"
