@@ -110,7 +110,7 @@ def test_reshard_to_three_ranks_is_bitwise(fixture, tmp_path):
     run("verify", tmp_path / "w3", "--against", path)
 
 
-@pytest.mark.parametrize("name", ["titan-dcp", "zstd-dcp"])
+@pytest.mark.parametrize("name", ["titan-dcp", "zstd-dcp", "async-dcp", "fsdp-tp-dcp"])
 def test_dcp_fixtures_load_into_a_model(name):
     model = titan_model()
     torch.nn.init.zeros_(model[1].weight)
@@ -202,3 +202,10 @@ def test_a_large_decoded_record_goes_to_a_temporary_file_and_reads_the_same(monk
     monkeypatch.setattr(transforms.tempfile, "TemporaryFile", counting)
     assert read_all(os.path.join(REAL, "zstd-dcp")) == EXPECTED["zstd-dcp"]
     assert spilled
+
+
+def test_accelerates_merged_export_verifies_against_the_dcp_it_came_from():
+    """accelerate merge-weights of the titan model (flat keys) is the titan step's model, bitwise."""
+    merged = os.path.join(REAL, "accelerate-merged")
+    run("verify", merged, "--against", os.path.join(REAL, "titan-dcp"), "--against-only", "model")
+    run("verify", os.path.join(REAL, "titan-dcp"), "--against", merged, "--only", "model")
