@@ -140,6 +140,19 @@ def _checked(cls: type, *types: type) -> Any:
     return build
 
 
+class _TorchVersion:
+    """``torch.__version__`` (a ``str`` subclass), which training code stores in its extra state:
+    pickle builds it with NEWOBJ(cls, text); this stand-in's ``__new__`` returns the real
+    ``TorchVersion`` of a short string, and nothing else."""
+
+    def __new__(cls, *args: Any) -> Any:
+        if len(args) != 1 or type(args[0]) is not str or len(args[0]) > 64:
+            raise UnsafePickleError("refused a TorchVersion that is not one short string")
+        from torch.torch_version import TorchVersion
+
+        return TorchVersion(args[0])
+
+
 _TZ = (datetime.timezone,)
 _VALUES = {
     ("_io", "BytesIO"): _BytesIOState,
@@ -153,12 +166,13 @@ _VALUES = {
     ("datetime", "time"): _checked(datetime.time, bytes, int, *_TZ),
     ("datetime", "timedelta"): _checked(datetime.timedelta, int, float),
     ("datetime", "timezone"): _checked(datetime.timezone, datetime.timedelta, str),
+    ("torch.torch_version", "TorchVersion"): _TorchVersion,
 }
 
 #: the plain value types a checkpoint may hold besides containers, scalars and tensors (docs/security.md)
 VALUE_TYPES = ("io.BytesIO", "collections.OrderedDict", "collections.defaultdict", "collections.deque",
                "collections.Counter", "datetime.datetime", "datetime.date", "datetime.time", "datetime.timedelta",
-               "datetime.timezone")
+               "datetime.timezone", "torch.torch_version.TorchVersion")
 
 
 def _finish(value: Any) -> Any:

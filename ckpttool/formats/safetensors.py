@@ -61,15 +61,18 @@ class _NotJson(Exception):
 
 
 def encode_object(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
+    """Typed JSON of a value made of exactly these types (a subclass such as OrderedDict or
+    torch's TorchVersion would come back as its base type: it is not JSON-able here, and dropped)."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
         return value
-    if isinstance(value, list):
+    if kind is list:
         return [encode_object(v) for v in value]
-    if isinstance(value, tuple):
+    if kind is tuple:
         return {"__tuple__": [encode_object(v) for v in value]}
-    if isinstance(value, dict):
+    if kind is dict:
         return {"__dict__": [[encode_object(k), encode_object(v)] for k, v in value.items()]}
-    raise _NotJson(type(value).__name__)
+    raise _NotJson(kind.__name__)
 
 
 def decode_object(value: Any) -> Any:

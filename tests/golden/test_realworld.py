@@ -52,8 +52,9 @@ def run(*args) -> str:
 @pytest.fixture(scope="module", params=sorted(EXPECTED))
 def fixture(request, tmp_path_factory):
     """A copy (commands must not need write access to the fixture) and its golden values."""
-    dst = tmp_path_factory.mktemp("real") / request.param
-    shutil.copytree(os.path.join(REAL, request.param), dst)
+    dst = tmp_path_factory.mktemp("real") / os.path.basename(request.param)
+    src = os.path.join(REAL, request.param)
+    shutil.copytree(src, dst) if os.path.isdir(src) else shutil.copy2(src, dst)
     return str(dst), EXPECTED[request.param]
 
 
@@ -110,7 +111,7 @@ def test_reshard_to_three_ranks_is_bitwise(fixture, tmp_path):
     run("verify", tmp_path / "w3", "--against", path)
 
 
-@pytest.mark.parametrize("name", ["titan-dcp", "zstd-dcp", "async-dcp", "fsdp-tp-dcp"])
+@pytest.mark.parametrize("name", ["titan-dcp", "zstd-dcp", "async-dcp", "fsdp-tp-dcp", "torch24-dcp"])
 def test_dcp_fixtures_load_into_a_model(name):
     model = titan_model()
     torch.nn.init.zeros_(model[1].weight)

@@ -101,12 +101,14 @@ def test_plain_stdlib_values_come_back_as_themselves_and_nothing_named_is_called
     value = {"losses": losses, "window": collections.deque([1.0, 2.0], maxlen=4),
              "seen": collections.defaultdict(list, a=[1]), "counts": collections.Counter("aab"),
              "when": datetime.datetime(2026, 11, 23, 3, 4, 5, tzinfo=datetime.timezone.utc),
-             "took": datetime.timedelta(seconds=3), "nested": (io.BytesIO(b"x"), [io.BytesIO(b"y")])}
+             "took": datetime.timedelta(seconds=3), "nested": (io.BytesIO(b"x"), [io.BytesIO(b"y")]),
+             "torch": torch.__version__}
     back = load_torch_pickle(pickle.dumps(value, protocol=2), "x.pt")
     assert same_value(back, value)
     assert type(back["losses"]) is io.BytesIO and back["losses"].tell() == 3
     assert torch.load(io.BytesIO(back["losses"].getvalue()), weights_only=True) == [1.5, 2.5]
     assert back["window"].maxlen == 4 and back["seen"].default_factory is list
+    assert type(back["torch"]) is type(torch.__version__) and back["torch"] == torch.__version__
     assert not same_value(back, {**value, "losses": io.BytesIO(b"other")})
     # what a pickle names is never called: a defaultdict whose factory is not a plain type is refused
     with pytest.raises(UnsafePickleError, match="default factory"):
