@@ -112,6 +112,7 @@ CASES: dict[str, dict[str, Any]] = {
     "ckpt_dcp_to_pt": dict(label="ckpttool DCP -> .pt", kind="ckpttool", out="full.pt"),
     "ckpt_dcp_to_st": dict(label="ckpttool DCP -> safetensors", kind="ckpttool", out="out.safetensors"),
     "ckpt_dcp_to_st_sharded": dict(label="ckpttool DCP -> safetensors 1GB shards", kind="ckpttool", out="sharded"),
+    "ckpt_dcp_to_st_serial": dict(label="ckpttool DCP -> safetensors, no read-ahead", kind="ckpttool", out="serial.safetensors"),
     "torch_save_to_dcp": dict(label="torch torch_save_to_dcp (.pt -> DCP)", kind="torch", plain=True, out="plain-dcp",
                               needs_pt=True),
     "ckpt_pt_to_dcp": dict(label="ckpttool .pt -> DCP", kind="ckpttool", out="back-dcp", needs_pt=True),
@@ -180,6 +181,8 @@ def run_case(name: str, src: str, dst: str, pt: str, nbytes: int, budget: str) -
             convert(src, dst, to="torch", memory_budget=budget)
         elif name == "ckpt_dcp_to_st":
             convert(src, dst, to="safetensors", memory_budget=budget)
+        elif name == "ckpt_dcp_to_st_serial":  # the same without reading the next slab during the write
+            convert(src, dst, to="safetensors", memory_budget=budget, read_ahead=False)
         elif name == "ckpt_dcp_to_st_sharded":
             convert(src, dst, to="safetensors", max_shard_size="1GB", memory_budget=budget)
         elif name == "ckpt_pt_to_dcp":

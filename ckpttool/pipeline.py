@@ -7,6 +7,7 @@ budget, so no more than about one slab (plus its cast) is in memory at once, wha
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from . import formats
 from .choices import CAST_DTYPES, parse_size
 from .errors import FormatError, OutputExistsError, StorageError, UsageError
-from .formats.base import ObjectSpec, Progress, ReadFn, Sink, SinkOptions, SlabBuffers, Source, TensorSpec
+from .formats.base import ObjectSpec, Progress, ReadAhead, ReadFn, Sink, SinkOptions, SlabBuffers, Source, TensorSpec, stream_slabs
 from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import Box, FsdpLayout, Mesh, stored_replicated
 from .steps import is_training_root, list_root
@@ -66,29 +67,43 @@ def plan_entries(source: Source, only: str | None = None, dtype: torch.dtype | N
     return Plan(entries, source_key)
 
 
-def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, progress: Progress | None = None) -> None:
+def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, progress: Progress | None = None,
+        overlap: bool = True) -> None:
     """Stream every planned entry from ``source`` into ``sink`` and commit; on any failure (or
-    Ctrl-C) remove the partial output and re-raise."""
+    Ctrl-C) remove the partial output and re-raise. With ``overlap`` the next slab (of this
+    tensor or the next) is read while the current one is written: two slabs of half the budget."""
     tensors = sink.order(plan.tensors)
     total = sum(s.nbytes for s in tensors)
     done = 0
     index = source.index()
-    scratch = SlabBuffers(2)  # reused from slab to slab: no fresh pages per slab
+    # two sets of buffers (source dtype, cast), reused from slab to slab: no fresh pages per slab;
+    # one set is read into in the background while the other is written
+    scratch = SlabBuffers(4)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") if overlap else None
+    specs = {spec.key: spec for spec in tensors}
+
+    def slab_budget(spec: TensorSpec) -> int:
+        # a slab held at the source dtype, plus its cast when there is one, twice when reading
+        # ahead: all of it under the budget
+        src_dtype = index[plan.source_key[spec.key]].dtype
+        out_size = dtype_size(spec.dtype)
+        held = (out_size if src_dtype == spec.dtype else dtype_size(src_dtype) + out_size) * (2 if pool else 1)
+        return max(1, budget * out_size // held)
+
+    def read_into(key: str, box: Box, which: int) -> torch.Tensor:
+        spec = specs[key]
+        src_key = plan.source_key[key]
+        src_dtype = index[src_key].dtype
+        t = source.read_tensor(src_key, box, out=scratch.view(box[1], src_dtype, 2 * which))
+        if t.dtype == spec.dtype:
+            return t
+        return scratch.view(box[1], spec.dtype, 2 * which + 1).copy_(t)
+
+    schedule = [(spec.key, slab) for spec, box in sink.read_order(tensors) for slab in stream_slabs(spec, slab_budget(spec), box)]
+    ahead = ReadAhead(schedule if pool else [], read_into, pool)
 
     def reader_for(spec: TensorSpec) -> tuple[ReadFn, int]:
-        src_key = plan.source_key[spec.key]
-        src_dtype = index[src_key].dtype
-
-        def read(box: Box) -> torch.Tensor:
-            t = source.read_tensor(src_key, box, out=scratch.view(box[1], src_dtype, 0))
-            if t.dtype == spec.dtype:
-                return t
-            return scratch.view(box[1], spec.dtype, 1).copy_(t)
-
-        # a slab held at the source dtype, plus its cast when there is one: both under the budget
-        out_size = dtype_size(spec.dtype)
-        held = out_size if src_dtype == spec.dtype else dtype_size(src_dtype) + out_size
-        return read, max(1, budget * out_size // held)
+        return (lambda box: ahead.read(spec.key, box)), slab_budget(spec)
 
     def advance(nbytes: int, key: str) -> None:
         nonlocal done
@@ -106,6 +121,10 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
     except BaseException as exc:
         sink.abort(exc)
         raise
+    finally:
+        ahead.stop()
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 @dataclass
@@ -177,6 +196,7 @@ def convert(
     src_format: str | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    read_ahead: bool = True,
 ) -> ConvertReport:
     """Convert a checkpoint between dcp, torch and safetensors, streaming under ``memory_budget``.
 
@@ -202,7 +222,7 @@ def convert(
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, dtype)
         sink = fmt.make_sink(dst_loc, options)
-        run(source, sink, plan, budget, progress)
+        run(source, sink, plan, budget, progress, overlap=read_ahead)
         return ConvertReport.of(src_loc, dst_loc, plan, sink, src_format=source.format, dst_format=fmt.name,
                                 dropped=list(sink.dropped))
 
@@ -243,6 +263,7 @@ def reshard(
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
     compress: str | None = None,
+    read_ahead: bool = True,
 ) -> ReshardReport:
     """Rewrite a DCP checkpoint as FSDP2 would lay it out on ``world_size`` ranks (or an HSDP
     ``mesh`` "RxS"): one ``__<rank>_0.distcp`` per target rank holding exactly that rank's boxes.
@@ -268,7 +289,7 @@ def reshard(
         plan = plan_entries(source, only, None)
         layout = FsdpLayout(target, replicated_keys(source, plan))
         sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout, compress=compress))
-        run(source, sink, plan, budget, progress)
+        run(source, sink, plan, budget, progress, overlap=read_ahead)
         return ReshardReport.of(src_loc, dst_loc, plan, sink, source_world_size=source.world_size,
                                 world_size=target.world_size, mesh=f"{target.replicate}x{target.shard}",
                                 bytes_per_rank=dict(sorted(sink.bytes_per_rank.items())))

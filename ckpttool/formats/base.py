@@ -188,6 +188,11 @@ class Sink(ABC):
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         """Write one tensor (tensors arrive in ``begin``'s order), pulling slabs of <= budget bytes."""
 
+    def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
+        """The (tensor, box) reads :meth:`write` will make, in order (None: the whole tensor); the
+        pipeline reads ahead along it. A sink that overrides :meth:`write` overrides this too."""
+        return [(spec, None) for spec in tensors]
+
     def write(self, tensors: list[TensorSpec], reader_for: Callable[[TensorSpec], tuple[ReadFn, int]],
               done: Callable[[int, str], None]) -> None:
         """Write every tensor, in :meth:`order`: ``reader_for(spec)`` gives its read callback and slab
@@ -310,8 +315,54 @@ def read_c_order_box(reader, offset: int, shape: tuple[int, ...], dtype: torch.d
     return out
 
 
+class ReadAhead:
+    """Reads the slabs a sink will ask for, in the order it will ask (``schedule``), one ahead:
+    slab k+1 is read (and checked) in a background thread while slab k is written (and hashed),
+    in two sets of buffers, so a convert costs about the larger of reading and writing rather than
+    their sum. A request that is not the next one scheduled is read directly (and ends the
+    read-ahead): the output never depends on the schedule being right."""
+
+    def __init__(self, schedule: list[tuple[str, Box]], read_into: Callable[[str, Box, int], torch.Tensor], pool: Any):
+        self._schedule = schedule  # (key, box) of every slab, in the sink's order
+        self._read_into = read_into  # (key, box, buffer set 0 or 1) -> the slab, in that set's buffers
+        self._pool = pool
+        self._next = 0  # the index of the next slab the sink will ask for
+        self._futures: dict[int, Any] = {}
+        self._on = pool is not None and bool(schedule)
+
+    def _submit(self, i: int) -> None:
+        if i < len(self._schedule) and i not in self._futures:
+            key, box = self._schedule[i]
+            self._futures[i] = self._pool.submit(self._read_into, key, box, i % 2)
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        i = self._next
+        if self._on and i < len(self._schedule) and self._schedule[i] == (key, box):
+            self._next += 1
+            self._submit(i)  # (the first one)
+            # slab i-1 has been written (the sink asks in order), so its buffers take slab i+1
+            self._submit(i + 1)
+            return self._futures.pop(i).result()
+        self.stop()
+        return self._read_into(key, box, 0)
+
+    def stop(self) -> None:
+        """Wait for every read in flight (their buffers may be reused or freed next)."""
+        self._on = False
+        for future in self._futures.values():
+            try:
+                future.result()
+            except BaseException:  # noqa: BLE001 - a read nobody asked for: its error does not matter
+                pass
+        self._futures.clear()
+
+
 def stream_tensor(write: Callable[[torch.Tensor], Any], spec: TensorSpec, read: ReadFn, budget: int, box: Box | None = None) -> None:
     """Feed the C-order slabs of ``box`` (default whole) of a tensor to ``write``, one at a time."""
-    itemsize = dtype_size(spec.dtype)
-    for slab in slabs(spec.shape, itemsize, budget, box if box is not None else whole(spec.shape)):
+    for slab in stream_slabs(spec, budget, box):
         write(tensor_buffer(read(slab).contiguous()))
+
+
+def stream_slabs(spec: TensorSpec, budget: int, box: Box | None = None) -> list[Box]:
+    """The slabs :func:`stream_tensor` reads, in order (the read-ahead schedule follows them)."""
+    return list(slabs(spec.shape, dtype_size(spec.dtype), budget, box if box is not None else whole(spec.shape)))

@@ -63,9 +63,13 @@ class DcpSink(Sink):
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         self.write([spec], lambda s: (read, budget), lambda n, k: None)
 
+    def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
+        return [(spec, box) for rank in range(self.layout.world_size) for spec in tensors
+                for box in self.layout.boxes_of(rank, spec.key, spec.shape)]
+
     def write(self, tensors: list[TensorSpec], reader_for: Callable[[TensorSpec], tuple[ReadFn, int]],
               done: Callable[[int, str], None]) -> None:
-        for rank in range(self.layout.world_size):
+        for rank in range(self.layout.world_size):  # the order read_order lists
             f = self.next_file(self.tmp.child(data_file_name(rank)))  # every rank gets its file, even an empty one
             if rank == 0:
                 for spec in self._objects:

@@ -1,0 +1,137 @@
+"""Read-ahead in the pipeline: slab k+1 is read while slab k is written, the output is the same
+bits, and a failed write leaves no read running."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckpttool import convert
+from ckpttool.formats import open_source
+from ckpttool.formats.base import ReadAhead, TensorSpec, stream_slabs, stream_tensor
+
+
+def test_the_next_slab_is_read_while_the_current_one_is_written():
+    data = torch.arange(64 * 10, dtype=torch.float32).reshape(64, 10)
+    events: list[tuple[str, int, float, float, str]] = []
+    lock = threading.Lock()
+
+    def read_into(key, box, which):
+        start = time.perf_counter()
+        time.sleep(0.02)
+        out = data[box[0][0]: box[0][0] + box[1][0]].clone()
+        with lock:
+            events.append(("read", box[0][0], start, time.perf_counter(), threading.current_thread().name))
+        return out
+
+    written = []
+
+    def write(buf):
+        start = time.perf_counter()
+        time.sleep(0.05)
+        written.append(bytes(buf))
+        with lock:
+            events.append(("write", len(written) - 1, start, time.perf_counter(), threading.current_thread().name))
+
+    spec = TensorSpec("w", ("w",), (64, 10), torch.float32)
+    budget = 8 * 10 * 4  # 8 rows a slab
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") as pool:
+        ahead = ReadAhead([("w", b) for b in stream_slabs(spec, budget)], read_into, pool)
+        stream_tensor(write, spec, lambda box: ahead.read("w", box), budget)
+    assert b"".join(written) == data.numpy().tobytes()
+    reads = sorted((e for e in events if e[0] == "read"), key=lambda e: e[1])
+    writes = [e for e in events if e[0] == "write"]
+    assert len(reads) == len(writes) == 8
+    assert all(e[4].startswith("ckpttool-read") for e in reads)
+    # the read of slab k+1 began before the write of slab k ended: the two overlapped
+    assert all(reads[k + 1][2] < writes[k][3] for k in range(7)), events
+
+
+def test_stop_waits_for_the_read_in_flight_and_a_request_off_schedule_is_read_directly():
+    data = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    finished = threading.Event()
+
+    def read_into(key, box, which):
+        time.sleep(0.1)
+        if box[0][0] > 0:
+            finished.set()
+        return data[box[0][0]: box[0][0] + box[1][0]].clone()
+
+    def write(buf):
+        raise OSError(28, "No space left on device")
+
+    spec = TensorSpec("w", ("w",), (4, 2), torch.float32)
+    with ThreadPoolExecutor(1) as pool:
+        ahead = ReadAhead([("w", b) for b in stream_slabs(spec, 2 * 4)], read_into, pool)
+        with pytest.raises(OSError):
+            stream_tensor(write, spec, lambda box: ahead.read("w", box), 2 * 4)
+        ahead.stop()  # as the pipeline does in its finally
+        assert finished.is_set()  # the read of slab 1, started ahead, was done before stop returned
+        # a sink that asks out of the scheduled order gets the right bytes, read directly
+        ahead = ReadAhead([("w", b) for b in stream_slabs(spec, 2 * 4)], read_into, pool)
+        assert torch.equal(ahead.read("w", ((2, 0), (1, 2))), data[2:3])
+        assert torch.equal(ahead.read("w", ((0, 0), (1, 2))), data[0:1])
+
+
+@pytest.mark.parametrize("command", ["convert-safetensors", "convert-torch", "reshard-3"])
+def test_every_read_follows_the_sinks_schedule_in_the_background(tmp_path, monkeypatch, command):
+    """With read-ahead on, every slab is read by the background thread (none falls back to a
+    direct read: each sink's read_order is the order it really reads in), and the output is
+    the same bits as without."""
+    from ckpttool.formats.dcp.source import DcpSource
+    from ckpttool.pipeline import reshard
+
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(300, 64), "b": torch.randn(64).to(torch.bfloat16), "c": torch.arange(7)}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "src"))
+    threads: list[str] = []
+    real = DcpSource.read_tensor
+
+    def spy(self, key, box=None, out=None):
+        threads.append(threading.current_thread().name)
+        return real(self, key, box, out)
+
+    monkeypatch.setattr(DcpSource, "read_tensor", spy)
+    outs = []
+    for ahead in (True, False):
+        threads.clear()
+        out = str(tmp_path / f"{command}-{ahead}{'.safetensors' if 'safetensors' in command else '.pt' if 'torch' in command else ''}")
+        if command.startswith("reshard"):
+            reshard(str(tmp_path / "src"), out, world_size=3, memory_budget=4096, read_ahead=ahead)
+        else:
+            convert(str(tmp_path / "src"), out, memory_budget=4096, read_ahead=ahead)
+        assert len(threads) > 10
+        assert all(t.startswith("ckpttool-read") for t in threads) if ahead else not any(t.startswith("ckpttool-read") for t in threads)
+        outs.append(out)
+    for key in ("model.w", "model.b", "model.c"):
+        with open_source(outs[0]) as a, open_source(outs[1]) as b:
+            assert torch.equal(a.read_tensor(key).view(torch.uint8), b.read_tensor(key).view(torch.uint8)), key
+
+
+def test_convert_with_read_ahead_reads_in_the_background_and_writes_the_same_bits(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(300, 64), "b": torch.randn(64).to(torch.bfloat16)}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "src"))
+    from ckpttool.formats.dcp.source import DcpSource
+
+    threads = set()
+    real = DcpSource.read_tensor
+
+    def spy(self, key, box=None, out=None):
+        threads.add(threading.current_thread().name)
+        return real(self, key, box, out)
+
+    monkeypatch.setattr(DcpSource, "read_tensor", spy)
+    for ahead in (True, False):
+        threads.clear()
+        out = tmp_path / f"out-{ahead}.safetensors"
+        convert(str(tmp_path / "src"), str(out), memory_budget=4096, read_ahead=ahead)  # many slabs
+        assert any(t.startswith("ckpttool-read") for t in threads) == ahead, threads
+        with open_source(str(out)) as src:
+            assert torch.equal(src.read_tensor("model.w"), state["model"]["w"])
+            assert torch.equal(src.read_tensor("model.b").view(torch.int16), state["model"]["b"].view(torch.int16))
