@@ -111,7 +111,7 @@ def test_reshard_to_three_ranks_is_bitwise(fixture, tmp_path):
     run("verify", tmp_path / "w3", "--against", path)
 
 
-@pytest.mark.parametrize("name", ["titan-dcp", "zstd-dcp", "async-dcp", "fsdp-tp-dcp", "torch24-dcp"])
+@pytest.mark.parametrize("name", ["titan-dcp", "zstd-dcp", "async-dcp", "fsdp-tp-dcp", "torch24-dcp", "dcp-file-per-item"])
 def test_dcp_fixtures_load_into_a_model(name):
     model = titan_model()
     torch.nn.init.zeros_(model[1].weight)
