@@ -43,6 +43,7 @@ from .formats.dcp.online import dcp_writer, hash_records, metadata_row
 from .formats.dcp.transforms import check_compress
 from .index import Index, TensorEntry, unflatten
 from .lease import Lease
+from .staging import Stager
 from .steps import COMMIT_FILE, commit_record, list_root, parse_step, read_commit_record, retention_victims, step_name
 from .storage import Location, resolve
 
@@ -92,7 +93,9 @@ class Checkpointer:
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._group: Any = None  # checkpoint-only process group, made on the first async save
-        self._staged: Any = None  # the last async save's copy of the state, reused by the next
+        self._staged: Any = None  # the last async save's copy of the state, reused by the next (DCP fallback)
+        self._stager = Stager()  # host buffers of async saves, reused while shapes hold
+        self._fences: dict[int, Any] = {}  # optimizer id -> its pre-step hook handle
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -184,7 +187,14 @@ class Checkpointer:
             # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
             # default group): a group of their own, used only by the background thread.
             self._group = tdist.new_group(backend="gloo")
-        staged = self._staged = _stage(state, self._staged)
+        if own:
+            buffers = {f"model.{name}" for name, _ in model.named_buffers()}  # a forward may change them
+            staged = self._stager.stage(state, dist.rank(), save_writer.stores, in_order=buffers)
+            if optimizer is not None and id(optimizer) not in self._fences:
+                # the snapshot is fenced before the next step may change what is being copied
+                self._fences[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self._stager.fence())
+        else:
+            staged = self._staged = _stage(state, self._staged)
         _pause_point("after-stage")
         self._pending = threading.Thread(target=self._background, args=(staged, step, tmp, final, own, dist.rank(), dist.world_size()),
                                          name=f"ckpttool-save-{step}", daemon=False)
@@ -195,6 +205,7 @@ class Checkpointer:
                     world_size: int) -> None:
         try:
             if own:
+                self._stager.wait()  # the copies are in host memory (CUDA: issued on a side stream)
                 self._write_own(staged, tmp, rank)
                 if rank == 0:
                     self._commit_own(step, tmp, final, world_size)
@@ -274,6 +285,10 @@ class Checkpointer:
             self.wait()
         finally:
             self._staged = None
+            self._stager = Stager()
+            for handle in self._fences.values():
+                handle.remove()
+            self._fences.clear()
             self._lease.release()
             if self._group is not None:
                 import torch.distributed as tdist

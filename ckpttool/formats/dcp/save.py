@@ -36,6 +36,7 @@ from ...compat import local_shard_box
 from ...errors import CkptError, CorruptCheckpointError, StorageError
 from ...index import ObjPath, dtype_size, flatten
 from ...layout import Box, relative, slabs, tiles_exactly
+from ...staging import HostShard
 from ...storage import Location
 from ..base import tensor_buffer
 from ..torchzip import ArchiveWriter
@@ -51,7 +52,7 @@ def partial_name(rank: int) -> str:
     return PARTIAL.format(rank=rank)
 
 
-def _replicas_first(value: Any) -> bool:
+def stores(value: Any) -> bool:
     """Whether this rank stores its box of a DTensor: once per box, by the rank whose coordinate
     is 0 on every mesh dim the tensor is replicated over. Raises for placements the writer does
     not lay out (``Partial``, strided shards)."""
@@ -81,7 +82,7 @@ def supports(state: dict[str, Any]) -> bool:
     try:
         for value in flat.values():
             if isinstance(value, DTensor):
-                _replicas_first(value)
+                stores(value)
     except UnsupportedPlacement:
         return False
     return True
@@ -150,7 +151,11 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         with step_dir.child(index.file).open_write() as raw:
             out = _HashingWriter(raw)
             for key, value in flat.items():
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, HostShard):  # staged by an async save
+                    _declare(index, key, value.shape, value.local.dtype)
+                    if value.store:
+                        _write_local(out, index, key, value.shape, value.local, value.box)
+                elif isinstance(value, torch.Tensor):
                     _write_tensor(out, index, key, value)
                 elif rank == 0:
                     out.begin()
@@ -175,18 +180,27 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     step_dir.child(partial_name(rank)).write_bytes(json.dumps(index.__dict__).encode())
 
 
+def _declare(index: RankIndex, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
+    """The tensor's entry in this rank's index (every rank declares every tensor, storing or not)."""
+    return index.tensors.setdefault(key, {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "chunks": []})
+
+
 def _write_tensor(out: _HashingWriter, index: RankIndex, key: str, value: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor
 
-    entry = index.tensors.setdefault(key, {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
-                                           "chunks": []})
+    _declare(index, key, tuple(value.shape), value.dtype)
     if isinstance(value, DTensor):
-        if not _replicas_first(value):
+        if not stores(value):
             return
     elif index.rank != 0:  # a plain tensor is the same on every rank: rank 0 stores it
         return
     local, box = local_shard_box(value)
-    local = local.detach()
+    _write_local(out, index, key, tuple(value.shape), local.detach(), box)
+
+
+def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[int, ...], local: torch.Tensor, box: Box) -> None:
+    """One record: this rank's box of tensor ``key``, streamed to the host slab by slab."""
+    entry = _declare(index, key, shape, local.dtype)
     out.begin()
     start = out.tell()
     with record_stream(out, index.compress) as rec, ArchiveWriter(rec) as writer:

@@ -1,0 +1,106 @@
+"""Staging an async save: a host copy of each rank's state, in buffers reused from save to save.
+
+``save(blocking=False)`` must return while training goes on, and what it writes must be the
+state at the call. :class:`Stager` copies every tensor this rank writes into a host buffer that
+is allocated once and reused while the tensor's shape and dtype hold (no fresh pages per save);
+what the writer gets is a :class:`HostShard`: the copy, its box in the global tensor, and
+whether this rank stores it (decided at the call, while the DTensor is at hand).
+
+On CUDA the buffers are pinned and the copies of parameters and optimizer state are issued on a
+side stream, so the training stream keeps running; the snapshot is fenced before the optimizer's
+next step may change them (:meth:`Stager.fence`, run by an optimizer pre-step hook, makes the
+training stream wait for the copies; forward and backward overlap them). Tensors a forward pass
+may change in place (module buffers such as running statistics) are copied on the training
+stream itself, in order. Nothing is ever copied to a second place on the device. On the CPU the
+same buffers are filled at the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .compat import Box, local_shard_box
+from .index import flatten, unflatten
+
+
+@dataclass
+class HostShard:
+    """A rank's piece of one tensor, copied to the host for a background write."""
+
+    local: torch.Tensor  # the host copy of this rank's local shard (contiguous)
+    box: Box  # where it lies in the global tensor
+    shape: tuple[int, ...]  # the global tensor's shape
+    store: bool  # whether this rank writes it (the first holder of a replicated box)
+
+
+class Stager:
+    """The host buffers of one Checkpointer's async saves, and the copy in flight."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._stream: Any = None  # the side CUDA stream, made on first use
+        self._copied: Any = None  # the CUDA event recorded after the side-stream copies
+
+    def stage(self, state: dict[str, Any], rank: int, stores: Any, in_order: set[str] = frozenset()) -> dict[str, Any]:
+        """``state`` with every tensor replaced by a :class:`HostShard` of this rank's part.
+
+        ``stores(value)`` says whether this rank writes a DTensor's box (plain tensors: rank 0);
+        keys in ``in_order`` are copied on the training stream (a forward may change them)."""
+        from torch.distributed.tensor import DTensor
+
+        flat, paths = flatten(state)
+        out: dict[str, Any] = {}
+        side: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cuda_in_order = False
+        for key, value in flat.items():
+            if not isinstance(value, torch.Tensor):
+                out[key] = value
+                continue
+            local, box = local_shard_box(value)
+            local = local.detach()
+            store = stores(value) if isinstance(value, DTensor) else rank == 0
+            buf = self._buffer(key, local)
+            if local.is_cuda and key not in in_order:
+                side.append((local, buf))
+            else:
+                buf.copy_(local, non_blocking=local.is_cuda)
+                cuda_in_order |= local.is_cuda
+            out[key] = HostShard(buf, box, tuple(value.shape), store)
+        for gone in set(self.buffers) - set(flat):  # keys the state no longer has
+            del self.buffers[gone]
+        self._copied = None
+        if side or cuda_in_order:
+            training = torch.cuda.current_stream()
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            # the copies see every kernel issued before save(), the in-order copies included
+            self._stream.wait_stream(training)
+            with torch.cuda.stream(self._stream):
+                for src, dst in side:
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(self._stream)
+                self._copied = torch.cuda.Event()
+                self._copied.record(self._stream)
+        return unflatten(out, paths)
+
+    def _buffer(self, key: str, local: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        pinned = local.is_cuda
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or buf.is_pinned() != pinned:
+            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=pinned)
+            self.buffers[key] = buf
+        return buf
+
+    def fence(self) -> None:
+        """Make the training stream wait for the copies in flight (an optimizer pre-step hook):
+        the step then cannot change what is being copied. Free on the CPU."""
+        if self._copied is not None:
+            torch.cuda.current_stream().wait_event(self._copied)
+
+    def wait(self) -> None:
+        """Block until the copies are in host memory (the background writer, before it reads)."""
+        if self._copied is not None:
+            self._copied.synchronize()
