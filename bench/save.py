@@ -174,23 +174,21 @@ def rank_case(args) -> None:
         ck = Checkpointer(root, async_save=(method == "ckpt_async"))
         # Where ckpttool's time goes: wrap its phases (main thread: blocking; writer thread: background).
         ckmod.training_state = tl.wrap("get_state_dict (training_state)", ckmod.training_state)
-        ckmod._stage = tl.wrap("stage copy (_stage)", ckmod._stage)
-        ckmod._manifest_of_own_file = tl.wrap("manifest hash (_manifest_of_own_file)", ckmod._manifest_of_own_file)
-        ckmod.dcp.save = tl.wrap("dcp.save inside ckpttool", dcp.save)
+        ck._stager.stage = tl.wrap("stage copy into host buffers (Stager.stage)", ck._stager.stage)
         ck._prepare_step_dir = tl.wrap("prepare step dir (broadcast)", ck._prepare_step_dir)
-        ck._commit = tl.wrap("commit (barrier, record, rename)", ck._commit)
-        ck._write_and_commit = tl.wrap("write_and_commit (all)", ck._write_and_commit)
-        dist.new_group = tl.wrap("dist.new_group (first async save)", dist.new_group)
+        ck._write_own = tl.wrap("write this rank's part (write_rank)", ck._write_own)
+        ck._commit_own = tl.wrap("commit (wait for indexes, .metadata, record, rename)", ck._commit_own)
+        ck._save_own_sync = tl.wrap("sync save (all)", ck._save_own_sync)
         ck.wait = tl.wrap("wait()", ck.wait)
         if method == "ckpt_async":
-            orig = ck._write_and_commit
+            orig = ck._background
 
-            def committed(*a, **k):  # the moment of the commit, in the writer thread
+            def committed(*a, **k):  # the moment the writer thread is done (rank 0: committed)
                 r = orig(*a, **k)
                 done_at.append(time.perf_counter())
                 return r
 
-            ck._write_and_commit = committed
+            ck._background = committed
 
     def dcp_dir(step: int) -> str:
         return os.path.join(root, f"dcp-step-{step}")
