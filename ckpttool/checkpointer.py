@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import threading
+import weakref
 import time
 import warnings
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ class Checkpointer:
         self._group: Any = None  # checkpoint-only process group, made on the first async save
         self._staged: Any = None  # the last async save's copy of the state, reused by the next (DCP fallback)
         self._stager = Stager()  # host buffers of async saves, reused while shapes hold
-        self._fences: dict[int, Any] = {}  # optimizer id -> its pre-step hook handle
+        self._fences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its pre-step hook
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -188,11 +189,11 @@ class Checkpointer:
             # default group): a group of their own, used only by the background thread.
             self._group = tdist.new_group(backend="gloo")
         if own:
-            buffers = {f"model.{name}" for name, _ in model.named_buffers()}  # a forward may change them
+            buffers = {b.data_ptr() for b in model.buffers()}  # a forward may change them
             staged = self._stager.stage(state, dist.rank(), save_writer.stores, in_order=buffers)
-            if optimizer is not None and id(optimizer) not in self._fences:
+            if optimizer is not None and optimizer not in self._fences:
                 # the snapshot is fenced before the next step may change what is being copied
-                self._fences[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self._stager.fence())
+                self._fences[optimizer] = optimizer.register_step_pre_hook(lambda *_: self._stager.fence())
         else:
             staged = self._staged = _stage(state, self._staged)
         _pause_point("after-stage")
@@ -286,9 +287,9 @@ class Checkpointer:
         finally:
             self._staged = None
             self._stager = Stager()
-            for handle in self._fences.values():
+            for handle in list(self._fences.values()):
                 handle.remove()
-            self._fences.clear()
+            self._fences = weakref.WeakKeyDictionary()
             self._lease.release()
             if self._group is not None:
                 import torch.distributed as tdist

@@ -80,6 +80,7 @@ class _BytesIOState:
     attributes."""
 
     __slots__ = ("state",)
+    __hash__ = None  # type: ignore[assignment]  # never a set member or a dict key: _finish could not reach it
 
     def __new__(cls, *args: Any) -> _BytesIOState:
         if args:
@@ -90,29 +91,44 @@ class _BytesIOState:
 
     def __setstate__(self, state: Any) -> None:
         if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], (bytes, bytearray))
-                and isinstance(state[1], int) and 0 <= state[1] and (state[2] is None or isinstance(state[2], dict))):
-            raise UnsafePickleError("refused an io.BytesIO whose state is not (bytes, position, attributes)")
+                and type(state[1]) is int and 0 <= state[1] <= len(state[0]) and not state[2]):
+            raise UnsafePickleError("refused an io.BytesIO whose state is not (bytes, a position inside them, "
+                                    "no attributes)")
         self.state = state
 
     def build(self) -> io.BytesIO:
         if self.state is None:
             return io.BytesIO()
-        value, pos, attrs = self.state
+        value, pos, _ = self.state
         out = io.BytesIO(bytes(value))
         out.seek(pos)
-        for name, attr in (attrs or {}).items():
-            if not isinstance(name, str) or name.startswith("__"):
-                raise UnsafePickleError(f"refused io.BytesIO attribute {name!r}")
-            setattr(out, name, attr)
         return out
 
 
+class _Factory:
+    """What a pickle gets for ``builtins.list``, ``dict``, ``tuple``, ``int``, ``float`` or ``str``:
+    a name a defaultdict may take as its default factory, never a callable (``str`` of a shared
+    structure would expand exponentially before any check could count it)."""
+
+    def __init__(self, kind: type):
+        self.kind = kind
+
+    def __call__(self, *args: Any) -> Any:
+        raise UnsafePickleError(f"refused to call builtins.{self.kind.__name__} from a pickle")
+
+    def __repr__(self) -> str:
+        return f"builtins.{self.kind.__name__}"
+
+
+_FACTORY_NAMES = {t.__name__: _Factory(t) for t in (list, dict, tuple, int, float, str)}
 # what a defaultdict may make for a missing key: the empty value of a plain type
-_FACTORIES = (list, dict, set, int, float, str, tuple, collections.OrderedDict)
+_FACTORIES = (set, collections.OrderedDict)
 
 
 def _defaultdict(factory: Any = None, *args: Any) -> collections.defaultdict:
-    if args or not (factory is None or factory in _FACTORIES):
+    if isinstance(factory, _Factory):
+        factory = factory.kind
+    elif args or not (factory is None or factory in _FACTORIES):
         raise UnsafePickleError(f"refused collections.defaultdict with default factory {factory!r}")
     return collections.defaultdict(factory)
 
@@ -200,13 +216,8 @@ _COMMON = {
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     ("builtins", "set"): set,
-    # plain types, named as a defaultdict's factory; called, each makes a value from data present
-    ("builtins", "list"): list,
-    ("builtins", "dict"): dict,
-    ("builtins", "tuple"): tuple,
-    ("builtins", "int"): int,
-    ("builtins", "float"): float,
-    ("builtins", "str"): str,
+    # plain types, only as a defaultdict's factory (calling one is refused: _Factory)
+    **{("builtins", name): token for name, token in _FACTORY_NAMES.items()},
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
@@ -302,7 +313,9 @@ def _unpickle(unpickler: pickle.Unpickler, data: bytes, source: str, what: str, 
     except Exception as exc:  # a truncated or random file: say so, with the file
         raise CorruptCheckpointError(f"cannot read {what} ({type(exc).__name__}: {exc})", where=source, hint=hint) from None
     value = check_shape(value, source, budget=100_000 + 4 * len(data))
-    return _finish(value) if getattr(unpickler, "placeholders", False) else value
+    if getattr(unpickler, "placeholders", False):
+        value = _finish(value)
+    return value
 
 
 def load_dcp_metadata(data: bytes, source: str) -> Any:

@@ -44,11 +44,13 @@ class Stager:
         self._stream: Any = None  # the side CUDA stream, made on first use
         self._copied: Any = None  # the CUDA event recorded after the side-stream copies
 
-    def stage(self, state: dict[str, Any], rank: int, stores: Any, in_order: set[str] = frozenset()) -> dict[str, Any]:
+    def stage(self, state: dict[str, Any], rank: int, stores: Any, in_order: set[int] = frozenset()) -> dict[str, Any]:
         """``state`` with every tensor replaced by a :class:`HostShard` of this rank's part.
 
         ``stores(value)`` says whether this rank writes a DTensor's box (plain tensors: rank 0);
-        keys in ``in_order`` are copied on the training stream (a forward may change them)."""
+        tensors whose memory starts at an address in ``in_order`` (module buffers: a forward may
+        change them) are copied on the training stream. Addresses, not names: a state dict's keys
+        are not the module's names under torch.compile or DDP."""
         from torch.distributed.tensor import DTensor
 
         flat, paths = flatten(state)
@@ -63,7 +65,7 @@ class Stager:
             local = local.detach()
             store = stores(value) if isinstance(value, DTensor) else rank == 0
             buf = self._buffer(key, local)
-            if local.is_cuda and key not in in_order:
+            if local.is_cuda and local.data_ptr() not in in_order:
                 side.append((local, buf))
             else:
                 buf.copy_(local, non_blocking=local.is_cuda)

@@ -352,7 +352,7 @@ class ReadAhead:
         for future in self._futures.values():
             try:
                 future.result()
-            except BaseException:  # noqa: BLE001 - a read nobody asked for: its error does not matter
+            except Exception:  # noqa: BLE001 - a read nobody asked for: its error does not matter (Ctrl-C is)
                 pass
         self._futures.clear()
 

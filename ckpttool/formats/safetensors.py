@@ -253,8 +253,10 @@ def _sharding_info(f: _File) -> dict[str, tuple[int, ...]]:
 
 def _global_shape(key: str, chunks: list[Chunk], where: str) -> tuple[int, ...]:
     """A sharded tensor's shape: how far its shards reach in each dimension (they must then tile it)."""
+    if any(len(c.sizes) != len(chunks[0].sizes) for c in chunks):
+        raise CorruptCheckpointError(f"the shards of {key!r} do not agree on its number of dimensions", where=where)
     shape = tuple(max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes)))
-    if any(len(c.sizes) != len(shape) for c in chunks) or not plausible_shape(shape):
+    if not plausible_shape(shape):
         raise CorruptCheckpointError(f"the shards of {key!r} do not agree on its rank or reach an implausible shape", where=where)
     return shape
 

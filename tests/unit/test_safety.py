@@ -115,3 +115,28 @@ def test_plain_stdlib_values_come_back_as_themselves_and_nothing_named_is_called
         load_torch_pickle(pickle.dumps(collections.defaultdict(collections.Counter), protocol=2), "bad.pt")
     with pytest.raises(UnsafePickleError, match="Evil"):
         load_torch_pickle(pickle.dumps(collections.defaultdict(Evil), protocol=2), "bad.pt")
+
+
+def test_the_new_value_types_give_a_hostile_pickle_nothing_to_expand_or_call():
+    """Found by a review: builtins.str was callable (str of a shared structure doubles with each
+    level: 226 bytes asked for 25 MB); a BytesIO's attributes escaped every check; a BytesIO in a
+    set stayed a stand-in; a position past the end raised a bare OverflowError."""
+    import io
+
+    from ckpttool.safe_pickle import load_torch_pickle
+
+    laughs = b"\x80\x02c__builtin__\nstr\n]q\x000"
+    for i in range(1, 23):
+        laughs += b"(h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + b"lq" + bytes([i]) + b"0"
+    laughs += b"h" + bytes([22]) + b"\x85R."
+    with pytest.raises(UnsafePickleError, match="refused to call builtins.str"):
+        load_torch_pickle(laughs, "laughs.pt")
+    buf = io.BytesIO(b"abc")
+    buf.extra = [1]
+    cases = {"attributes": pickle.dumps(buf, protocol=2), "in a set": pickle.dumps({"s": [1]}, protocol=2)}
+    cases["in a set"] = b"\x80\x02c__builtin__\nset\n]c_io\nBytesIO\n)\x81(C\x01aK\x00Nt" + b"ba\x85R."
+    cases["past the end"] = b"\x80\x02c_io\nBytesIO\n)\x81C\x01a\x8a\t\x00\x00\x00\x00\x00\x00\x00\x00\x01N\x87b."
+    expect = {"attributes": "no attributes", "in a set": "unhashable", "past the end": "a position inside them"}
+    for name, data in cases.items():
+        with pytest.raises((UnsafePickleError, CorruptCheckpointError), match=expect[name]):
+            load_torch_pickle(data, f"{name}.pt")

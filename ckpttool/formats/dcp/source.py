@@ -22,7 +22,7 @@ from ...steps import read_commit_record
 from ..base import Source
 from ..torchzip import REMOTE_RECORD, Archive, load_object_record, read_archive, read_tensor_box
 from .checks import RecordChecks
-from .transforms import ARCHIVE_SLACK, MAX_OBJECT_BYTES, DecodedRecord, check_descriptors
+from .transforms import ARCHIVE_SLACK, MAX_OBJECT_BYTES, MAX_ZSTD_RATIO, DecodedRecord, check_descriptors
 from .metadata import METADATA_FILE, check_tensor_metadata, parse_metadata, read_metadata_bytes, storage_index, writer_world_size
 
 
@@ -136,14 +136,25 @@ class DcpSource(Source):
         if decoded is None:
             raw = self.reader(info.relative_path)
             raw.check_range(info.offset, info.length)
-            entry = self.index()[key] if key in self.index() else None
-            limit = entry.nbytes + ARCHIVE_SLACK if isinstance(entry, TensorEntry) else MAX_OBJECT_BYTES
-            decoded = self._decoded[cache_key] = DecodedRecord(raw, info.offset, info.length, limit, self.record_where(info, key))
+            decoded = self._decoded[cache_key] = DecodedRecord(raw, info.offset, info.length, self._decoded_limit(info, key),
+                                                               self.record_where(info, key))
             if len(self._decoded) > 16:
                 self._decoded.popitem(last=False)[1].close()
         else:
             self._decoded.move_to_end(cache_key)
         return decoded, 0, decoded.size()
+
+    def _decoded_limit(self, info: Any, key: str) -> int:
+        """The most a compressed record may decode to: its chunk's bytes and the archive around
+        them (an object: MAX_OBJECT_BYTES), and never more than zstd can expand the bytes present."""
+        entry = self.index()[key] if key in self.index() else None
+        if isinstance(entry, TensorEntry):
+            chunk = next((c for c in entry.chunks if c.location is info), None)
+            sizes = chunk.sizes if chunk is not None else entry.shape
+            declared = math.prod(sizes) * dtype_size(entry.dtype) + ARCHIVE_SLACK
+        else:
+            declared = MAX_OBJECT_BYTES
+        return min(declared, info.length * MAX_ZSTD_RATIO + ARCHIVE_SLACK)
 
     def archive(self, info: Any, key: str) -> Archive:
         """The parsed record behind a storage entry (cached: many reads hit the same chunk)."""

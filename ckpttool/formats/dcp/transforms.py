@@ -34,6 +34,9 @@ _BLOCK = 1 << 20
 ARCHIVE_SLACK = 1 << 20
 #: the most an object record may decode to
 MAX_OBJECT_BYTES = 256 << 20
+#: the most a zstd frame expands: a block holds at most 128 KiB, and the smallest block that
+#: decodes to that (an RLE block) is 4 bytes
+MAX_ZSTD_RATIO = (128 << 10) // 4
 
 
 def check_descriptors(descriptors: Sequence[Any], where: str) -> None:
