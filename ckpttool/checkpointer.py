@@ -348,9 +348,9 @@ class Checkpointer:
         for victim in retention_victims(self.steps(), self.keep_last, self.keep_every):
             loc = self.root.child(step_name(victim))
             try:
-                # Un-commit first, so a delete cut short leaves an incomplete step, not a bad one.
-                loc.child(COMMIT_FILE).remove()
-                loc.remove()
+                # a delete cut short leaves a hidden temporary (filesystems) or an un-committed
+                # step (object stores), never something that looks like a step
+                self.root.commit_policy.retire(loc, COMMIT_FILE)
             except CkptError as exc:
                 log.warning("retention: could not delete %s: %s", loc.url, exc)
 

@@ -49,6 +49,12 @@ class CommitPolicy(ABC):
     def publish(self, staged: Location, final: Location) -> None:
         """Make the written output appear at ``final``."""
 
+    def retire(self, final: Location, marker: str) -> None:
+        """Delete a committed output so that a delete cut short never leaves something that looks
+        like it: here, remove its commit ``marker`` first (it is then incomplete), then the rest."""
+        final.child(marker).remove()
+        final.remove()
+
     def discard(self, staged: Location) -> None:
         """Remove a failed output. A removal that fails is logged with the path, not hidden."""
         try:
@@ -67,6 +73,13 @@ class RenameCommit(CommitPolicy):
         if final.exists():
             final.remove()  # only reached when replacing was allowed; checked before writing began
         staged.rename_to(final)
+
+    def retire(self, final: Location, marker: str) -> None:
+        """Rename out of sight in one step (to a hidden temporary name that ``clean`` removes),
+        then delete: a delete cut short leaves no visible, half-deleted step."""
+        hidden = self.staging(final)
+        final.rename_to(hidden)
+        hidden.remove()
 
 
 class InPlaceCommit(CommitPolicy):

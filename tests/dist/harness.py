@@ -108,12 +108,22 @@ def spawn_ranks(fn: Callable, world_size: int, rdzv_dir: str, *args: Any, env: d
     return procs, out
 
 
-def wait_then_kill(procs: list, ready: Callable[[], bool], timeout: float = 120, what: str = "ranks never got ready") -> None:
-    """Poll until ``ready()`` while every rank is still alive, then kill -9 all of them and reap them."""
+def wait_then_kill(procs: list, ready: Callable[[], bool], timeout: float = 120, what: str = "ranks never got ready",
+                   out: Any = None) -> None:
+    """Poll until ``ready()`` while every rank is still alive, then kill -9 all of them and reap
+    them. A rank that ended first fails the test with what it reported on ``out``."""
     deadline = time.monotonic() + timeout
     while not ready():
         assert time.monotonic() < deadline, what
-        assert all(p.exitcode is None for p in procs), [p.exitcode for p in procs]
+        if not all(p.exitcode is None for p in procs):
+            reports = []
+            while out is not None:
+                try:
+                    rank, kind, payload = out.get(timeout=2)
+                except queue.Empty:
+                    break
+                reports.append(f"rank {rank} {kind}: {payload if kind == 'error' else ''}")
+            raise AssertionError(f"a rank ended early: exit codes {[p.exitcode for p in procs]}\n" + "\n".join(reports))
         time.sleep(0.05)
     for p in procs:
         os.kill(p.pid, signal.SIGKILL)

@@ -162,11 +162,16 @@ def soak(tmp_path: Path, kills: int, seed: int) -> list[tuple[str, float, int]]:
     log = []
     for round_ in range(kills):
         async_save = round_ % 2 == 1
+        before = (Checkpointer(root).steps() or [0])[-1] if os.path.isdir(root) else 0
         with tempfile.TemporaryDirectory() as rdzv:
-            procs, _ = spawn_ranks(save_forever, 2, rdzv, root, str(expect), async_save)
+            procs, out = spawn_ranks(save_forever, 2, rdzv, root, str(expect), async_save)
             at = rnd.uniform(4.0, 12.0)
             deadline = time.monotonic() + at
-            wait_then_kill(procs, lambda: time.monotonic() >= deadline, timeout=at + 1)
+
+            def ready() -> bool:  # the random moment, and at least one new step committed (a slow machine)
+                return time.monotonic() >= deadline and (Checkpointer(root).steps() or [0])[-1] > before
+
+            wait_then_kill(procs, ready, timeout=at + 120, out=out)
         ckpt = Checkpointer(root)
         steps = ckpt.steps()
         assert steps, f"round {round_}: nothing committed"
