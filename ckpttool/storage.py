@@ -307,6 +307,9 @@ class _Fsspec(_Backend):
         return int(self.fs.size(path))
 
     def listdir(self, path: str) -> list[str]:
+        # fsspec caches listings (s3fs's dircache); files another process wrote since (the other
+        # ranks' indexes that rank 0 polls for at commit, another job's steps) must show up
+        self.fs.invalidate_cache(path)
         if not self.fs.isdir(path):
             return []
         return sorted(posixpath.basename(str(e).rstrip("/")) for e in self.fs.ls(path, detail=False))

@@ -128,3 +128,18 @@ def test_a_missing_bucket_is_never_created(s3_server, bucket, ref_pt):
     with pytest.raises(NotFoundError, match="bucket no-such-bucket-abc does not exist"):
         Checkpointer("s3://no-such-bucket-abc/run").save(1, model)
     assert not s3.exists("no-such-bucket-abc")
+
+
+def test_a_listing_shows_what_another_process_wrote_since(s3_server, bucket):
+    """Rank 0 polls storage for the other ranks' indexes at commit: a listing cached by fsspec
+    (s3fs's dircache) must not hide a file another process wrote after the first listing (a CI
+    run hung there, waiting for an index that was present)."""
+    from ckpttool.storage import resolve
+
+    step = resolve(f"s3://{bucket}/run/.step-1.tmp-0")
+    step.child("__0_0.distcp").write_bytes(b"rank 0")
+    assert step.listdir() == ["__0_0.distcp"]  # listed (and cached) before the other rank's file
+    other = fsspec.filesystem("s3", skip_instance_cache=True)  # another process's view
+    with other.open(f"{bucket}/run/.step-1.tmp-0/.ckpttool-rank-1.json", "wb") as f:
+        f.write(b"{}")
+    assert step.listdir() == [".ckpttool-rank-1.json", "__0_0.distcp"]
