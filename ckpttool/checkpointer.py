@@ -216,22 +216,8 @@ class Checkpointer:
             self._pending_error = exc
 
     def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
-        error: BaseException | None = None
-        try:
-            self._write_own(state, tmp, dist.rank())
-        except CkptError as exc:
-            error = exc
-        error = dist.first_error(error)
-        if error is not None:
-            raise error
-        if dist.rank() == 0:
-            try:
-                self._commit_own(step, tmp, final, dist.world_size())
-            except CkptError as exc:
-                error = exc
-        error = dist.first_error(error)
-        if error is not None:
-            raise error
+        dist.agreed(lambda: self._write_own(state, tmp, dist.rank()))
+        dist.agreed(lambda: self._commit_own(step, tmp, final, dist.world_size()), rank0_only=True)
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int) -> None:
         try:

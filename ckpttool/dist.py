@@ -56,6 +56,24 @@ def all_gather(obj: T, group: Any = None) -> list[T]:
 _FLAGS: dict[int, torch.Tensor] = {}
 
 
+def agreed(fn: Any, *, rank0_only: bool = False, group: Any = None) -> Any:
+    """Run ``fn`` (on rank 0 alone with ``rank0_only``) and agree on failure: a :class:`CkptError`
+    on any rank is raised on every rank. Returns ``fn``'s result (None where it did not run)."""
+    from .errors import CkptError
+
+    error: BaseException | None = None
+    result = None
+    if not rank0_only or rank() == 0:
+        try:
+            result = fn()
+        except CkptError as exc:
+            error = exc
+    error = first_error(error, group)
+    if error is not None:
+        raise error
+    return result
+
+
 def first_error(error: BaseException | None, group: Any = None) -> BaseException | None:
     """Agree on failure: every rank gets the lowest rank's error (or None when all succeeded).
 

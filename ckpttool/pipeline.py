@@ -68,9 +68,9 @@ def plan_entries(source: Source, only: str | None = None, dtype: torch.dtype | N
 
 
 def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, progress: Progress | None = None,
-        overlap: bool = True) -> None:
+        read_ahead: bool = True) -> None:
     """Stream every planned entry from ``source`` into ``sink`` and commit; on any failure (or
-    Ctrl-C) remove the partial output and re-raise. With ``overlap`` the next slab (of this
+    Ctrl-C) remove the partial output and re-raise. With ``read_ahead`` the next slab (of this
     tensor or the next) is read while the current one is written: two slabs of half the budget."""
     tensors = sink.order(plan.tensors)
     total = sum(s.nbytes for s in tensors)
@@ -79,7 +79,7 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
     # two sets of buffers (source dtype, cast), reused from slab to slab: no fresh pages per slab;
     # one set is read into in the background while the other is written
     scratch = SlabBuffers(4)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") if overlap else None
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") if read_ahead else None
     specs = {spec.key: spec for spec in tensors}
 
     def slab_budget(spec: TensorSpec) -> int:
@@ -222,7 +222,7 @@ def convert(
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, dtype)
         sink = fmt.make_sink(dst_loc, options)
-        run(source, sink, plan, budget, progress, overlap=read_ahead)
+        run(source, sink, plan, budget, progress, read_ahead=read_ahead)
         return ConvertReport.of(src_loc, dst_loc, plan, sink, src_format=source.format, dst_format=fmt.name,
                                 dropped=list(sink.dropped))
 
@@ -289,7 +289,7 @@ def reshard(
         plan = plan_entries(source, only, None)
         layout = FsdpLayout(target, replicated_keys(source, plan))
         sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout, compress=compress))
-        run(source, sink, plan, budget, progress, overlap=read_ahead)
+        run(source, sink, plan, budget, progress, read_ahead=read_ahead)
         return ReshardReport.of(src_loc, dst_loc, plan, sink, source_world_size=source.world_size,
                                 world_size=target.world_size, mesh=f"{target.replicate}x{target.shard}",
                                 bytes_per_rank=dict(sorted(sink.bytes_per_rank.items())))

@@ -43,6 +43,7 @@ class DcpSource(Source):
         self._readers: dict[str, RangeReader] = {}
         self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
         self._decoded: OrderedDict[tuple[str, int], DecodedRecord] = OrderedDict()  # compressed records, decoded
+        self._chunk_sizes: dict[tuple[str, int], int] | None = None
         self._index: Index | None = None
         self._checked: set[str] = set()
         self.checks: RecordChecks | None = None
@@ -147,14 +148,16 @@ class DcpSource(Source):
     def _decoded_limit(self, info: Any, key: str) -> int:
         """The most a compressed record may decode to: its chunk's bytes and the archive around
         them (an object: MAX_OBJECT_BYTES), and never more than zstd can expand the bytes present."""
-        entry = self.index()[key] if key in self.index() else None
-        if isinstance(entry, TensorEntry):
-            chunk = next((c for c in entry.chunks if c.location is info), None)
-            sizes = chunk.sizes if chunk is not None else entry.shape
-            declared = math.prod(sizes) * dtype_size(entry.dtype) + ARCHIVE_SLACK
-        else:
-            declared = MAX_OBJECT_BYTES
+        declared = self._chunk_bytes().get((info.relative_path, info.offset), MAX_OBJECT_BYTES - ARCHIVE_SLACK) + ARCHIVE_SLACK
         return min(declared, info.length * MAX_ZSTD_RATIO + ARCHIVE_SLACK)
+
+    def _chunk_bytes(self) -> dict[tuple[str, int], int]:
+        """(file, offset) of every tensor record -> the bytes of its chunk, built once (a lookup per
+        decoded record, not a walk over the tensor's chunks)."""
+        if self._chunk_sizes is None:
+            self._chunk_sizes = {(c.location.relative_path, c.location.offset): math.prod(c.sizes) * dtype_size(e.dtype)
+                                 for e in self.index().tensors() for c in e.chunks}
+        return self._chunk_sizes
 
     def archive(self, info: Any, key: str) -> Archive:
         """The parsed record behind a storage entry (cached: many reads hit the same chunk)."""
