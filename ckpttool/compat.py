@@ -1,14 +1,42 @@
 """The one place that touches torch names which are private, dunder or moved between releases.
 
 Everything else in the package uses torch's public API; when a torch upgrade moves one of these
-names, this module is where it breaks (and its tests say which name).
+names, this module is where it breaks, and ``tests/unit/test_compat.py`` says which name and what
+changed. The declared range is ``torch>=2.6`` (pyproject.toml); ``make test-matrix`` runs the
+suite on its oldest, the pinned and the newest release.
+
+What remains private, and why (docs/compat.md has the table):
+
+- ``torch.distributed.checkpoint.filesystem._StorageInfo``: DCP's per-record storage entry. ckpttool
+  writes ``.metadata`` itself (the collective-free save, offline convert/reshard), and torch's reader
+  looks these objects up by this exact class; there is no public constructor.
+- ``torch._utils._rebuild_tensor_v2`` and the legacy ``torch.<Type>Storage`` names: not calls but
+  the names the ``torch.save`` format spells in its pickle; torch.load needs them to exist.
+- ``torch.distributed.checkpoint._extension.ZStandard`` (torch >= 2.7): the only way to ask torch's
+  own writer for zstd records; public ``_extensions=`` argument, private class.
+- ``torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter``: exported as
+  ``torch.distributed.checkpoint.FsspecWriter`` by recent releases (2.15 does, 2.13 does not); the
+  private path on the others.
+- ``DTensor.__create_chunk_list__``: the dunder DCP itself calls to learn a shard's box.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+#: The DCP format version torch >= 2.9 writes into ``Metadata.version`` (``CURRENT_DCP_VERSION``).
+DCP_VERSION = "1.0.0"
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the running torch."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def local_shard_box(value: torch.Tensor) -> tuple[torch.Tensor, Box]:
@@ -23,3 +51,149 @@ def local_shard_box(value: torch.Tensor) -> tuple[torch.Tensor, Box]:
         (chunk,) = value.__create_chunk_list__()
         return value.to_local(), (tuple(chunk.offsets), tuple(chunk.sizes))
     return value, (tuple(0 for _ in value.shape), tuple(value.shape))
+
+
+def _storage_info_class() -> type:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+def has_record_transforms() -> bool:
+    """Whether this torch's DCP reads and writes per-record transforms (zstd): torch >= 2.7."""
+    return "transform_descriptors" in {f.name for f in dataclasses.fields(_storage_info_class())}
+
+
+def storage_info(file: str, offset: int, length: int, transforms: list[str] | None = None) -> Any:
+    """DCP's storage entry of one record; the transform field only when set (torch < 2.7 has none,
+    and torch's own ``__getstate__`` leaves it out of the pickle when it is None)."""
+    cls = _storage_info_class()
+    if not transforms:
+        return cls(file, offset, length)
+    if not has_record_transforms():
+        raise RuntimeError(f"torch {torch.__version__} cannot describe compressed DCP records (torch >= 2.7 can)")
+    return cls(file, offset, length, transform_descriptors=list(transforms))
+
+
+def dcp_metadata(**fields: Any) -> Any:
+    """``Metadata(**fields)`` plus ``version`` where this torch's Metadata has that field (>= 2.9);
+    an older torch reads a newer one's ``.metadata`` all the same (the extra attribute is ignored)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if "version" in {f.name for f in dataclasses.fields(Metadata)}:
+        fields.setdefault("version", DCP_VERSION)
+    return Metadata(**fields)
+
+
+def zstd_extension() -> Any:
+    """torch's ``ZStandard`` extension for ``FileSystemWriter(_extensions=[...])`` (torch >= 2.7)."""
+    try:
+        from torch.distributed.checkpoint._extension import ZStandard
+    except ImportError:
+        return None
+    return ZStandard()
+
+
+def fsspec_writer_class() -> type:
+    """torch's fsspec StorageWriter: exported by recent releases, under ``_fsspec_filesystem`` always."""
+    try:
+        from torch.distributed.checkpoint import FsspecWriter
+    except ImportError:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    return FsspecWriter
+
+
+def rebuild_tensor_v2() -> Any:
+    """The function a ``torch.save`` pickle names to rebuild a tensor (``torch._utils._rebuild_tensor_v2``);
+    the pickler writes its name, torch.load resolves it."""
+    import torch._utils
+
+    return torch._utils._rebuild_tensor_v2
+
+
+#: The legacy typed-storage class names ``torch.save`` writes into its pickle, per dtype. A fixed
+#: part of the format (torch.load of a 1.x file reads the same names), kept here rather than read
+#: from torch's private ``torch.storage._dtype_to_storage_type_map``.
+LEGACY_STORAGE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "DoubleStorage",
+    torch.float32: "FloatStorage",
+    torch.float16: "HalfStorage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.complex128: "ComplexDoubleStorage",
+    torch.complex64: "ComplexFloatStorage",
+    torch.qint8: "QInt8Storage",
+    torch.qint32: "QInt32Storage",
+    torch.quint8: "QUInt8Storage",
+    torch.quint4x2: "QUInt4x2Storage",
+    torch.quint2x4: "QUInt2x4Storage",
+}
+
+
+# --- DCP's TensorProperties across releases ------------------------------------------------------
+# torch 2.15 added ``strides`` and always pickles six fields; torch <= 2.14's ``__setstate__``
+# unpacks exactly five, so plain torch <= 2.14 cannot load a DCP checkpoint torch 2.15 saved
+# (docs/compat.md). ckpttool reads both, and writes five whenever there are no strides to record,
+# which every release reads.
+
+
+def _tensor_properties_fields() -> set[str]:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    return {f.name for f in dataclasses.fields(TensorProperties)}
+
+
+_TP_READER: type | None = None
+
+
+def tensor_properties_reader() -> type:
+    """What the allow-listed unpickler uses for ``TensorProperties``: a subclass whose
+    ``__setstate__`` takes the state of any release (5 or 6 fields), then turns the object into a
+    plain ``TensorProperties`` of this torch."""
+    global _TP_READER
+    if _TP_READER is None:
+        from torch.distributed.checkpoint.metadata import TensorProperties
+
+        native_strides = "strides" in _tensor_properties_fields()
+
+        class AnyReleaseTensorProperties(TensorProperties):
+            def __setstate__(self, state: Any) -> None:
+                if not isinstance(state, tuple) or len(state) not in (5, 6):
+                    raise ValueError(f"TensorProperties state of {type(state).__name__} "
+                                     f"{len(state) if isinstance(state, tuple) else ''} (5 or 6 fields expected)")
+                strides = state[5] if len(state) == 6 else None
+                if strides is not None and not (isinstance(strides, tuple) and all(type(s) is int for s in strides)):
+                    raise ValueError(f"TensorProperties strides {strides!r} are not a tuple of ints")
+                TensorProperties.__setstate__(self, state if native_strides else state[:5])
+                if not native_strides and strides is not None:
+                    self.strides = strides
+                self.__class__ = TensorProperties
+
+        _TP_READER = AnyReleaseTensorProperties
+    return _TP_READER
+
+
+def dump_metadata(metadata: Any) -> bytes:
+    """``pickle.dumps(metadata)`` as every release in the range reads it: a ``TensorProperties``
+    with no strides is written as the five fields older torch expects (torch >= 2.15 reads five as
+    strides=None), not the six torch 2.15 itself writes."""
+    import copyreg
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if type(obj) is TensorProperties and getattr(obj, "strides", None) is None:
+                return copyreg.__newobj__, (TensorProperties,), tuple(obj.__getstate__()[:5])
+            return NotImplemented
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(metadata)
+    return buf.getvalue()

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .compat import LEGACY_STORAGE_NAMES, tensor_properties_reader
 from .errors import CorruptCheckpointError, UnsafePickleError
 
 
@@ -252,6 +253,8 @@ class _AllowListUnpickler(pickle.Unpickler):
         if key in _COMMON:
             self.placeholders |= _COMMON[key] is _BytesIOState
             return _COMMON[key]
+        if key == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            return tensor_properties_reader()  # the 5 fields of torch <= 2.14 or the 6 of 2.15
         if key in _DCP_CLASSES:
             return super().find_class(module, name)
         value = _torch_global(module, name)
@@ -395,7 +398,7 @@ def _storage_class(module: str, name: str) -> _StorageType | None:
 
 
 # 'FloatStorage' -> torch.float32, ... (the legacy typed-storage names torch.save still writes)
-_LEGACY_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+_LEGACY_STORAGE_DTYPES = {name: dtype for dtype, name in LEGACY_STORAGE_NAMES.items()}
 
 
 class _TorchSaveUnpickler(_AllowListUnpickler):

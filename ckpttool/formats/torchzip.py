@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import torch
 
+from ..compat import LEGACY_STORAGE_NAMES, rebuild_tensor_v2
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError
 from ..index import dtype_size, plausible_shape
 from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
@@ -260,7 +261,7 @@ class _ArchivePickler(pickle.Pickler):
                 numel *= size
             storage = _StorageToken(obj.key, obj.dtype, numel)
             return (
-                torch._utils._rebuild_tensor_v2,
+                rebuild_tensor_v2(),
                 (storage, 0, torch.Size(obj.shape), _contiguous_stride(obj.shape), False, OrderedDict()),
             )
         return NotImplemented
@@ -277,7 +278,7 @@ class _StorageToken:
 
 
 def _legacy_storage_type(dtype: torch.dtype) -> Any:
-    mapping = torch.storage._dtype_to_storage_type_map()
+    mapping = LEGACY_STORAGE_NAMES
     if dtype not in mapping:
         raise FormatError(f"dtype {dtype} cannot be written to a torch.save archive by ckpttool")
     return getattr(torch, mapping[dtype])

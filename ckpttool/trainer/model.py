@@ -157,19 +157,16 @@ def init_weights(model: nn.Module, seed: int) -> None:
     rank of a CPU mesh, so the full weights would depend on the world size.
     Raises ``TypeError`` for a parameter kind it has no rule for (a model this module did not build).
     """
-    # Imported here so that a single-process user of this module never loads torch.distributed.tensor.
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from ..compat import local_shard_box
 
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         owner = modules[name.rsplit(".", 1)[0]] if "." in name else model
         full = _full_init(name, owner, param.shape, seed)
-        if isinstance(param, DTensor):
-            # Every rank holds the same full tensor, so no scatter is needed (src_data_rank=None).
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-        else:
-            param.copy_(full)
+        # Every rank holds the same full tensor: each keeps its own box of it, no collective needed
+        # (and no distribute_tensor(src_data_rank=), which torch < 2.7 lacks).
+        local, (offsets, sizes) = local_shard_box(param)
+        local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
     buffers = [name for name, _ in model.named_buffers()]
     if buffers:
         raise TypeError(f"init_weights: no rule for buffers {buffers}")

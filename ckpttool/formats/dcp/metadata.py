@@ -20,7 +20,6 @@ from ...storage import Location
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
-DCP_VERSION = "1.0.0"
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 
+from ... import compat
 from ...checksums import ALGORITHM, hash_bytes, hash_range, new_block
 from ...storage import Location
 from .metadata import METADATA_FILE, file_rank, read_metadata, read_metadata_bytes
@@ -18,13 +19,10 @@ def dcp_writer(loc: Location, storage_options: dict[str, Any] | None = None, com
     torch's own zstd extension on every record)."""
     extra: dict[str, Any] = {}
     if compress is not None:
-        from torch.distributed.checkpoint._extension import ZStandard
-
-        extra["_extensions"] = [ZStandard()]
+        extra["_extensions"] = [compat.zstd_extension()]
     if loc.local_path is not None:
         return FileSystemWriter(loc.local_path, single_file_per_rank=True, sync_files=True, **extra)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
+    FsspecWriter = compat.fsspec_writer_class()
     return FsspecWriter(loc.url, single_file_per_rank=True, sync_files=True, **extra, **(storage_options or {}))
 
 

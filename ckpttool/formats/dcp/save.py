@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import pickle
 import time
 import uuid
 from collections.abc import Callable
@@ -20,11 +19,9 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     StorageMeta,
     TensorProperties,
@@ -32,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...checksums import ALGORITHM, hash_bytes, new_hasher
-from ...compat import local_shard_box
+from ...compat import dcp_metadata, dump_metadata, local_shard_box
 from ...errors import CkptError, CorruptCheckpointError, StorageError
 from ...index import ObjPath, dtype_size, flatten
 from ...layout import Box, relative, slabs, tiles_exactly
@@ -40,7 +37,7 @@ from ...staging import HostShard
 from ...storage import Location
 from ..base import tensor_buffer
 from ..torchzip import ArchiveWriter
-from .metadata import DCP_VERSION, METADATA_FILE, data_file_name
+from .metadata import METADATA_FILE, data_file_name
 from .transforms import record_stream, storage_info
 
 PARTIAL = ".ckpttool-rank-{rank}.json"
@@ -255,7 +252,7 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
     """Merge the ranks' indexes into ``.metadata`` (after checking that every tensor's chunks tile
     it), remove the indexes, and return the step's manifest."""
     state_md: dict[str, Any] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
+    storage: dict[MetadataIndex, Any] = {}
     order = list(indexes[0].paths)
     chunks: dict[str, list[tuple[Box, str, int, int]]] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -281,14 +278,13 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
             md_chunks.append(ChunkStorageMetadata(offsets=torch.Size(box[0]), sizes=torch.Size(box[1])))
         state_md[key] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)), torch.Size(shape), md_chunks)
     planner_data: dict[str, ObjPath] = {k: tuple(p) for k, p in indexes[0].paths.items()}
-    metadata = Metadata(
+    metadata = dcp_metadata(
         state_dict_metadata={k: state_md[k] for k in order if k in state_md},
         planner_data=planner_data,
         storage_data=storage,
         storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None),
-        version=DCP_VERSION,
     )
-    raw = pickle.dumps(metadata)
+    raw = dump_metadata(metadata)
     step_dir.child(METADATA_FILE).write_bytes(raw)
     for index in indexes:
         step_dir.child(partial_name(index.rank)).remove()

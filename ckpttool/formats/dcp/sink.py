@@ -8,29 +8,27 @@ from __future__ import annotations
 
 import io
 import math
-import pickle
 import uuid
 from collections.abc import Callable
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
 
+from ...compat import dcp_metadata, dump_metadata
 from ...index import dtype_size
 from ...layout import Box, Layout, SingleRank
 from ...storage import Location
 from ..base import ObjectSpec, ReadFn, Sink, TensorSpec, split, stream_tensor
 from ..torchzip import ArchiveWriter
-from .metadata import DCP_VERSION, METADATA_FILE, data_file_name
+from .metadata import METADATA_FILE, data_file_name
 from .transforms import check_compress, record_stream, storage_info
 
 
@@ -49,7 +47,7 @@ class DcpSink(Sink):
         self._objects: list[ObjectSpec] = []
         self._chunks: dict[str, list[ChunkStorageMetadata]] = {}
         self._state_md: dict[str, Any] = {}
-        self._storage: dict[MetadataIndex, _StorageInfo] = {}
+        self._storage: dict[MetadataIndex, Any] = {}
         self._paths: dict[str, tuple] = {}
         self._order: list[str] = []
         self.bytes_per_rank: dict[int, int] = {}
@@ -108,11 +106,10 @@ class DcpSink(Sink):
 
     def complete(self) -> None:
         self.close_files()  # .metadata, the marker of a complete checkpoint, follows every data file
-        metadata = Metadata(
+        metadata = dcp_metadata(
             state_dict_metadata={k: self._state_md[k] for k in self._order if k in self._state_md},
             planner_data={k: self._paths[k] for k in self._order if k in self._paths},
             storage_data=self._storage,
             storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None),
-            version=DCP_VERSION,
         )
-        self.tmp.child(METADATA_FILE).write_bytes(pickle.dumps(metadata))
+        self.tmp.child(METADATA_FILE).write_bytes(dump_metadata(metadata))

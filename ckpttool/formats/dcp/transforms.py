@@ -194,12 +194,10 @@ def record_stream(f: Any, compress: str | None) -> Iterator[Any]:
 
 
 def storage_info(file: str, offset: int, length: int, compress: str | None) -> Any:
-    """DCP's storage entry of a record; the transform field (which torch < 2.6 lacks) only when set."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    """DCP's storage entry of a record, naming its transform when it has one."""
+    from ... import compat
 
-    if compress is None:
-        return _StorageInfo(file, offset, length)
-    return _StorageInfo(file, offset, length, transform_descriptors=[COMPRESSIONS[compress]])
+    return compat.storage_info(file, offset, length, None if compress is None else [COMPRESSIONS[compress]])
 
 
 def check_compress(compress: str | None) -> None:
@@ -210,3 +208,11 @@ def check_compress(compress: str | None) -> None:
     if compress not in COMPRESSIONS:
         raise UsageError(f"unknown compression {compress!r}", hint=f"choose one of {', '.join(COMPRESSIONS)}")
     zstandard()
+    from ... import compat
+
+    if not compat.has_record_transforms():
+        import torch
+
+        raise UsageError(f"compressed DCP records need torch >= 2.7; this is torch {torch.__version__}, whose DCP "
+                         "has no record transforms (it could not load what would be written)",
+                         hint="upgrade torch, or leave out --compress")
