@@ -4,8 +4,10 @@ PY := $(VENV)/bin/python
 CKPT := $(VENV)/bin/ckpttool
 DEMO ?= demo-out
 TORCH_PIN ?= torch==2.13.0
+# The other legs of the torch matrix: the oldest release pyproject.toml declares and the newest released
+MATRIX ?= 2.7.1 2.15.0
 
-.PHONY: setup demo test test-all clean-demo
+.PHONY: setup demo test test-pinned test-matrix test-all clean-demo
 
 setup: $(VENV)/.installed
 
@@ -33,8 +35,14 @@ demo: setup
 	$(CKPT) inspect $(DEMO)/model.safetensors | head -8
 	@echo "demo finished: see $(DEMO)/"
 
-test: setup
+# The pinned torch's suite, then the same suite on each other torch of the matrix (what CI runs).
+test: test-pinned test-matrix
+
+test-pinned: setup
 	$(PY) -m pytest -q
+
+test-matrix:
+	bash .ci/matrix $(MATRIX)
 
 test-all: setup
 	$(PY) -m pytest -q -m ''
