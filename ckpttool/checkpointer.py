@@ -95,7 +95,7 @@ class Checkpointer:
         self._pending_error: BaseException | None = None
         self._group: Any = None  # checkpoint-only process group, made on the first async save
         self._staged: Any = None  # the last async save's copy of the state, reused by the next (DCP fallback)
-        self._stager = Stager()  # host buffers of async saves, reused while shapes hold
+        self._stager = Stager(lambda: _pause_point("stage-copy"))  # host buffers of async saves, reused while shapes hold
         self._fences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its pre-step hook
 
     # --- queries --------------------------------------------------------------------------------
@@ -153,8 +153,10 @@ class Checkpointer:
         Every rank writes its own shards and an index of them; rank 0 merges the indexes into
         ``.metadata``, writes the commit record last and renames the step into place. No
         collective runs in the write or the commit, so with ``async_save=True`` (or
-        ``blocking=False``) the call returns once this rank's state is copied (a snapshot: training
-        may change the parameters at once) and a background thread finishes the save even if the
+        ``blocking=False``) the call returns once this rank's state is being copied into reused
+        host buffers (a snapshot: training may go on at once; with an optimizer the copy runs in
+        the background and the optimizer's next ``step()`` waits for it, so forward and backward
+        overlap it; without one it is done at the call) and a background thread finishes the save even if the
         process group is destroyed meanwhile; the interpreter does not exit before it has. The
         next ``save``, ``wait`` or ``close`` waits for it and raises its error (``save``: on every
         rank). Raises :class:`OutputExistsError` if the step exists, :class:`StorageError` when the
@@ -190,7 +192,7 @@ class Checkpointer:
             self._group = tdist.new_group(backend="gloo")
         if own:
             buffers = {b.data_ptr() for b in model.buffers()}  # a forward may change them
-            staged = self._stager.stage(state, dist.rank(), save_writer.stores, in_order=buffers)
+            staged = self._stager.stage(state, dist.rank(), save_writer.stores, in_order=buffers, background=optimizer is not None)
             if optimizer is not None and optimizer not in self._fences:
                 # the snapshot is fenced before the next step may change what is being copied
                 self._fences[optimizer] = optimizer.register_step_pre_hook(lambda *_: self._stager.fence())
@@ -272,7 +274,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._staged = None
-            self._stager = Stager()
+            self._stager = Stager(lambda: _pause_point("stage-copy"))
             for handle in list(self._fences.values()):
                 handle.remove()
             self._fences = weakref.WeakKeyDictionary()
@@ -358,6 +360,7 @@ class Checkpointer:
         :class:`MismatchError` when the checkpoint does not fit the model, and with ``verify`` (the
         default) :class:`ChecksumError` when a record read does not match its checksum.
         """
+        self._stager.fence()  # a pending async save's copy reads the tensors this load overwrites
         self._check_root()
         listing = list_root(self.root)
         committed = listing.committed

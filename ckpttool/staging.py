@@ -11,12 +11,16 @@ side stream, so the training stream keeps running; the snapshot is fenced before
 next step may change them (:meth:`Stager.fence`, run by an optimizer pre-step hook, makes the
 training stream wait for the copies; forward and backward overlap them). Tensors a forward pass
 may change in place (module buffers such as running statistics) are copied on the training
-stream itself, in order. Nothing is ever copied to a second place on the device. On the CPU the
-same buffers are filled at the call.
+stream itself, in order. Nothing is ever copied to a second place on the device. On the CPU,
+when a fence exists (an optimizer was given), the same buffers are filled by a background thread
+that the fence joins, so ``save()`` returns before the copy is done and forward and backward
+overlap it; without an optimizer (nothing to fence on) they are filled at the call.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,23 +43,30 @@ class HostShard:
 class Stager:
     """The host buffers of one Checkpointer's async saves, and the copy in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_copy: Callable[[], None] | None = None) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         self._stream: Any = None  # the side CUDA stream, made on first use
         self._copied: Any = None  # the CUDA event recorded after the side-stream copies
+        self._copier: threading.Thread | None = None  # the background CPU copy in flight
+        self._copy_error: BaseException | None = None
+        self._before_copy = before_copy  # tests slow the background copy down here
 
-    def stage(self, state: dict[str, Any], rank: int, stores: Any, in_order: set[int] = frozenset()) -> dict[str, Any]:
+    def stage(self, state: dict[str, Any], rank: int, stores: Any, in_order: set[int] = frozenset(),
+              background: bool = False) -> dict[str, Any]:
         """``state`` with every tensor replaced by a :class:`HostShard` of this rank's part.
 
         ``stores(value)`` says whether this rank writes a DTensor's box (plain tensors: rank 0);
         tensors whose memory starts at an address in ``in_order`` (module buffers: a forward may
         change them) are copied on the training stream. Addresses, not names: a state dict's keys
-        are not the module's names under torch.compile or DDP."""
+        are not the module's names under torch.compile or DDP. ``background``: the caller fences
+        the next change of the other tensors (:meth:`fence`), so CPU copies may run in a thread."""
+        self.fence()  # a copy still in flight fills the buffers this call is about to reuse
         from torch.distributed.tensor import DTensor
 
         flat, paths = flatten(state)
         out: dict[str, Any] = {}
         side: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cpu_side: list[tuple[torch.Tensor, torch.Tensor]] = []
         cuda_in_order = False
         for key, value in flat.items():
             if not isinstance(value, torch.Tensor):
@@ -67,6 +78,8 @@ class Stager:
             buf = self._buffer(key, local)
             if local.is_cuda and local.data_ptr() not in in_order:
                 side.append((local, buf))
+            elif background and not local.is_cuda and local.data_ptr() not in in_order:
+                cpu_side.append((local, buf))
             else:
                 buf.copy_(local, non_blocking=local.is_cuda)
                 cuda_in_order |= local.is_cuda
@@ -86,7 +99,20 @@ class Stager:
                     src.record_stream(self._stream)
                 self._copied = torch.cuda.Event()
                 self._copied.record(self._stream)
+        if cpu_side:
+            self._copy_error = None
+            self._copier = threading.Thread(target=self._copy, args=(cpu_side,), name="ckpttool-stage", daemon=False)
+            self._copier.start()
         return unflatten(out, paths)
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            if self._before_copy is not None:
+                self._before_copy()
+            for src, dst in pairs:
+                dst.copy_(src)
+        except BaseException as exc:  # noqa: BLE001 - raised by wait(), in the writer
+            self._copy_error = exc
 
     def _buffer(self, key: str, local: torch.Tensor) -> torch.Tensor:
         buf = self.buffers.get(key)
@@ -97,12 +123,22 @@ class Stager:
         return buf
 
     def fence(self) -> None:
-        """Make the training stream wait for the copies in flight (an optimizer pre-step hook):
-        the step then cannot change what is being copied. Free on the CPU."""
+        """Order what comes next after the copies in flight (an optimizer pre-step hook, and
+        anything else of ckpttool's that changes the state in place): on CUDA the training stream
+        waits for the side stream; on the CPU this joins the background copy."""
+        if self._copier is not None:
+            self._copier.join()
+            self._copier = None
         if self._copied is not None:
             torch.cuda.current_stream().wait_event(self._copied)
 
     def wait(self) -> None:
-        """Block until the copies are in host memory (the background writer, before it reads)."""
+        """Block until the copies are in host memory (the background writer, before it reads);
+        raises what a background CPU copy raised."""
+        copier = self._copier
+        if copier is not None:
+            copier.join()
+        if self._copy_error is not None:
+            raise self._copy_error
         if self._copied is not None:
             self._copied.synchronize()

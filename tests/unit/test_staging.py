@@ -78,3 +78,20 @@ def test_cuda_staging_is_pinned_host_memory_never_a_second_device_copy(tmp_path)
         assert all(b.is_pinned() and b.device.type == "cpu" for b in ckpt._stager.buffers.values())
         _step(model, optimizer, "cuda")  # the pre-step fence orders the step after the copies
     _assert_same(_loaded(root, 1, "cuda"), expected)
+
+
+def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, monkeypatch):
+    """save() returns while the CPU copy is still running (slowed down here by 0.5 s), and the
+    optimizer's next step waits for it: the step saved is the state at the call, bit for bit."""
+    monkeypatch.setenv("CKPTTOOL_DELAY_AT", "stage-copy:0.5")
+    root = str(tmp_path / "run")
+    model, optimizer = _model()
+    _step(model, optimizer)
+    with Checkpointer(root, async_save=True) as ckpt:
+        expected = _snapshot(model, optimizer)
+        ckpt.save(1, model, optimizer)
+        copier = ckpt._stager._copier
+        assert copier is not None and copier.is_alive()  # save() did not wait for the copy
+        _step(model, optimizer)  # at once: the step must wait for the copy
+        assert not copier.is_alive()
+    _assert_same(_loaded(root, 1), expected)
