@@ -278,6 +278,12 @@ class _NoBucket(Exception):
     """An object store's bucket (or container) that does not exist."""
 
 
+#: remote reads of at least two parts are split into ranged requests of this size ...
+PART_BYTES = 4 << 20
+#: ... this many in flight at once (bounded: each part is held in memory until copied out)
+PARALLEL_PARTS = 4
+
+
 class _Fsspec(_Backend):
     commit = InPlaceCommit()
     batch_reads = True
@@ -321,6 +327,8 @@ class _Fsspec(_Backend):
         return self.fs.open(path, "rb", block_size=1 << 20, cache_type="none")
 
     def pread(self, handle: Any, offset: int, out: memoryview) -> int:
+        if out.nbytes >= 2 * PART_BYTES and hasattr(self.fs, "cat_ranges"):
+            return self._pread_parts(handle, handle.path, offset, out)
         handle.seek(offset)
         got, want = 0, out.nbytes
         while got < want:
@@ -329,6 +337,26 @@ class _Fsspec(_Backend):
                 break
             out[got : got + len(chunk)] = chunk
             got += len(chunk)
+        return got
+
+    def _pread_parts(self, handle: Any, path: str, offset: int, out: memoryview) -> int:
+        """A large read as ranged requests of PART_BYTES, PARALLEL_PARTS of them at once (an async
+        filesystem such as s3fs sends them concurrently: an object store answers each request
+        after a round trip, so one at a time leaves the link idle). At most PARALLEL_PARTS parts
+        are held beside ``out``; returns the bytes read, short at the first short part."""
+        size = getattr(handle, "size", None)
+        want, got = min(out.nbytes, max((self.fs.size(path) if size is None else size) - offset, 0)), 0
+        while got < want:  # never a range past the end: a server may answer it with an error, not a short read
+            group = min(want - got, PART_BYTES * PARALLEL_PARTS)
+            starts = list(range(offset + got, offset + got + group, PART_BYTES))
+            ends = [min(start + PART_BYTES, offset + got + group) for start in starts]
+            datas = self.fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
+            for start, end, data in zip(starts, ends, datas):
+                n = min(len(data), end - start)
+                out[start - offset : start - offset + n] = memoryview(data)[:n]
+                if n < end - start:
+                    return start - offset + n
+            got += group
         return got
 
     @contextmanager

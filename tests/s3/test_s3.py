@@ -77,6 +77,37 @@ def test_reads_are_ranged(s3_server, bucket, tmp_path):
     assert len(gets) < 12, len(gets)
 
 
+def test_a_large_read_is_split_into_concurrent_ranged_requests(s3_server, bucket, tmp_path, monkeypatch):
+    """A 24 MiB tensor is read from s3 as ranged GETs of at most PART_BYTES, several in flight at
+    once (s3fs sends a batch concurrently), and arrives bit for bit. A spy on s3fs's ranged fetch
+    counts the requests in flight; the requests go to the real server."""
+    import s3fs
+
+    from ckpttool.storage import PARALLEL_PARTS, PART_BYTES
+
+    torch.manual_seed(0)
+    a = torch.randn(6 << 20)  # 24 MiB
+    torch.save({"a": a}, tmp_path / "big.pt")
+    fsspec.filesystem("s3").put(str(tmp_path / "big.pt"), f"{bucket}/parts.pt")
+    seen = {"now": 0, "most": 0, "sizes": []}
+    fetch = s3fs.S3FileSystem._cat_file
+
+    async def spy(self, path, version_id=None, start=None, end=None):
+        seen["now"] += 1
+        seen["most"] = max(seen["most"], seen["now"])
+        seen["sizes"].append((end or 0) - (start or 0))
+        try:
+            return await fetch(self, path, version_id=version_id, start=start, end=end)
+        finally:
+            seen["now"] -= 1
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", spy)
+    with open_source(f"s3://{bucket}/parts.pt") as src:
+        assert torch.equal(src.read_tensor("a").view(torch.int32), a.view(torch.int32))
+    assert seen["sizes"] and max(seen["sizes"]) <= PART_BYTES, seen["sizes"]
+    assert 1 < seen["most"] <= PARALLEL_PARTS, seen
+
+
 def test_bad_remote_input_exits_2_naming_the_url(s3_server, s3_server_with_auth, bucket, ref_pt):
     missing_bucket = cli("inspect", "s3://no-such-bucket-xyz/ck")
     assert missing_bucket.returncode == 2 and "s3://no-such-bucket-xyz/ck" in missing_bucket.stderr
