@@ -683,12 +683,17 @@ def md_header(title: str, results: dict[str, Any]) -> str:
 
 def verdict_lines(checks: list[dict[str, Any]], widths: tuple[int, int] = (48, 40)) -> list[str]:
     """PASS/FAIL of each target, one line each, target and case in columns of ``widths``."""
-    return [f"{'PASS' if c['pass'] else 'FAIL'}  {c['target']:<{widths[0]}} {c['case']:<{widths[1]}} {c['value']}" for c in checks]
+    return [f"{_mark(c['pass'])}  {c['target']:<{widths[0]}} {c['case']:<{widths[1]}} {c['value']}" for c in checks]
+
+
+def _mark(passed: bool | None) -> str:
+    """PASS, FAIL, or INFO for a figure reported without a target (``pass`` is None)."""
+    return "INFO" if passed is None else "PASS" if passed else "FAIL"
 
 
 def verdict_md(checks: list[dict[str, Any]]) -> str:
     """The verdicts as a Markdown table."""
-    rows = [[c["target"], c["case"], c["value"], "pass" if c["pass"] else "**FAIL**"] for c in checks]
+    rows = [[c["target"], c["case"], c["value"], "–" if c["pass"] is None else "pass" if c["pass"] else "**FAIL**"] for c in checks]
     return md_table(["target", "case", "measured", ""], rows, left=(0, 1, 2, 3))
 
 

@@ -175,8 +175,8 @@ def derive(results: dict[str, Any], budget: int) -> tuple[list[dict[str, Any]], 
         if name.startswith("ckpt"):
             tag = f"reshard 2 -> {m} ranks @ {nbytes / GB:.1f} GB"
             if row["x_copy"] is not None:
-                checks.append({"target": "<= 1.25x the raw copy's time", "case": tag,
-                               "value": f"{c['seconds']:.1f} s vs {copy['seconds']:.1f} s = {row['x_copy']:.2f}x", "pass": row["x_copy"] <= 1.25})
+                checks.append({"target": "<= 1.1x a copy of the same bytes (+fsync)", "case": tag,
+                               "value": f"{c['seconds']:.1f} s vs {copy['seconds']:.1f} s = {row['x_copy']:.2f}x", "pass": row["x_copy"] <= 1.1})
             if row["speedup_online"] is not None:
                 checks.append({"target": ">= 2x faster than online (work only)", "case": tag,
                                "value": f"{online['seconds']:.1f} s / {c['seconds']:.1f} s = {row['speedup_online']:.2f}x",

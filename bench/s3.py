@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from _common import GB, MiB, md_table, parser, timed
+from _common import GB, MiB, md_table, parser, timed, verdict_lines, verdict_md, write_json, write_markdown
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--tensor-mib", type=int, default=4)
     p.add_argument("--out-dir", default=None, help="local working directory (default: a new temp dir, removed at the end)")
+    p.add_argument("--json", help="write the results JSON here")
+    p.add_argument("--md", help="write the Markdown results here")
     args = p.parse_args(argv)
 
     work = args.out_dir or tempfile.mkdtemp(prefix="ckpttool-bench-s3-")
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                      timed(lambda: s3.get_file(f"{bucket}/state.pt", os.path.join(work, "state-back.pt"))), nbytes, None))
         rng = args.tensor_mib * MiB
         rows.append((f"s3fs ranged get of {args.tensor_mib} MiB", timed(lambda: s3.cat_file(f"{bucket}/state.pt", start=rng, end=2 * rng)), rng, None))
+        # what one request costs the server whatever its size (the floor of any ranged read)
+        rows.append(("s3fs ranged get of 64 KiB", timed(lambda: s3.cat_file(f"{bucket}/state.pt", start=rng, end=rng + 65536)), 65536, None))
         rows.append(("ckpttool local .pt -> DCP", timed(lambda: convert(pt, os.path.join(work, "dcp"))), nbytes, None))
         rows.append(("ckpttool local DCP -> safetensors",
                      timed(lambda: convert(os.path.join(work, "dcp"), os.path.join(work, "local.safetensors"), only="model")), nbytes, None))
@@ -111,12 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         a, b = load_file(os.path.join(work, "local.safetensors")), load_file(os.path.join(work, "from-s3.safetensors"))
         same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         put_s, get_s = rows[0][1], rows[1][1]
-        print(f"moto_server on {endpoint}; {args.tensors} x {args.tensor_mib} MiB fp32 = {nbytes / MiB:.0f} MiB; "
-              f"torch {torch.__version__}, fsspec {fsspec.__version__}")
-        print(md_table(["case", "time s", "GB/s", "× plain s3fs same direction"],
-                       [[name, f"{secs:.2f}", f"{n / secs / GB:.3f}", f"{secs / {'put': put_s, 'get': get_s}[ref]:.2f}" if ref else "–"]
-                        for name, secs, n, ref in rows]))
-        print(f"safetensors from s3 equal the local ones bitwise: {same}; verify of the s3 checkpoint ok: {report['r'].ok}")
+        plain = {"put": put_s, "get": get_s}
+        checks = [{"target": "s3 write <= 1.0x a plain upload" if ref == "put" else "s3 read <= 1.5x a plain whole download",
+                   "case": name, "value": f"{secs:.2f} s vs {plain[ref]:.2f} s = {secs / plain[ref]:.2f}x",
+                   "pass": secs / plain[ref] <= (1.0 if ref == "put" else 1.5)} for name, secs, _n, ref in rows if ref]
+        head = (f"moto_server on {endpoint}; {args.tensors} x {args.tensor_mib} MiB fp32 = {nbytes / MiB:.0f} MiB; "
+                f"torch {torch.__version__}, fsspec {fsspec.__version__}")
+        text = md_table(["case", "time s", "GB/s", "× plain s3fs same direction"],
+                        [[name, f"{secs:.2f}", f"{n / secs / GB:.3f}", f"{secs / plain[ref]:.2f}" if ref else "–"]
+                         for name, secs, n, ref in rows])
+        tail = f"safetensors from s3 equal the local ones bitwise: {same}; verify of the s3 checkpoint ok: {report['r'].ok}"
+        print(head + "\n" + text + "\n" + tail + "\n\n" + "\n".join(verdict_lines(checks)))
+        write_markdown(args.md, f"# Benchmark: s3 on loopback\n\n{head}\n\n{text}\n\n{tail}\n\n{verdict_md(checks)}\n")
+        if args.json:
+            write_json(args.json, {"rows": [{"case": n, "seconds": t, "bytes": b, "plain": r} for n, t, b, r in rows],
+                                   "checks": checks, "bitwise": same, "verify_ok": report["r"].ok})
         return 0 if same and report["r"].ok else 1
     finally:
         proc.terminate()

@@ -88,6 +88,10 @@ SYNC_METHODS = ("dcp_save", "ckpt_sync")  # done when save() returns: their extr
 # --- the rank body ----------------------------------------------------------------------------------
 
 
+#: the timeline's name for the training thread's waits for a background copy (Stager.fence)
+FENCE = "fence: optimizer step waits for the copy (Stager.fence)"
+
+
 class Timeline:
     """(name, start, end, thread) of wrapped calls, relative to a t0 set by the caller."""
 
@@ -175,6 +179,7 @@ def rank_case(args) -> None:
         # Where ckpttool's time goes: wrap its phases (main thread: blocking; writer thread: background).
         ckmod.training_state = tl.wrap("get_state_dict (training_state)", ckmod.training_state)
         ck._stager.stage = tl.wrap("stage copy into host buffers (Stager.stage)", ck._stager.stage)
+        ck._stager.fence = tl.wrap(FENCE, ck._stager.fence)  # the optimizer pre-step hook's wait for the copy
         ck._prepare_step_dir = tl.wrap("prepare step dir (broadcast)", ck._prepare_step_dir)
         ck._write_own = tl.wrap("write this rank's part (write_rank)", ck._write_own)
         ck._commit_own = tl.wrap("commit (wait for indexes, .metadata, record, rename)", ck._commit_own)
@@ -295,6 +300,7 @@ def rank_case(args) -> None:
         "ok": True, "method": method, "build_s": build_s, "rank_state_bytes": rank_bytes, "prior_saves": nprior,
         "prior_save_s": prior_s, "blocking_s": t1 - t0, "ref_step_s": ref, "k_steps": k, "overlap_s": sum(overlap),
         "extra_s": sum(overlap) - k * ref, "wait_s": t3 - t2, "commit_s": commit_s,
+        "fence_s": sum(e - st for name, st, e, _ in tl.events if name == FENCE and st >= t1 - t0),
         "win_a_steps": win_a, "overlap_steps": overlap, "win_b_steps": win_b,
         "rss_base0_kib": rss_base0, "base_hwm_kib": base_hwm, "rss_save0_kib": rss_save0, "save_hwm_kib": save_hwm,
         "timeline": tl.rows(), "torch": torch.__version__,
@@ -351,7 +357,7 @@ def summarise(name: str, run) -> dict[str, Any]:
     added = [(x["save_hwm_kib"] - x["base_hwm_kib"]) for x in ranks]
     return {
         "ok": True, "prior_saves": ranks[0]["prior_saves"], "prior_save_s": [max(v) for v in zip(*(x["prior_save_s"] for x in ranks))],
-        "blocking_s": mx("blocking_s"), "ref_step_s": mx("ref_step_s"),
+        "blocking_s": mx("blocking_s"), "fence_s": mx("fence_s"), "ref_step_s": mx("ref_step_s"),
         "k_steps": mx("k_steps"), "overlap_s": mx("overlap_s"), "extra_s": mx("extra_s"),
         "extra_per_rank_s": [x["extra_s"] for x in ranks], "wait_s": mx("wait_s"), "commit_s": mx("commit_s"),
         "rank_state_bytes": mx("rank_state_bytes"), "rank_peak_kib": max(x["save_hwm_kib"] for x in ranks),
@@ -418,7 +424,10 @@ def derive(size: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
                "tree_peak_mib": (c.get("tree_peak_kib") or c.get("peak_kib") or 0) / 1024, "runs": c.get("runs"),
                "picked": c.get("picked")}
         if not name.startswith("raw"):
-            row.update(blocking_s=c["blocking_s"], ref_step_s=c["ref_step_s"], k_steps=c["k_steps"], overlap_s=c["overlap_s"],
+            fence = (c.get("fence_s") or 0.0) if name.startswith("ckpt") else None  # ckpttool's Stager only
+            stall = c["blocking_s"] + (fence or 0.0)  # save() plus the fence
+            row.update(blocking_s=c["blocking_s"], fence_s=fence, stall_s=stall,
+                       stall_pct_sync=100 * stall / sync_s if sync_s else None, ref_step_s=c["ref_step_s"], k_steps=c["k_steps"], overlap_s=c["overlap_s"],
                        extra_s=c["extra_s"], wait_s=c["wait_s"], noise_floor=name in SYNC_METHODS,
                        blocking_pct_sync=100 * c["blocking_s"] / sync_s if sync_s else None,
                        extra_pct_sync=100 * c["extra_s"] / sync_s if sync_s else None,
@@ -432,13 +441,13 @@ def derive(size: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
     by = {r["case"]: r for r in rows if not r.get("failed")}
     a, s = by.get("ckpt_async"), by.get("ckpt_sync")
     if a and s:
-        checks.append({"target": "async save() blocks <= 2% of sync save time", "case": f"ckpttool async {tag}",
-                       "value": f"{a['blocking_s']:.3f} s = {a['blocking_pct_sync']:.1f}% of {s['commit_s']:.2f} s",
-                       "pass": a["blocking_pct_sync"] <= 2})
-        checks.append({"target": "extra loop time during the save <= 25% of sync save", "case": f"ckpttool async {tag}",
+        checks.append({"target": "async save() plus the fence block <= 1% of sync save", "case": f"ckpttool async {tag}",
+                       "value": f"{a['blocking_s']:.3f} + {a['fence_s']:.3f} s = {a['stall_pct_sync']:.2f}% of {s['commit_s']:.2f} s",
+                       "pass": a["stall_pct_sync"] <= 1})
+        checks.append({"target": "extra loop time during the save (reported with its noise floor)", "case": f"ckpttool async {tag}",
                        "value": f"{a['extra_s']:+.2f} s over {a['k_steps']} steps = {a['extra_pct_sync']:.0f}% of {s['commit_s']:.2f} s "
                                 f"(noise floor, sync: {s['extra_s']:+.2f} s)",
-                       "pass": a["extra_pct_sync"] <= 25})
+                       "pass": None})
         checks.append({"target": "async adds <= 1 copy of the rank's state (+5%)", "case": f"ckpttool async {tag}",
                        "value": f"+{a['added_mib']:.0f} MiB = {a['added_x_state']:.2f}x of {a['rank_state_mib']:.0f} MiB",
                        "pass": a["added_x_state"] <= 1.05})
@@ -458,7 +467,7 @@ def measured_save(prior_saves: int) -> str:
 
 def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     """A size's results table."""
-    head = ["case", "save() blocks s", "loop: ref ms/step × steps during save", "extra loop s (sync: noise floor)", "commit s",
+    head = ["case", "save() blocks s", "fence s", "loop: ref ms/step × steps during save", "extra loop s (sync: noise floor)", "commit s",
             "GB/s", "BW / raw", "commit × plain", "blocks % of sync", "extra % of sync", "peak RSS/rank MiB",
             "added by save MiB (× rank state)"]
     lines = []
@@ -467,10 +476,10 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
             lines.append(failed_row(head, r["label"]))
             continue
         if r["case"].startswith("raw"):
-            lines.append([r["label"], "–", "–", "–", f(r["commit_s"]), f(r["gbps"]), f(r["bw_vs_raw"]), "–", "–", "–", f(r["peak_mib"], ".0f"), "–"])
+            lines.append([r["label"], "–", "–", "–", "–", f(r["commit_s"]), f(r["gbps"]), f(r["bw_vs_raw"]), "–", "–", "–", f(r["peak_mib"], ".0f"), "–"])
             continue
         extra = f(r["extra_s"], "+.2f") + (" (noise)" if r.get("noise_floor") else "")
-        lines.append([r["label"], f(r["blocking_s"], ".3f"), f"{1000 * r['ref_step_s']:.0f} × {r['k_steps']}", extra,
+        lines.append([r["label"], f(r["blocking_s"], ".3f"), f(r["fence_s"], ".3f"), f"{1000 * r['ref_step_s']:.0f} × {r['k_steps']}", extra,
                       f(r["commit_s"]), f(r["gbps"]), f(r["bw_vs_raw"]), f(r["commit_vs_plain"]), f(r["blocking_pct_sync"], ".1f"),
                       f(r["extra_pct_sync"], ".0f"), f(r["peak_mib"], ".0f"), f"+{r['added_mib']:.0f} ({r['added_x_state']:.2f}x)"])
     return table(head, lines, markdown)
