@@ -31,6 +31,7 @@ from .base import read_c_order_box, tensor_buffer
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. extra length (30 bytes)
 _SMALL_ARCHIVE = 1 << 20  # read archives up to this size in one request
 REMOTE_RECORD = 16 << 20  # on an object store, DCP records up to this size are fetched whole (one request)
+REMOTE_SPAN = 32 << 20  # ... together with the records that follow them in the file, up to this many bytes
 _TAIL = 64 * 1024  # the zip directory of a torch archive is a few hundred bytes per record
 ALIGN = 64  # torch aligns storage records to 64 bytes so they can be mmap'ed
 
@@ -116,7 +117,7 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
         length = reader.size() - start
     reader.check_range(start, length)
     prefetched = reader.read(start, length) if length <= max(_SMALL_ARCHIVE, whole_up_to) else None
-    if prefetched is not None and whole_up_to:
+    if prefetched is not None and whole_up_to and not reader.holds(start, length):  # (a held span of records: kept)
         reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
     window = _Window(reader, start, length, prefetched)
     try:

@@ -78,7 +78,7 @@ def test_reads_are_ranged(s3_server, bucket, tmp_path):
 
 
 def test_a_large_read_is_split_into_concurrent_ranged_requests(s3_server, bucket, tmp_path, monkeypatch):
-    """A 24 MiB tensor is read from s3 as ranged GETs of at most PART_BYTES, several in flight at
+    """A 48 MiB tensor is read from s3 as ranged GETs of at most PART_BYTES, several in flight at
     once (s3fs sends a batch concurrently), and arrives bit for bit. A spy on s3fs's ranged fetch
     counts the requests in flight; the requests go to the real server."""
     import s3fs
@@ -86,7 +86,7 @@ def test_a_large_read_is_split_into_concurrent_ranged_requests(s3_server, bucket
     from ckpttool.storage import PARALLEL_PARTS, PART_BYTES
 
     torch.manual_seed(0)
-    a = torch.randn(6 << 20)  # 24 MiB
+    a = torch.randn(12 << 20)  # 48 MiB: three parts
     torch.save({"a": a}, tmp_path / "big.pt")
     fsspec.filesystem("s3").put(str(tmp_path / "big.pt"), f"{bucket}/parts.pt")
     seen = {"now": 0, "most": 0, "sizes": []}
@@ -119,9 +119,10 @@ def test_bad_remote_input_exits_2_naming_the_url(s3_server, s3_server_with_auth,
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_dcp_records_on_s3_cost_one_request_each(s3_server, bucket, tmp_path):
-    """A record fetched whole (head, pickle, data) answers its tensor data read too: converting a DCP
-    checkpoint off s3 makes one ranged GET per record (it used to be three: head, tail, data)."""
+def test_dcp_records_on_s3_cost_less_than_one_request_each(s3_server, bucket, tmp_path):
+    """A record fetched whole (head, pickle, data) answers its tensor data read too, and the records
+    that follow it in the file come in the same span: converting a DCP checkpoint off s3 makes
+    fewer ranged GETs than it has records (it used to be three per record: head, tail, data)."""
     torch.manual_seed(0)
     n = 8
     state = {"model": {f"w{i}": torch.randn(3 << 18) for i in range(n)}}  # 3 MiB each: past the 1 MiB "small" records
@@ -134,7 +135,7 @@ def test_dcp_records_on_s3_cost_one_request_each(s3_server, bucket, tmp_path):
     lines = [ln for ln in text.splitlines() if "/onereq/__0_0.distcp" in ln][before:]
     gets = [ln for ln in lines if '"GET ' in ln]
     assert all('" 206 ' in ln for ln in gets), gets
-    assert len(gets) <= n + 1, len(gets)
+    assert len(gets) < n, len(gets)
     from safetensors.torch import load_file
 
     back = load_file(str(tmp_path / "back.safetensors"))

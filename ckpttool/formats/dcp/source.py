@@ -6,6 +6,7 @@ the archive's zip directory and pickle through the allow-list and read only the 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict
 from typing import Any
@@ -20,7 +21,7 @@ from ...layout import Box, relative, whole
 from ...storage import Location, RangeReader
 from ...steps import read_commit_record
 from ..base import Source
-from ..torchzip import REMOTE_RECORD, Archive, load_object_record, read_archive, read_tensor_box
+from ..torchzip import REMOTE_RECORD, REMOTE_SPAN, Archive, load_object_record, read_archive, read_tensor_box
 from .checks import RecordChecks
 from .transforms import ARCHIVE_SLACK, MAX_OBJECT_BYTES, MAX_ZSTD_RATIO, DecodedRecord, check_descriptors
 from .metadata import METADATA_FILE, check_tensor_metadata, parse_metadata, read_metadata_bytes, storage_index, writer_world_size
@@ -44,6 +45,7 @@ class DcpSource(Source):
         self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
         self._decoded: OrderedDict[tuple[str, int], DecodedRecord] = OrderedDict()  # compressed records, decoded
         self._chunk_sizes: dict[tuple[str, int], int] | None = None
+        self._spans: dict[str, list[tuple[int, int]]] = {}  # per data file: its plain records' (offset, length), sorted
         self._index: Index | None = None
         self._checked: set[str] = set()
         self.checks: RecordChecks | None = None
@@ -166,15 +168,37 @@ class DcpSource(Source):
         if arch is None:
             reader, offset, length = self.record(info, key)
             if not self.transformed(info):
-                for other in self._readers.values():  # at most one record held in memory per source
+                for other in self._readers.values():  # at most one span of records held in memory per source
                     if other is not reader:
                         other.release()
+                if self.location.batch_reads and length <= REMOTE_RECORD and not reader.holds(offset, length):
+                    self._fetch_span(reader, info)
             arch = read_archive(reader, offset, length, self.record_where(info, key),
                                 whole_up_to=REMOTE_RECORD if self.location.batch_reads and not self.transformed(info) else 0)
             self._archives[cache_key] = arch
             if len(self._archives) > 4096:
                 self._archives.popitem(last=False)
         return arch
+
+    def _fetch_span(self, reader: RangeReader, info: Any) -> None:
+        """On an object store, fetch a record together with the records that follow it in its file
+        (back to back, each small enough to be fetched whole; up to REMOTE_SPAN bytes) and hold
+        them: a convert reads them next, and each would otherwise cost a request (a round trip).
+        A span of one record is left to read_archive."""
+        runs = self._spans.get(info.relative_path)
+        if runs is None:
+            runs = self._spans[info.relative_path] = sorted(
+                (i.offset, i.length) for i in self._storage.values()
+                if i.relative_path == info.relative_path and not self.transformed(i))
+        at = bisect.bisect_left(runs, (info.offset, info.length))
+        end = info.offset + info.length
+        for offset, length in runs[at + 1:]:
+            if offset != end or length > REMOTE_RECORD or offset + length - info.offset > REMOTE_SPAN:
+                break
+            end = offset + length
+        if end > info.offset + info.length:
+            reader.check_range(info.offset, end - info.offset)
+            reader.hold(info.offset, reader.read(info.offset, end - info.offset))
 
     def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk):
         """(reference, storage) of a chunk's record, checked against what ``.metadata`` says."""
