@@ -50,6 +50,7 @@ class Stager:
         self._copier: threading.Thread | None = None  # the background CPU copy in flight
         self._copy_error: BaseException | None = None
         self._before_copy = before_copy  # tests slow the background copy down here
+        self._boxes: dict[str, tuple[Any, Any, Box, bool]] = {}  # per key: (signature, mesh, box, store)
 
     def stage(self, state: dict[str, Any], rank: int, stores: Any, in_order: set[int] = frozenset(),
               background: bool = False) -> dict[str, Any]:
@@ -72,9 +73,11 @@ class Stager:
             if not isinstance(value, torch.Tensor):
                 out[key] = value
                 continue
-            local, box = local_shard_box(value)
-            local = local.detach()
-            store = stores(value) if isinstance(value, DTensor) else rank == 0
+            if isinstance(value, DTensor):
+                local, box, store = self._shard(key, value, stores)
+            else:
+                local, box = local_shard_box(value)
+                local, store = local.detach(), rank == 0
             buf = self._buffer(key, local)
             if local.is_cuda and local.data_ptr() not in in_order:
                 side.append((local, buf))
@@ -86,6 +89,7 @@ class Stager:
             out[key] = HostShard(buf, box, tuple(value.shape), store)
         for gone in set(self.buffers) - set(flat):  # keys the state no longer has
             del self.buffers[gone]
+            self._boxes.pop(gone, None)
         self._copied = None
         if side or cuda_in_order:
             training = torch.cuda.current_stream()
@@ -113,6 +117,21 @@ class Stager:
                 dst.copy_(src)
         except BaseException as exc:  # noqa: BLE001 - raised by wait(), in the writer
             self._copy_error = exc
+
+    def _shard(self, key: str, value: Any, stores: Any) -> tuple[torch.Tensor, Box, bool]:
+        """(local shard, its box, whether this rank stores it) of a DTensor. The box and the store
+        decision are kept from the last save while the shard is the same memory of the same global
+        tensor on the same mesh and placements (DTensor's chunk arithmetic is Python: it was most of
+        what save() still spent on the training thread)."""
+        local = value.to_local().detach()
+        sig = (local.data_ptr(), tuple(local.shape), tuple(value.shape), tuple(value.placements))
+        kept = self._boxes.get(key)
+        if kept is not None and kept[0] == sig and kept[1] is value.device_mesh:
+            return local, kept[2], kept[3]
+        _, box = local_shard_box(value)
+        store = stores(value)
+        self._boxes[key] = (sig, value.device_mesh, box, store)
+        return local, box, store
 
     def _buffer(self, key: str, local: torch.Tensor) -> torch.Tensor:
         buf = self.buffers.get(key)
