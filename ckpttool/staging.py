@@ -62,6 +62,7 @@ class Stager:
         are not the module's names under torch.compile or DDP. ``background``: the caller fences
         the next change of the other tensors (:meth:`fence`), so CPU copies may run in a thread."""
         self.fence()  # a copy still in flight fills the buffers this call is about to reuse
+        self._copy_error = None  # a failed copy was raised by its own save's writer; this is a new save
         from torch.distributed.tensor import DTensor
 
         flat, paths = flatten(state)
@@ -104,7 +105,6 @@ class Stager:
                 self._copied = torch.cuda.Event()
                 self._copied.record(self._stream)
         if cpu_side:
-            self._copy_error = None
             self._copier = threading.Thread(target=self._copy, args=(cpu_side,), name="ckpttool-stage", daemon=False)
             self._copier.start()
         return unflatten(out, paths)

@@ -95,3 +95,21 @@ def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, 
         _step(model, optimizer)  # at once: the step must wait for the copy
         assert not copier.is_alive()
     _assert_same(_loaded(root, 1), expected)
+
+
+def test_a_failed_background_copy_fails_its_own_save_only():
+    """The writer of the save whose copy failed raises the error (wait()); a later save that copies
+    at the call does not raise it again."""
+    from ckpttool.staging import Stager
+
+    def broken():
+        raise RuntimeError("copy failed")
+
+    stager = Stager(before_copy=broken)
+    state = {"w": torch.arange(4.0)}
+    staged = stager.stage(state, 0, None, background=True)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        stager.wait()
+    staged = stager.stage(state, 0, None)  # no fence to rely on: copied at the call
+    stager.wait()
+    assert torch.equal(staged["w"].local, state["w"])
