@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import dist
+from .compat import local_shard_box
 from .errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
 from .formats.dcp import save as save_writer
 from .formats.dcp.online import dcp_writer, hash_records, metadata_row
@@ -191,7 +192,9 @@ class Checkpointer:
             # default group): a group of their own, used only by the background thread.
             self._group = tdist.new_group(backend="gloo")
         if own:
-            buffers = {b.data_ptr() for b in model.buffers()}  # a forward may change them
+            # a forward may change module buffers in place: copied at the call, found by the address
+            # of what is copied (a DTensor's own data_ptr() is 0: its local tensor's)
+            buffers = {local_shard_box(b)[0].data_ptr() for b in model.buffers()}
             staged = self._stager.stage(state, dist.rank(), save_writer.stores, in_order=buffers, background=optimizer is not None)
             if optimizer is not None and optimizer not in self._fences:
                 # the snapshot is fenced before the next step may change what is being copied

@@ -3,10 +3,14 @@ change, and on CUDA no second copy of the state on the device."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pytest
 import torch
 
-from ckpttool import Checkpointer
+from ckpttool import Checkpointer, checkpointer
+from ckpttool.staging import Stager
 
 
 def _model(device: str = "cpu"):
@@ -16,8 +20,8 @@ def _model(device: str = "cpu"):
     return model, optimizer
 
 
-def _step(model, optimizer, device: str = "cpu") -> None:
-    model(torch.randn(16, 64, device=device)).square().mean().backward()
+def _step(model, optimizer, device: str = "cpu", width: int = 64) -> None:
+    model(torch.randn(16, width, device=device)).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -42,18 +46,40 @@ def _assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim() else b[k]), k
 
 
-def test_host_buffers_are_reused_and_the_snapshot_is_exact_when_training_goes_on_at_once(tmp_path):
+@contextlib.contextmanager
+def _async_run(tmp_path, device: str = "cpu"):
+    """A model stepped once and an async Checkpointer on tmp_path/run: (root, model, optimizer, ckpt)."""
     root = str(tmp_path / "run")
-    model, optimizer = _model()
-    _step(model, optimizer)
+    model, optimizer = _model(device)
+    _step(model, optimizer, device)
     with Checkpointer(root, async_save=True) as ckpt:
-        expected1 = _snapshot(model, optimizer)
-        ckpt.save(1, model, optimizer)
+        yield root, model, optimizer, ckpt
+
+
+def _snapshot_and_save(ckpt, step: int, model, optimizer) -> dict[str, torch.Tensor]:
+    expected = _snapshot(model, optimizer)
+    ckpt.save(step, model, optimizer)
+    return expected
+
+
+@pytest.fixture
+def held_copy(monkeypatch):
+    """The background staging copy waits at its start until the returned event is set (set at
+    teardown too, so a failing test cannot leave a save hanging)."""
+    gate = threading.Event()
+    real = checkpointer._pause_point
+    monkeypatch.setattr(checkpointer, "_pause_point", lambda name: gate.wait(30) if name == "stage-copy" else real(name))
+    yield gate
+    gate.set()
+
+
+def test_host_buffers_are_reused_and_the_snapshot_is_exact_when_training_goes_on_at_once(tmp_path):
+    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+        expected1 = _snapshot_and_save(ckpt, 1, model, optimizer)
         first = {k: b.data_ptr() for k, b in ckpt._stager.buffers.items()}
         _step(model, optimizer)  # at once: forward (BatchNorm statistics), backward, step
         _step(model, optimizer)
-        expected2 = _snapshot(model, optimizer)
-        ckpt.save(2, model, optimizer)
+        expected2 = _snapshot_and_save(ckpt, 2, model, optimizer)
         second = {k: b.data_ptr() for k, b in ckpt._stager.buffers.items()}
         _step(model, optimizer)
     assert first == second and len(first) >= 8  # the same host memory, every tensor
@@ -64,11 +90,8 @@ def test_host_buffers_are_reused_and_the_snapshot_is_exact_when_training_goes_on
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_staging_is_pinned_host_memory_never_a_second_device_copy(tmp_path):
-    root = str(tmp_path / "run")
-    model, optimizer = _model("cuda")
-    _step(model, optimizer, "cuda")
-    state_bytes = sum(t.numel() * t.element_size() for t in _snapshot(model, optimizer).values())
-    with Checkpointer(root, async_save=True) as ckpt:
+    with _async_run(tmp_path, "cuda") as (root, model, optimizer, ckpt):
+        state_bytes = sum(t.numel() * t.element_size() for t in _snapshot(model, optimizer).values())
         expected = _snapshot(model, optimizer)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -80,16 +103,20 @@ def test_cuda_staging_is_pinned_host_memory_never_a_second_device_copy(tmp_path)
     _assert_same(_loaded(root, 1, "cuda"), expected)
 
 
-def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, monkeypatch):
-    """save() returns while the CPU copy is still running (slowed down here by 0.5 s), and the
-    optimizer's next step waits for it: the step saved is the state at the call, bit for bit."""
-    monkeypatch.setenv("CKPTTOOL_DELAY_AT", "stage-copy:0.5")
-    root = str(tmp_path / "run")
-    model, optimizer = _model()
-    _step(model, optimizer)
-    with Checkpointer(root, async_save=True) as ckpt:
-        expected = _snapshot(model, optimizer)
-        ckpt.save(1, model, optimizer)
+def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, held_copy, monkeypatch):
+    """save() returns while the CPU copy is held back, and the optimizer's next step waits for it
+    (the fence releases the hold, standing in for a slow copy): the step saved is the state at the
+    call, bit for bit."""
+    real_fence = Stager.fence
+
+    def fence(self):
+        if self._copier is not None:
+            held_copy.set()  # only a fence with a copy in flight gets here: the step's pre-hook
+        real_fence(self)
+
+    monkeypatch.setattr(Stager, "fence", fence)
+    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+        expected = _snapshot_and_save(ckpt, 1, model, optimizer)
         copier = ckpt._stager._copier
         assert copier is not None and copier.is_alive()  # save() did not wait for the copy
         _step(model, optimizer)  # at once: the step must wait for the copy
@@ -97,19 +124,90 @@ def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, 
     _assert_same(_loaded(root, 1), expected)
 
 
+class _Counting(torch.nn.Module):
+    """A linear layer with a buffer its forward changes in place (as running statistics are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("seen", torch.zeros(8))
+
+    def forward(self, x):
+        self.seen.add_(x.detach().sum(0))
+        return self.lin(x)
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tdist.init_process_group("gloo", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_dtensor_buffers_are_copied_at_the_call(tmp_path, one_rank_mesh, held_copy):
+    """Buffers that are DTensors (distribute_module replicates them) are copied at the call, not by
+    the background copy: a forward right after save() changes them before the optimizer's fence."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    torch.manual_seed(0)
+    model = distribute_module(_Counting(), one_rank_mesh,
+                              input_fn=lambda mod, inputs, mesh: tuple(DTensor.from_local(t, mesh, [Replicate()]) for t in inputs))
+    assert isinstance(model.seen, DTensor)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, optimizer, width=8)
+    with Checkpointer(str(tmp_path / "run"), async_save=True) as ckpt:
+        seen = model.seen.to_local().clone()
+        ckpt.save(1, model, optimizer)
+        assert ckpt._stager._copier.is_alive()  # the parameters' copy is held back
+        model(torch.ones(4, 8))  # a forward before the next step: the buffer changes in place
+        assert not torch.equal(model.seen.to_local(), seen)
+        held_copy.set()
+        ckpt.wait()
+        ckpt.load(model, optimizer, step=1)
+    assert torch.equal(model.seen.to_local(), seen)
+
+
 def test_a_failed_background_copy_fails_its_own_save_only():
-    """The writer of the save whose copy failed raises the error (wait()); a later save that copies
-    at the call does not raise it again."""
-    from ckpttool.staging import Stager
+    """The writer of the save whose copy failed raises the error (wait()); the next save, in the
+    background too and staged without waiting for the first, does not raise it again."""
+    fail = iter([True])
 
-    def broken():
-        raise RuntimeError("copy failed")
+    def broken_once():
+        if next(fail, False):
+            raise RuntimeError("copy failed")
 
-    stager = Stager(before_copy=broken)
+    stager = Stager(before_copy=broken_once)
     state = {"w": torch.arange(4.0)}
-    staged = stager.stage(state, 0, None, background=True)
+    stager.stage(state, 0, None, background=True)
     with pytest.raises(RuntimeError, match="copy failed"):
         stager.wait()
-    staged = stager.stage(state, 0, None)  # no fence to rely on: copied at the call
+    staged = stager.stage({"w": torch.arange(4.0) + 1}, 0, None, background=True)
     stager.wait()
-    assert torch.equal(staged["w"].local, state["w"])
+    assert torch.equal(staged["w"].local, torch.arange(4.0) + 1)
+
+
+def test_a_failed_background_copy_fails_that_checkpointer_save_and_not_the_next(tmp_path, monkeypatch):
+    """Through Checkpointer: the save whose copy failed raises (at the next save, as every
+    background error does); the save after it commits."""
+    fail = iter([True])
+    real = checkpointer._pause_point
+
+    def pause(name):
+        if name == "stage-copy" and next(fail, False):
+            raise RuntimeError("copy failed")
+        real(name)
+
+    monkeypatch.setattr(checkpointer, "_pause_point", pause)
+    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+        ckpt.save(1, model, optimizer)
+        _step(model, optimizer)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            ckpt.save(2, model, optimizer)
+        expected = _snapshot_and_save(ckpt, 3, model, optimizer)
+        ckpt.wait()
+    _assert_same(_loaded(root, 3), expected)
