@@ -135,8 +135,9 @@ class _Backend(ABC):
         """A handle for :meth:`pread`."""
 
     @abstractmethod
-    def pread(self, handle: Any, offset: int, out: memoryview) -> int:
-        """Fill ``out`` from ``offset`` as far as the file goes; returns the bytes read."""
+    def pread(self, handle: Any, offset: int, out: memoryview, path: str, size: int) -> int:
+        """Fill ``out`` from ``offset`` as far as the file goes (``handle`` is ``open_read(path)``
+        of a file of ``size`` bytes); returns the bytes read."""
 
     @abstractmethod
     def open_write(self, path: str) -> Any:
@@ -213,7 +214,7 @@ class _LocalDisk(_Backend):
             os.close(fd)
             raise
 
-    def pread(self, handle: Any, offset: int, out: memoryview) -> int:
+    def pread(self, handle: Any, offset: int, out: memoryview, path: str, size: int) -> int:
         got, want, fd = 0, out.nbytes, handle.fileno()
         while got < want:
             n = os.preadv(fd, [out[got:]], offset + got)
@@ -327,9 +328,9 @@ class _Fsspec(_Backend):
     def open_read(self, path: str) -> Any:
         return self.fs.open(path, "rb", block_size=1 << 20, cache_type="none")
 
-    def pread(self, handle: Any, offset: int, out: memoryview) -> int:
-        if out.nbytes >= 2 * PART_BYTES and hasattr(self.fs, "cat_ranges"):
-            return self._pread_parts(handle, handle.path, offset, out)
+    def pread(self, handle: Any, offset: int, out: memoryview, path: str, size: int) -> int:
+        if out.nbytes >= 2 * PART_BYTES and getattr(self.fs, "async_impl", False):
+            return self._pread_parts(path, size, offset, out)
         handle.seek(offset)
         got, want = 0, out.nbytes
         while got < want:
@@ -340,13 +341,13 @@ class _Fsspec(_Backend):
             got += len(chunk)
         return got
 
-    def _pread_parts(self, handle: Any, path: str, offset: int, out: memoryview) -> int:
+    def _pread_parts(self, path: str, size: int, offset: int, out: memoryview) -> int:
         """A large read as ranged requests of PART_BYTES, PARALLEL_PARTS of them at once (an async
         filesystem such as s3fs sends them concurrently: an object store answers each request
-        after a round trip, so one at a time leaves the link idle). At most PARALLEL_PARTS parts
-        are held beside ``out``; returns the bytes read, short at the first short part."""
-        size = getattr(handle, "size", None)
-        want, got = min(out.nbytes, max((self.fs.size(path) if size is None else size) - offset, 0)), 0
+        after a round trip, so one at a time leaves the link idle; a sync one's ``cat_ranges``
+        would only loop). At most PARALLEL_PARTS parts are held beside ``out``; returns the bytes
+        read, short at the first short part."""
+        want, got = min(out.nbytes, max(size - offset, 0)), 0
         while got < want:  # never a range past the end: a server may answer it with an error, not a short read
             group = min(want - got, PART_BYTES * PARALLEL_PARTS)
             starts = list(range(offset + got, offset + got + group, PART_BYTES))
@@ -653,14 +654,13 @@ class RangeReader:
         want = out.nbytes
         if offset < 0:
             self.check_range(offset, want)
-        if self._held is not None:
+        if self.holds(offset, want):
             start, data = self._held
-            if start <= offset and offset + want <= start + len(data):
-                out[:] = memoryview(data)[offset - start : offset - start + want]
-                return
+            out[:] = memoryview(data)[offset - start : offset - start + want]
+            return
         if self._handle is None:
             self._handle = self.loc._call(self.loc._backend.open_read, missing="file does not exist", verb="read")
-        got = self.loc._backend.pread(self._handle, offset, out)
+        got = self.loc._backend.pread(self._handle, offset, out, self.loc.path, self.size())
         if got != want:
             raise CorruptCheckpointError(
                 f"file is truncated: wanted bytes {offset}..{offset + want}, file ends at {offset + got}",

@@ -89,13 +89,13 @@ def test_a_large_read_is_split_into_concurrent_ranged_requests(s3_server, bucket
     a = torch.randn(12 << 20)  # 48 MiB: three parts
     torch.save({"a": a}, tmp_path / "big.pt")
     fsspec.filesystem("s3").put(str(tmp_path / "big.pt"), f"{bucket}/parts.pt")
-    seen = {"now": 0, "most": 0, "sizes": []}
+    seen = {"now": 0, "most": 0, "ranges": []}
     fetch = s3fs.S3FileSystem._cat_file
 
     async def spy(self, path, version_id=None, start=None, end=None):
         seen["now"] += 1
         seen["most"] = max(seen["most"], seen["now"])
-        seen["sizes"].append((end or 0) - (start or 0))
+        seen["ranges"].append((start, end))
         try:
             return await fetch(self, path, version_id=version_id, start=start, end=end)
         finally:
@@ -104,7 +104,11 @@ def test_a_large_read_is_split_into_concurrent_ranged_requests(s3_server, bucket
     monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", spy)
     with open_source(f"s3://{bucket}/parts.pt") as src:
         assert torch.equal(src.read_tensor("a").view(torch.int32), a.view(torch.int32))
-    assert seen["sizes"] and max(seen["sizes"]) <= PART_BYTES, seen["sizes"]
+    ranges = seen["ranges"]
+    assert ranges and all(type(s) is int and type(e) is int and 0 < e - s <= PART_BYTES for s, e in ranges), ranges
+    parts = sorted(r for r in ranges if r[1] - r[0] > 1 << 20)  # the tensor's parts, not the archive's small reads
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), parts  # back to back: the tensor's bytes, tiled
+    assert parts[-1][1] - parts[0][0] == a.numel() * 4, parts
     assert 1 < seen["most"] <= PARALLEL_PARTS, seen
 
 

@@ -267,3 +267,23 @@ def test_non_json_objects_are_reported_as_dropped(tmp_path):
     assert report.dropped == ["extra.blob"]
     with open_source(str(tmp_path / "o.safetensors")) as s:
         assert s.read_object("extra.ok") == 1
+
+
+def test_large_reads_through_a_chained_fsspec_url(tmp_path, monkeypatch):
+    """A read of several parts through a URL fsspec chains (``simplecache::memory://``: a sync
+    filesystem whose open() gives a plain buffered file) arrives bit for bit; only async
+    filesystems take the ranged-parts path."""
+    import fsspec
+
+    from ckpttool import storage
+
+    monkeypatch.setattr(storage, "PART_BYTES", 4096)  # the 64 KiB tensor is 16 parts
+    a = torch.arange(16384, dtype=torch.float32)
+    torch.save({"a": a}, tmp_path / "a.pt")
+    fs = fsspec.filesystem("memory")
+    fs.put(str(tmp_path / "a.pt"), "/chained/a.pt")
+    try:
+        with open_source("simplecache::memory://chained/a.pt") as src:
+            assert torch.equal(src.read_tensor("a"), a)
+    finally:
+        fs.rm("/chained", recursive=True)
