@@ -116,22 +116,18 @@ class Checkpointer:
         """Remove what never committed; returns the removed names. Refused (:class:`LeaseError`)
         while another live job holds the root, whose save in progress would be removed."""
         self.wait()
-        removed: list[str] = []
-        error: BaseException | None = None
-        if dist.rank() == 0:
-            try:
-                if not self.root.exists():
-                    raise NotFoundError("training root does not exist", where=self.root.url, hint="check the path")
-                self._hold_lease()
-                for name in self.incomplete():
-                    self.root.child(name).remove()
-                    removed.append(name)
-            except CkptError as exc:
-                error = exc
-        error = dist.first_error(error)
-        if error is not None:
-            raise error
-        return removed
+
+        def remove() -> list[str]:
+            if not self.root.exists():
+                raise NotFoundError("training root does not exist", where=self.root.url, hint="check the path")
+            self._hold_lease()
+            removed = []
+            for name in self.incomplete():
+                self.root.child(name).remove()
+                removed.append(name)
+            return removed
+
+        return dist.agreed(remove, rank0_only=True) or []
 
     def _hold_lease(self) -> None:
         if not self._lease.held:
@@ -296,42 +292,30 @@ class Checkpointer:
         self.close()
 
     def _prepare_step_dir(self, step: int, final: Location) -> Location:
-        error: BaseException | None = None
-        tmp: Location | None = None
-        if dist.rank() == 0:
-            try:
-                self._check_root()
-                self.root.makedirs()
-                if final.exists():
-                    raise OutputExistsError(
-                        "step already exists", where=final.url, hint="save under a new step number or delete it first"
-                    )
-                # Filesystems rename a finished temp directory into place; object stores have no
-                # atomic rename, so there the step is written in place and the commit record,
-                # written last, is what makes it count (the root's commit policy decides).
-                tmp = self.root.commit_policy.staging(final)
-                tmp.makedirs()
-            except CkptError as exc:
-                error = exc
-        error = dist.first_error(error)
-        if error is not None:
-            raise error
-        return self.root.child(dist.broadcast(tmp.name if tmp else None))
+        def prepare() -> str:
+            self._check_root()
+            self.root.makedirs()
+            if final.exists():
+                raise OutputExistsError("step already exists", where=final.url, hint="save under a new step number or delete it first")
+            # Filesystems rename a finished temp directory into place; object stores have no
+            # atomic rename, so there the step is written in place and the commit record,
+            # written last, is what makes it count (the root's commit policy decides).
+            tmp = self.root.commit_policy.staging(final)
+            tmp.makedirs()
+            return tmp.name
+
+        return self.root.child(dist.broadcast(dist.agreed(prepare, rank0_only=True)))
 
     def _commit_dcp(self, step: int, tmp: Location, final: Location, manifest: dict[str, Any], group: Any = None) -> None:
         dist.barrier("ckpttool.commit", group)
-        error: BaseException | None = None
-        if dist.rank() == 0:
-            try:
-                manifest = {**manifest, "files": metadata_row(tmp)}  # the manifest covers .metadata too
-                tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size(), {"manifest": manifest}))
-                _pause_point("before-rename")
-                self.root.commit_policy.publish(tmp, final)
-            except CkptError as exc:
-                error = exc
-        error = dist.first_error(error, group)
-        if error is not None:
-            raise error
+
+        def commit() -> None:
+            full = {**manifest, "files": metadata_row(tmp)}  # the manifest covers .metadata too
+            tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size(), {"manifest": full}))
+            _pause_point("before-rename")
+            self.root.commit_policy.publish(tmp, final)
+
+        dist.agreed(commit, rank0_only=True, group=group)
 
     def _apply_retention(self) -> None:
         if dist.rank() != 0 or self.keep_last is None:

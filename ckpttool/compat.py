@@ -2,7 +2,7 @@
 
 Everything else in the package uses torch's public API; when a torch upgrade moves one of these
 names, this module is where it breaks, and ``tests/unit/test_compat.py`` says which name and what
-changed. The declared range is ``torch>=2.6`` (pyproject.toml); ``make test-matrix`` runs the
+changed. The declared range is ``torch>=2.7`` (pyproject.toml); ``make test-matrix`` runs the
 suite on its oldest, the pinned and the newest release.
 
 What remains private, and why (docs/compat.md has the table):
@@ -23,6 +23,7 @@ What remains private, and why (docs/compat.md has the table):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -31,12 +32,6 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 #: The DCP format version torch >= 2.9 writes into ``Metadata.version`` (``CURRENT_DCP_VERSION``).
 DCP_VERSION = "1.0.0"
-
-
-def torch_version() -> tuple[int, int]:
-    """(major, minor) of the running torch."""
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def local_shard_box(value: torch.Tensor) -> tuple[torch.Tensor, Box]:
@@ -53,25 +48,25 @@ def local_shard_box(value: torch.Tensor) -> tuple[torch.Tensor, Box]:
     return value, (tuple(0 for _ in value.shape), tuple(value.shape))
 
 
+@functools.cache
 def _storage_info_class() -> type:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo
 
-
+@functools.cache
 def has_record_transforms() -> bool:
     """Whether this torch's DCP reads and writes per-record transforms (zstd): torch >= 2.7."""
     return "transform_descriptors" in {f.name for f in dataclasses.fields(_storage_info_class())}
 
 
 def storage_info(file: str, offset: int, length: int, transforms: list[str] | None = None) -> Any:
-    """DCP's storage entry of one record; the transform field only when set (torch < 2.7 has none,
-    and torch's own ``__getstate__`` leaves it out of the pickle when it is None)."""
+    """DCP's storage entry of one record; the transform field only when set (torch's own
+    ``__getstate__`` leaves it out of the pickle when it is None; compression is refused before
+    anything is written where torch has no such field: ``transforms.check_compress``)."""
     cls = _storage_info_class()
     if not transforms:
         return cls(file, offset, length)
-    if not has_record_transforms():
-        raise RuntimeError(f"torch {torch.__version__} cannot describe compressed DCP records (torch >= 2.7 can)")
     return cls(file, offset, length, transform_descriptors=list(transforms))
 
 
@@ -86,11 +81,10 @@ def dcp_metadata(**fields: Any) -> Any:
 
 
 def zstd_extension() -> Any:
-    """torch's ``ZStandard`` extension for ``FileSystemWriter(_extensions=[...])`` (torch >= 2.7)."""
-    try:
-        from torch.distributed.checkpoint._extension import ZStandard
-    except ImportError:
-        return None
+    """torch's ``ZStandard`` extension for ``FileSystemWriter(_extensions=[...])`` (torch >= 2.7;
+    ``transforms.check_compress`` refuses compression before this is asked for on older torch)."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
     return ZStandard()
 
 
@@ -142,40 +136,36 @@ LEGACY_STORAGE_NAMES: dict[torch.dtype, str] = {
 # which every release reads.
 
 
+@functools.cache
 def _tensor_properties_fields() -> set[str]:
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     return {f.name for f in dataclasses.fields(TensorProperties)}
 
 
-_TP_READER: type | None = None
-
-
+@functools.cache
 def tensor_properties_reader() -> type:
     """What the allow-listed unpickler uses for ``TensorProperties``: a subclass whose
     ``__setstate__`` takes the state of any release (5 or 6 fields), then turns the object into a
     plain ``TensorProperties`` of this torch."""
-    global _TP_READER
-    if _TP_READER is None:
-        from torch.distributed.checkpoint.metadata import TensorProperties
+    from torch.distributed.checkpoint.metadata import TensorProperties
 
-        native_strides = "strides" in _tensor_properties_fields()
+    native_strides = "strides" in _tensor_properties_fields()
 
-        class AnyReleaseTensorProperties(TensorProperties):
-            def __setstate__(self, state: Any) -> None:
-                if not isinstance(state, tuple) or len(state) not in (5, 6):
-                    raise ValueError(f"TensorProperties state of {type(state).__name__} "
-                                     f"{len(state) if isinstance(state, tuple) else ''} (5 or 6 fields expected)")
-                strides = state[5] if len(state) == 6 else None
-                if strides is not None and not (isinstance(strides, tuple) and all(type(s) is int for s in strides)):
-                    raise ValueError(f"TensorProperties strides {strides!r} are not a tuple of ints")
-                TensorProperties.__setstate__(self, state if native_strides else state[:5])
-                if not native_strides and strides is not None:
-                    self.strides = strides
-                self.__class__ = TensorProperties
+    class AnyReleaseTensorProperties(TensorProperties):
+        def __setstate__(self, state: Any) -> None:
+            if not isinstance(state, tuple) or len(state) not in (5, 6):
+                raise ValueError(f"TensorProperties state of {type(state).__name__} "
+                                 f"{len(state) if isinstance(state, tuple) else ''} (5 or 6 fields expected)")
+            strides = state[5] if len(state) == 6 else None
+            if strides is not None and not (isinstance(strides, tuple) and all(type(s) is int for s in strides)):
+                raise ValueError(f"TensorProperties strides {strides!r} are not a tuple of ints")
+            TensorProperties.__setstate__(self, state if native_strides else state[:5])
+            if not native_strides and strides is not None:
+                self.strides = strides
+            self.__class__ = TensorProperties
 
-        _TP_READER = AnyReleaseTensorProperties
-    return _TP_READER
+    return AnyReleaseTensorProperties
 
 
 def dump_metadata(metadata: Any) -> bytes:

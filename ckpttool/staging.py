@@ -50,7 +50,7 @@ class Stager:
         self._copier: threading.Thread | None = None  # the background CPU copy in flight
         self._copy_error: BaseException | None = None
         self._before_copy = before_copy  # tests slow the background copy down here
-        self._boxes: dict[str, tuple[Any, Any, Box, bool]] = {}  # per key: (signature, mesh, box, store)
+        self._boxes: dict[str, tuple[Any, Any, Box, bool]] = {}  # per key: ((shape, placements), mesh, box, store)
 
     def stage(self, state: dict[str, Any], rank: int, stores: Any, in_order: set[int] = frozenset(),
               background: bool = False) -> dict[str, Any]:
@@ -120,11 +120,11 @@ class Stager:
 
     def _shard(self, key: str, value: Any, stores: Any) -> tuple[torch.Tensor, Box, bool]:
         """(local shard, its box, whether this rank stores it) of a DTensor. The box and the store
-        decision are kept from the last save while the shard is the same memory of the same global
-        tensor on the same mesh and placements (DTensor's chunk arithmetic is Python: it was most of
-        what save() still spent on the training thread)."""
+        decision depend only on the global shape, the placements and the mesh (this rank's place
+        in it), so they are kept from the last save while those hold (DTensor's chunk arithmetic
+        is Python: it was most of what save() still spent on the training thread)."""
         local = value.to_local().detach()
-        sig = (local.data_ptr(), tuple(local.shape), tuple(value.shape), tuple(value.placements))
+        sig = (tuple(value.shape), tuple(value.placements))
         kept = self._boxes.get(key)
         if kept is not None and kept[0] == sig and kept[1] is value.device_mesh:
             return local, kept[2], kept[3]
