@@ -6,19 +6,12 @@ import contextlib
 import os
 import signal
 
-import pytest
 import torch
 
 from ckpttool import formats
-from ckpttool.compat import has_record_transforms
 from ckpttool.formats import open_source
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
-
-#: Writing zstd-compressed DCP records needs torch >= 2.7 (record transforms); older torch refuses
-#: ``--compress`` (tests/golden/test_realworld.py::test_compress_is_refused_where_torch_has_no_transforms).
-needs_record_transforms = pytest.mark.skipif(not has_record_transforms(),
-                                             reason="this torch's DCP has no record transforms (< 2.7)")
 
 
 def reference_state() -> dict:

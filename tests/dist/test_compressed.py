@@ -7,7 +7,6 @@ import pickle
 
 import pytest
 
-from ..helpers import needs_record_transforms
 from .harness import run_ranks
 from .workloads import assert_same, compressed_save, load_into_fresh, plain_dcp_load
 
@@ -18,7 +17,6 @@ def _descriptors(step: str) -> set:
     return {tuple(getattr(info, "transform_descriptors", None) or ()) for info in md.storage_data.values()}
 
 
-@needs_record_transforms
 @pytest.mark.parametrize("async_save", [False, True])
 def test_compressed_steps_load_bitwise_with_ckpttool_and_plain_torch(tmp_path, async_save):
     root = str(tmp_path / "ck")

@@ -16,7 +16,6 @@ import sys
 import pytest
 import torch
 
-from ckpttool import compat
 
 from .test_realworld import FIXTURES, read_all, run
 
@@ -34,11 +33,15 @@ def expected(writer: str) -> dict:
 
 
 def test_the_oldest_declared_and_the_newest_release_wrote_fixtures():
-    """The fixtures follow the declaration: the oldest torch pyproject.toml admits wrote one."""
+    """The fixtures follow the declaration and the matrix: the oldest torch pyproject.toml admits
+    and every release ``make test-matrix`` runs wrote one."""
     with open(os.path.join(FIXTURES, "..", "pyproject.toml")) as f:
         oldest = re.search(r'"torch>=(\d+\.\d+)"', f.read()).group(1)
     assert f"torch-{oldest}" in WRITERS, (oldest, WRITERS)
-    assert len(WRITERS) >= 2
+    with open(os.path.join(FIXTURES, "..", "Makefile")) as f:
+        matrix = re.search(r"^MATRIX \?= (.+)$", f.read(), re.M).group(1).split()
+    for release in matrix:
+        assert "torch-" + ".".join(release.split(".")[:2]) in WRITERS, (release, WRITERS)
     for writer in WRITERS:  # each folder really was written by the torch it is named after
         with open(os.path.join(CROSS, writer, "expected.json")) as f:
             assert json.load(f)["torch"].startswith(writer.removeprefix("torch-") + "."), writer
@@ -56,7 +59,7 @@ def dcp_too_new_for_plain_torch(writer: str, item: str) -> bool:
     unpickle: DCP's own format does not let an older torch read it (docs/compat.md). ckpttool's
     writers, on any release, write the five every release reads."""
     version = lambda label: tuple(int(x) for x in label.removeprefix("torch-").split("."))  # noqa: E731
-    return item == "dcp" and version(writer) >= (2, 15) and compat.torch_version() < (2, 15)
+    return item == "dcp" and version(writer) >= (2, 15) and torch.__version__ < (2, 15)
 
 
 @pytest.mark.parametrize("item", ITEMS)

@@ -26,7 +26,7 @@ from ckpttool.cli import main
 from ckpttool.errors import CkptError
 from ckpttool.formats import open_source
 
-from ..helpers import FIXTURES, needs_record_transforms, output_name, time_limit
+from ..helpers import FIXTURES, output_name, time_limit
 
 HOSTILE = os.path.join(FIXTURES, "hostile")
 sys.path.insert(0, FIXTURES)
@@ -77,7 +77,6 @@ def corpus_untouched():
     assert tree_digest(HOSTILE) == before, "a command wrote into the hostile corpus"
 
 
-@needs_record_transforms  # the corpus has compressed cases
 def test_the_corpus_is_what_the_script_builds(tmp_path):
     """The committed corpus is the script's output (regenerate with fixtures/make_hostile.py)."""
     import make_hostile
