@@ -287,3 +287,27 @@ def test_large_reads_through_a_chained_fsspec_url(tmp_path, monkeypatch):
             assert torch.equal(src.read_tensor("a"), a)
     finally:
         fs.rm("/chained", recursive=True)
+
+
+def test_a_checked_convert_reads_each_dcp_record_once(tmp_path, monkeypatch):
+    """Converting a DCP reads each whole record straight into its slab and checks it there: the
+    bytes read are about the data's, not twice (a checksum pass, then the data)."""
+    from ckpttool import storage
+
+    # records above torchzip's 1 MiB small-archive size (a smaller one is fetched whole to parse it)
+    state = {f"w{i}": torch.randn(512, 1024) for i in range(2)}
+    torch.save(state, tmp_path / "s.pt")
+    convert(str(tmp_path / "s.pt"), str(tmp_path / "dcp"))
+    read = []
+    real = storage.RangeReader.readinto
+    monkeypatch.setattr(storage.RangeReader, "readinto", lambda self, offset, out: (read.append(out.nbytes), real(self, offset, out))[1])
+    convert(str(tmp_path / "dcp"), str(tmp_path / "out.safetensors"))
+    data = sum(t.numel() * 4 for t in state.values())
+    assert data <= sum(read) < 1.2 * data, (sum(read), data)
+    got = load_file(tmp_path / "out.safetensors")
+    assert all(torch.equal(got[k].view(torch.int32), v.view(torch.int32)) for k, v in state.items())
+    path, start, end, key = tensor_data_spans(tmp_path / "dcp")[0]  # one pass, still checked
+    flip_bit(path, (start + end) // 2)
+    with pytest.raises(ChecksumError, match=key):
+        convert(str(tmp_path / "dcp"), str(tmp_path / "bad.safetensors"))
+    assert not (tmp_path / "bad.safetensors").exists()

@@ -2,8 +2,9 @@
 step has one (it covers the CRC-32's bytes and the record's headers, at four times the speed), else
 torch's CRC-32 of the record's tensor data. ``.metadata`` is checked against the manifest too.
 
-Offline reads scan a record before its first use; loads read a record straight into the shard and
-check it there (one pass). A mismatch is a :class:`ChecksumError` naming the key, file and rank.
+Loads, and offline reads of a whole chunk into contiguous memory of its dtype (a convert's usual
+case), read a record straight into its destination and check it there (one pass); other offline
+reads scan a record before its first use (a second pass over its bytes). A mismatch is a :class:`ChecksumError` naming the key, file and rank.
 """
 
 from __future__ import annotations
@@ -66,19 +67,24 @@ class RecordChecks:
             self._compare_digest(key, info, hasher.hexdigest())
         self._done.add((info.relative_path, info.offset))
 
+    def straight(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> bool:
+        """Whether :meth:`read_chunk` reads ``chunk``'s record straight into ``dst`` (``part`` is the
+        whole chunk, ``dst`` contiguous CPU memory of the stored dtype and the record's exact size)."""
+        ref, storage = self.source.tensor_record(key, entry, chunk)
+        return (part == (chunk.offsets, chunk.sizes) and dst.device.type == "cpu" and dst.dtype == ref.dtype
+                and dst.is_contiguous() and ref.is_contiguous() and ref.storage_offset == 0
+                and storage.nbytes == dst.numel() * dtype_size(ref.dtype))
+
     def read_chunk(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> None:
         """Read the whole record of ``chunk`` once, check it, and copy ``part`` of it into ``dst``:
-        straight into ``dst`` when it is the whole chunk in CPU memory of the stored dtype."""
+        straight into ``dst`` when :meth:`straight`, else through a scratch buffer of the record."""
         source, info = self.source, chunk.location
         ref, storage = source.tensor_record(key, entry, chunk)
         check_ref(ref, storage, f"{source.file(info.relative_path).url} (key {key!r}, chunk at {list(chunk.offsets)})")
         reader = source.record(info, key)[0]
         packed = source.transformed(info)
         item = dtype_size(ref.dtype)
-        straight = (part == (chunk.offsets, chunk.sizes) and dst.device.type == "cpu" and dst.dtype == ref.dtype
-                    and dst.is_contiguous() and ref.is_contiguous() and ref.storage_offset == 0
-                    and storage.nbytes == dst.numel() * item)
-        if straight:  # the common case: a rank loads the very shard it saved
+        if self.straight(key, entry, chunk, part, dst):  # the common case: a rank loads the very shard it saved
             data = tensor_buffer(dst)
             reader.readinto(storage.offset, data)
         else:

@@ -234,14 +234,17 @@ class DcpSource(Source):
         if out is None:
             out = torch.empty(box[1], dtype=entry.dtype)
         for chunk, part in entry.chunks_in(box):
+            dst = out[relative(part, box)]
             if self.checks is not None and not self.checks.done(chunk.location):
-                self.checks.scan_chunk(key, entry, chunk)
+                if self.checks.straight(key, entry, chunk, part, dst):
+                    self.checks.read_chunk(key, entry, chunk, part, dst)  # one pass: read into dst, checked there
+                    continue
+                self.checks.scan_chunk(key, entry, chunk)  # a part of the record: check it all first
             ref, storage = self.tensor_record(key, entry, chunk)
             where = f"{self.file(chunk.location.relative_path).url} (key {key!r})"
             local = tuple(s.start for s in relative(part, (chunk.offsets, chunk.sizes)))
             # read straight into the destination when its slice is contiguous (whole rows)
-            read_tensor_box(self.record(chunk.location, key)[0], ref, storage, (local, part[1]), where,
-                            out=out[relative(part, box)])
+            read_tensor_box(self.record(chunk.location, key)[0], ref, storage, (local, part[1]), where, out=dst)
         return out
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
