@@ -13,6 +13,7 @@ with the file written last as the marker on object stores (which have no atomic 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -249,7 +250,32 @@ class _LocalDisk(_Backend):
         return path
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
-        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        # Whole or not at all: the content goes to a hidden file that is then hard-linked to the
+        # name (link fails when the name exists). An O_EXCL create followed by a write would let
+        # another job read the name while it is still empty, and take it for a damaged lease.
+        directory = os.path.dirname(path) or "/"
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.new-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                return self._create_excl_in_place(path, data)  # a filesystem without hard links
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+
+    @staticmethod
+    def _create_excl_in_place(path: str, data: bytes) -> bool:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:

@@ -173,3 +173,47 @@ def test_sync_save_that_cannot_write_fails_clearly_and_keeps_earlier_steps(how, 
         assert ckpt.incomplete() == []
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_rank_0_never_reads_a_half_written_rank_index(tmp_path, monkeypatch):
+    """Rank 0 reads a rank's index as soon as its name appears. The index is written slowly here
+    (a flushed first half, a pause, the rest) while rank 0 polls: it must wait for the whole file,
+    never read an empty or half one (seen once in CI as 'a rank's index is damaged')."""
+    import threading
+    import time
+    from contextlib import contextmanager
+
+    from ckpttool.formats.dcp import save as save_mod
+    from ckpttool.storage import _LocalDisk, resolve
+
+    real_open_write = _LocalDisk.open_write
+
+    class _Slow:
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, data):
+            view = memoryview(data).cast("B")
+            half = view.nbytes // 2
+            self._f.write(view[:half])
+            self._f.flush()
+            time.sleep(0.3)
+            self._f.write(view[half:])
+            return view.nbytes
+
+    @contextmanager
+    def slow_open_write(self, path):
+        with real_open_write(self, path) as f:
+            yield _Slow(f)
+
+    monkeypatch.setattr(_LocalDisk, "open_write", slow_open_write)
+    step = resolve(str(tmp_path / "step"))
+    step.makedirs()
+    index = save_mod.RankIndex(rank=0, file="__0_0.distcp", objects={"step": [0, 10]}, records=[[0, 10, "x"]])
+    writer = threading.Thread(target=save_mod.publish_index, args=(step, index))
+    writer.start()
+    try:
+        got = save_mod.read_rank_indexes(step, 1, timeout=10)
+    finally:
+        writer.join()
+    assert got[0].objects == {"step": [0, 10]} and got[0].records == [[0, 10, "x"]]

@@ -97,3 +97,24 @@ def test_clean_of_a_missing_root_exits_2(tmp_path):
     for args in (["clean", str(tmp_path / "nope")], ["clean", str(tmp_path / "nope"), "--dry-run"]):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and "does not exist" in result.stderr, (args, result.output)
+
+
+def test_a_lease_file_appears_only_whole(tmp_path, monkeypatch):
+    """Another job reads the lease as soon as its name exists, and takes an unreadable lease for
+    none. So the name must appear only once the content is written and durable (checked at the
+    fsync), a second create must fail without touching it, and no hidden file may be left."""
+    from ckpttool.storage import resolve
+
+    loc = resolve(str(tmp_path / "root" / LEASE_FILE))
+    real_fsync, seen = os.fsync, []
+
+    def fsync(fd):
+        seen.append(os.path.exists(loc.path))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert loc.create_exclusive(b'{"first": 1}')
+    assert seen and not any(seen), "the lease's name existed before its content was durable"
+    assert not loc.create_exclusive(b'{"second": 2}')
+    assert loc.read_bytes() == b'{"first": 1}'
+    assert sorted(os.listdir(tmp_path / "root")) == [LEASE_FILE]

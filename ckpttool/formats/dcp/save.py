@@ -170,11 +170,18 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     except BaseException as exc:
         index.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CkptError) else exc.message()
         try:
-            step_dir.child(partial_name(rank)).write_bytes(json.dumps(index.__dict__).encode())
+            publish_index(step_dir, index)
         except Exception:  # noqa: BLE001 - the storage refuses writes; rank 0 times out instead
             pass
         raise
-    step_dir.child(partial_name(rank)).write_bytes(json.dumps(index.__dict__).encode())
+    publish_index(step_dir, index)
+
+
+def publish_index(step_dir: Location, index: RankIndex) -> None:
+    """Put a rank's index in storage in one step. Rank 0 polls for the name and reads the file as
+    soon as it appears, so a file written in place could be read empty or half written: locally it
+    is written under a hidden name and renamed; an object store's put is already whole."""
+    step_dir.child(partial_name(index.rank)).replace_bytes(json.dumps(index.__dict__).encode())
 
 
 def _declare(index: RankIndex, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
