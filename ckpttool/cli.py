@@ -251,8 +251,11 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--world-size", type=int, required=True, help="Ranks of the job that will load DST (1 to 65536).")
+@click.option("--world-size", type=int, help="Ranks of the job that will load DST (1 to 65536).")
 @click.option("--mesh", metavar="RxS", help="HSDP mesh: R replicas x S shards (R*S = world size); boxes follow the shard dim.")
+@click.option("--like", metavar="OTHER", help="Lay DST out exactly as the DCP checkpoint OTHER (every key's chunks, in the same "
+                                              "ranks' files): save the new job's initial state once on its mesh, then reshard to it. "
+                                              "Instead of --world-size.")
 @click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix.")
 @click.option("--compress", type=click.Choice(COMPRESSIONS),
               help="DCP output: store each record zstd-compressed, as torch's FileSystemWriter(_extensions=[ZStandard()]) does "
@@ -262,7 +265,8 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @json_option
 @storage_option
 @click.pass_context
-def reshard(ctx: click.Context, src: str, dst: str, world_size: int, mesh: str | None, only: str | None, compress: str | None,
+def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, like: str | None, only: str | None,
+            compress: str | None,
             memory_budget: str,
             force: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Rewrite a DCP checkpoint for a new world size, in one process, without a cluster.
@@ -275,16 +279,22 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int, mesh: str |
     reads DST. SRC may be written by ckpttool or by plain torch, on any world size.
 
     \b
+    With --like OTHER, DST takes OTHER's layout instead, whatever it is (FSDP+TP on a 2-D mesh,
+    shards on dim 1, ...): every key's chunks as OTHER has them, in the same ranks' files. OTHER
+    must hold the same tensor keys and shapes (its data is not read).
+
+    \b
     Examples:
       ckpttool reshard runs/exp1/step-100 step-100-w4 --world-size 4
       ckpttool reshard runs/exp1/step-100 step-100-hsdp --world-size 4 --mesh 2x2
       ckpttool reshard runs/exp1/step-100 step-100-w8-zstd --world-size 8 --compress zstd
+      ckpttool reshard runs/exp1/step-100 step-100-tp --like runs/exp2-tp/step-0
     """
     from .pipeline import reshard as run_reshard
 
     progress = Progress("reshard", not _quiet(ctx) and not as_json)
     try:
-        report = run_reshard(src, dst, world_size=world_size, mesh=mesh, only=only, compress=compress, memory_budget=memory_budget,
+        report = run_reshard(src, dst, world_size=world_size, mesh=mesh, like=like, only=only, compress=compress, memory_budget=memory_budget,
                              force=force,
                              storage_options=_storage_options(storage_options), progress=progress)
     finally:
@@ -293,7 +303,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int, mesh: str |
         _emit_json(report.__dict__)
         return
     click.echo(f"wrote {report.dst}: {report.tensors} tensors, {_human(report.bytes)} for {report.world_size} ranks "
-               f"(mesh {report.mesh}; source had {report.source_world_size})")
+               f"({'' if report.mesh.startswith('like ') else 'mesh '}{report.mesh}; source had {report.source_world_size})")
 
 
 @main.command()

@@ -179,6 +179,18 @@ class FsdpLayout:
         return stored_box_of(shape, self.mesh, rank, sharded=key not in self.replicated)
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Boxes given per key and rank, as another checkpoint stores them (``reshard --like``):
+    ``boxes[key][rank]`` lists the boxes rank ``rank``'s file stores of ``key``."""
+
+    world_size: int
+    boxes: dict[str, dict[int, tuple[Box, ...]]] = field(hash=False)
+
+    def boxes_of(self, rank: int, key: str, shape: tuple[int, ...]) -> list[Box]:
+        return list(self.boxes.get(key, {}).get(rank, ()))
+
+
 def stored_replicated(shape: Sequence[int], chunks: Sequence[Box], source: Mesh) -> bool:
     """Whether a checkpoint saved on ``source`` holds this tensor replicated (a buffer, a scalar).
 

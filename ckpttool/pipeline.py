@@ -15,10 +15,10 @@ import torch
 
 from . import formats
 from .choices import CAST_DTYPES, parse_size
-from .errors import FormatError, OutputExistsError, StorageError, UsageError
+from .errors import FormatError, MismatchError, OutputExistsError, StorageError, UsageError
 from .formats.base import ObjectSpec, Progress, ReadAhead, ReadFn, Sink, SinkOptions, SlabBuffers, Source, TensorSpec, stream_slabs
 from .index import TensorEntry, dtype_size, strip_prefix
-from .layout import Box, FsdpLayout, Mesh, stored_replicated
+from .layout import MAX_WORLD_SIZE, Box, ChunkLayout, FsdpLayout, Mesh, stored_replicated
 from .steps import is_training_root, list_root
 from .storage import Location, describe_os_error, resolve
 
@@ -251,12 +251,54 @@ def replicated_keys(source: Source, plan: Plan) -> frozenset[str]:
     return frozenset(out)
 
 
+def _listed(keys: list[str], most: int = 5) -> str:
+    return ", ".join(repr(k) for k in keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def like_layout(plan: Plan, other: Source) -> ChunkLayout:
+    """``other``'s layout for the tensors of ``plan``: every key's chunks exactly as ``other`` stores
+    them, each in the file of the rank that stores it there (``__<rank>_<n>.distcp``; a rank's
+    several files become one). Tensor keys and shapes must match; dtypes may differ (the output
+    keeps the source's bits, and ``dcp.load`` copies them into the model's dtype)."""
+    from .formats.dcp.metadata import file_rank
+
+    where = other.location.url
+    index = other.index()
+    theirs = {k: index[k] for k in index if isinstance(index[k], TensorEntry)}
+    ours = {spec.key: spec for spec in plan.tensors}
+    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    if missing or extra:
+        what = "; ".join(([f"not in it: {_listed(missing)}"] if missing else []) + ([f"only in it: {_listed(extra)}"] if extra else []))
+        raise MismatchError(f"the checkpoint given to --like holds other tensors ({what})", where=where,
+                            hint="--like takes a checkpoint of the same model (its initial state saved on the new job's mesh)")
+    boxes: dict[str, dict[int, tuple[Box, ...]]] = {}
+    world_size = other.world_size
+    for key, spec in ours.items():
+        entry = theirs[key]
+        if tuple(entry.shape) != tuple(spec.shape):
+            raise MismatchError(f"tensor {key!r} has shape {list(spec.shape)} in the source but {list(entry.shape)} in --like",
+                                where=where, hint="--like takes a checkpoint of the same model")
+        entry.check_coverage(where)
+        per_rank: dict[int, list[Box]] = {}
+        for i, chunk in enumerate(entry.chunks):
+            name = other.chunk_file(entry, i)
+            rank = file_rank(name)
+            if rank is None or rank >= MAX_WORLD_SIZE:
+                raise FormatError(f"tensor {key!r} is stored in {name!r}, not a __<rank>_<n>.distcp file of a rank below "
+                                  f"{MAX_WORLD_SIZE}: its rank cannot be told", where=where)
+            per_rank.setdefault(rank, []).append((tuple(chunk.offsets), tuple(chunk.sizes)))
+            world_size = max(world_size, rank + 1)
+        boxes[key] = {rank: tuple(b) for rank, b in per_rank.items()}
+    return ChunkLayout(world_size, boxes)
+
+
 def reshard(
     src: str | Location,
     dst: str | Location,
     *,
-    world_size: int,
+    world_size: int | None = None,
     mesh: str | None = None,
+    like: str | Location | None = None,
     only: str | None = None,
     memory_budget: int | str = DEFAULT_BUDGET,
     force: bool = False,
@@ -266,12 +308,18 @@ def reshard(
     read_ahead: bool = True,
 ) -> ReshardReport:
     """Rewrite a DCP checkpoint as FSDP2 would lay it out on ``world_size`` ranks (or an HSDP
-    ``mesh`` "RxS"): one ``__<rank>_0.distcp`` per target rank holding exactly that rank's boxes.
+    ``mesh`` "RxS"), or exactly as the DCP checkpoint ``like`` is laid out (any mesh, FSDP+TP
+    included): one ``__<rank>_0.distcp`` per target rank holding exactly that rank's boxes.
 
     One process, no process group, streaming under ``memory_budget``. Raises :class:`UsageError`
-    for a bad world size or mesh, :class:`FormatError` when SRC is not DCP.
+    for a bad world size or mesh, :class:`FormatError` when SRC (or ``like``) is not DCP,
+    :class:`MismatchError` when ``like`` holds other tensors or shapes.
     """
-    target = Mesh.parse(world_size, mesh)
+    if (like is None) == (world_size is None):
+        raise UsageError("give either --world-size or --like", hint="--like OTHER lays DST out as the DCP checkpoint OTHER is")
+    if like is not None and mesh is not None:
+        raise UsageError("--mesh goes with --world-size, not with --like (OTHER's layout is used as it is)")
+    target = Mesh.parse(world_size, mesh) if world_size is not None else None
     dcp = formats.get("dcp")
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
@@ -287,9 +335,19 @@ def reshard(
             )
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, None)
-        layout = FsdpLayout(target, replicated_keys(source, plan))
+        layout: FsdpLayout | ChunkLayout
+        if target is not None:
+            layout = FsdpLayout(target, replicated_keys(source, plan))
+            described = f"{target.replicate}x{target.shard}"
+        else:
+            like_loc = resolve(like, storage_options)
+            with formats.open_source(like_loc) as other:
+                if other.format != dcp.name:
+                    raise FormatError(f"--like takes a DCP checkpoint; this is {other.format}", where=like_loc.url)
+                layout = like_layout(plan, other)
+            described = f"like {like_loc.url}"
         sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout, compress=compress))
         run(source, sink, plan, budget, progress, read_ahead=read_ahead)
         return ReshardReport.of(src_loc, dst_loc, plan, sink, source_world_size=source.world_size,
-                                world_size=target.world_size, mesh=f"{target.replicate}x{target.shard}",
+                                world_size=layout.world_size, mesh=described,
                                 bytes_per_rank=dict(sorted(sink.bytes_per_rank.items())))

@@ -75,3 +75,89 @@ def test_hsdp_stores_each_box_once(plain, tmp_path):
     md = read_metadata(resolve(out))
     seen = [(mi.fqn, tuple(mi.offset)) for mi in md.storage_data if mi.offset is not None]
     assert len(seen) == len(set(seen))
+
+
+# --- reshard --like: any layout, FSDP + TP included ----------------------------------------------
+
+
+def stored_layout(path: str) -> dict[str, list]:
+    """key -> sorted (offsets, sizes, file) of every chunk: what --like must reproduce."""
+    md = read_metadata(resolve(path))
+    out: dict[str, list] = {}
+    for index, info in md.storage_data.items():
+        if index.offset is None:
+            continue
+        chunk = next(c for c in md.state_dict_metadata[index.fqn].chunks if tuple(c.offsets) == tuple(index.offset))
+        out.setdefault(index.fqn, []).append((tuple(index.offset), tuple(chunk.sizes), info.relative_path))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def tp_pair(tmp_path_factory):
+    """A TPNet trained one step and saved by plain torch with FSDP2 on 2 ranks (its full state), and
+    the initial state of a new job saved by plain torch on a 2x2 (dp, tp) mesh."""
+    from .workloads import tpnet_save
+
+    base = tmp_path_factory.mktemp("tp")
+    src, other = str(base / "fsdp2"), str(base / "fsdp-tp")
+    expected = run_ranks(tpnet_save, 2, src, 1, True)[0]
+    run_ranks(tpnet_save, 4, other, 2, False)
+    return src, other, expected
+
+
+def test_like_an_fsdp_tp_checkpoint_plain_torch_loads_it_bitwise(tp_pair, tmp_path):
+    from .workloads import tpnet_load
+
+    src, other, expected = tp_pair
+    out = str(tmp_path / "out")
+    report = reshard(src, out, like=other)
+    assert report.world_size == 4 and report.source_world_size == 2
+    layout = stored_layout(out)
+    assert layout == stored_layout(other)  # every key's chunks, in the same ranks' files
+    w2 = read_metadata(resolve(out)).state_dict_metadata["model.w2.weight"]
+    assert any(c.sizes[1] < w2.size[1] for c in w2.chunks), "the rowwise layer is not cut along dim 1"
+    assert layout != stored_layout(src)
+    results = run_ranks(tpnet_load, 4, out, 2)
+    assert_same_nested(results[0]["model"], expected["model"], "model")
+    assert_same_nested(results[0]["optim"], expected["optim"], "optim")
+
+
+def test_like_a_plain_fsdp2_checkpoint_equals_resharding_to_its_world_size(plain, tmp_path):
+    out = str(tmp_path / "out")
+    report = reshard(plain[2][0], out, like=plain[3][0])
+    assert report.world_size == 3 and report.mesh == f"like {resolve(plain[3][0]).url}"
+    assert stored_layout(out) == stored_layout(plain[3][0])
+    assert_same_checkpoint(plain[2][0], out)
+
+
+def test_like_refuses_another_model_and_bad_options(plain, tp_pair, tmp_path):
+    from ckpttool.errors import MismatchError, UsageError
+
+    src, other, _ = tp_pair
+    with pytest.raises(MismatchError, match="other tensors.*model.emb.weight"):
+        reshard(plain[2][0], str(tmp_path / "a"), like=other)
+    with pytest.raises(UsageError, match="either --world-size or --like"):
+        reshard(src, str(tmp_path / "b"), world_size=2, like=other)
+    with pytest.raises(UsageError, match="either --world-size or --like"):
+        reshard(src, str(tmp_path / "c"))
+    assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def test_like_refuses_a_shape_that_differs_and_the_cli_says_so_in_one_line(tp_pair, tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    src, _, expected = tp_pair
+    odd = {"model": dict(expected["model"]), "optim": expected["optim"]}
+    odd["model"]["w1.weight"] = torch.zeros(16, 9)
+    dcp.save(odd, checkpoint_id=str(tmp_path / "odd"), no_dist=True)
+    result = CliRunner().invoke(main, ["reshard", src, str(tmp_path / "out"), "--like", str(tmp_path / "odd")])
+    assert result.exit_code == 2, result.output
+    assert "'model.w1.weight' has shape [16, 8] in the source but [16, 9] in --like" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+    result = CliRunner().invoke(main, ["reshard", src, str(tmp_path / "out"), "--like", tp_pair[1], "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"world_size": 4' in result.output

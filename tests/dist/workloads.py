@@ -371,3 +371,73 @@ def compressed_save(root: str, async_save: bool) -> dict[str, object]:
     with Checkpointer(root, compress="zstd", async_save=async_save) as ckpt:
         ckpt.save(1, model, optimizer, extra={"note": "zstd"})
     return {"state": full_state(model, optimizer)}
+
+
+# --- FSDP + TP on a 2-D mesh, saved and loaded with plain torch (for reshard --like) -------------
+
+
+class TPNet(torch.nn.Module):
+    """An MLP for tensor parallelism: ``w1`` colwise (rows over tp), ``w2`` rowwise (columns over
+    tp, so its chunks are cut along dim 1), a LayerNorm replicated over tp."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Linear(8, 16)
+        self.w2 = torch.nn.Linear(16, 8, bias=False)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.w2(torch.relu(self.w1(x))))
+
+
+def tpnet_sharded(tp: int):
+    """TPNet under FSDP2 over all ranks (``tp`` = 1), or TP over ``tp`` ranks and FSDP2 over the
+    rest on a ``(dp, tp)`` mesh; the same full weights whatever the layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = TPNet()
+    world = dist.get_world_size()
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        dp = mesh["dp"]
+    else:
+        dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    fully_shard(model, mesh=dp)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def tpnet_save(path: str, tp: int, train: bool) -> dict[str, object]:
+    """Plain dcp.save of TPNet + AdamW (after one step when ``train``; else its initial state, as a
+    new job saves it for ``reshard --like``); returns the full state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optimizer = tpnet_sharded(tp)
+    if train:
+        model(torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32).sum().backward()
+        optimizer.step()
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": fmsd, "optim": fosd}
+
+
+def tpnet_load(path: str, tp: int) -> dict[str, object]:
+    """Plain dcp.load into a fresh (zeroed) TPNet + AdamW laid out with ``tp``; the full state after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model, optimizer = tpnet_sharded(tp)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": fmsd, "optim": fosd}

@@ -20,6 +20,17 @@ def test_help_has_examples(command):
     assert result.exit_code == 0 and "Examples" in result.output
 
 
+def test_python_m_ckpttool_is_the_cli(tmp_path):
+    """``python -m ckpttool`` (what ``torchrun -m ckpttool`` runs) is the same CLI, exit codes included."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ckpttool", "inspect", str(tmp_path / "missing")], capture_output=True, text=True)
+    assert out.returncode == 2 and "does not exist" in out.stderr and "Usage: ckpttool" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "ckpttool", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("Usage: ckpttool")
+
+
 def test_bad_inputs_exit_2_with_one_line(tmp_path, ref_pt):
     (tmp_path / "random.bin").write_bytes(bytes(range(256)) * 4)
     (tmp_path / "exists.pt").write_bytes(b"x")
