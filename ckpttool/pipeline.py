@@ -271,8 +271,11 @@ def like_layout(plan: Plan, other: Source) -> ChunkLayout:
         what = "; ".join(([f"not in it: {_listed(missing)}"] if missing else []) + ([f"only in it: {_listed(extra)}"] if extra else []))
         raise MismatchError(f"the checkpoint given to --like holds other tensors ({what})", where=where,
                             hint="--like takes a checkpoint of the same model (its initial state saved on the new job's mesh)")
+    world_size = other.world_size  # the highest rank in its file names, plus one: bounded before any use
+    if world_size > MAX_WORLD_SIZE:
+        raise FormatError(f"its file names say it was written by {world_size} ranks, more than ckpttool writes ({MAX_WORLD_SIZE})",
+                          where=where, hint="one file per rank: --like takes the checkpoint of a job of at most that size")
     boxes: dict[str, dict[int, tuple[Box, ...]]] = {}
-    world_size = other.world_size
     for key, spec in ours.items():
         entry = theirs[key]
         if tuple(entry.shape) != tuple(spec.shape):
@@ -282,12 +285,11 @@ def like_layout(plan: Plan, other: Source) -> ChunkLayout:
         per_rank: dict[int, list[Box]] = {}
         for i, chunk in enumerate(entry.chunks):
             name = other.chunk_file(entry, i)
-            rank = file_rank(name)
-            if rank is None or rank >= MAX_WORLD_SIZE:
-                raise FormatError(f"tensor {key!r} is stored in {name!r}, not a __<rank>_<n>.distcp file of a rank below "
-                                  f"{MAX_WORLD_SIZE}: its rank cannot be told", where=where)
+            rank = file_rank(name)  # below world_size: that counts every file's rank
+            if rank is None:
+                raise FormatError(f"tensor {key!r} is stored in {name!r}, not a __<rank>_<n>.distcp file: its rank cannot be told",
+                                  where=where)
             per_rank.setdefault(rank, []).append((tuple(chunk.offsets), tuple(chunk.sizes)))
-            world_size = max(world_size, rank + 1)
         boxes[key] = {rank: tuple(b) for rank, b in per_rank.items()}
     return ChunkLayout(world_size, boxes)
 

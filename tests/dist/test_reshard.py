@@ -161,3 +161,24 @@ def test_like_refuses_a_shape_that_differs_and_the_cli_says_so_in_one_line(tp_pa
     result = CliRunner().invoke(main, ["reshard", src, str(tmp_path / "out"), "--like", tp_pair[1], "--json"])
     assert result.exit_code == 0, result.output
     assert '"world_size": 4' in result.output
+
+
+def test_like_bounds_the_ranks_its_file_names_claim(plain, tmp_path):
+    """OTHER's file names say how many rank files DST gets: a hostile one naming rank 70000 must be
+    refused before anything is written, not answered with 70,001 files."""
+    import pickle
+    import shutil
+
+    from ckpttool.errors import FormatError
+
+    other = tmp_path / "other"
+    shutil.copytree(plain[3][0], other)
+    md = pickle.loads((other / ".metadata").read_bytes())  # our own fixture: trusted here
+    obj = next(i for i in md.storage_data if i.offset is None)
+    md.storage_data[obj].relative_path = "__70000_0.distcp"
+    (other / ".metadata").write_bytes(pickle.dumps(md))
+    shutil.copy(other / "__0_0.distcp", other / "__70000_0.distcp")
+    with pytest.raises(FormatError, match="written by 70001 ranks"):
+        reshard(plain[2][0], str(tmp_path / "out"), like=str(other))
+    assert not (tmp_path / "out").exists() and len(list(tmp_path.iterdir())) == 1
+
