@@ -155,9 +155,7 @@ def plain_torch_save(path: str) -> dict[str, object]:
 def plain_torch_load(path: str, mesh_shape: tuple[int, ...] | None = None) -> dict[str, object]:
     """Plain dcp.load into a fresh sharded OddNet + AdamW; return the full state afterwards, and
     which files each rank read (bytes per file and the keys it read from each)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     reads: dict[str, dict] = {}
 
@@ -173,15 +171,25 @@ def plain_torch_load(path: str, mesh_shape: tuple[int, ...] | None = None) -> di
             return super().read_data(plan, planner)
 
     model, optimizer = oddnet_sharded(mesh_shape)
+    out = load_zeroed(model, optimizer, storage_reader=CountingReader(path))
+    return {**out, "reads": reads, "rank": dist.get_rank()}
+
+
+def load_zeroed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **load_args) -> dict[str, object]:
+    """Zero the model, plain ``dcp.load(state, **load_args)`` into its model and optimizer state,
+    and return the full state afterwards (what torch.save would hold)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, storage_reader=CountingReader(path))
+    dcp.load(state, **load_args)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {"model": fmsd, "optim": fosd, "reads": reads, "rank": dist.get_rank()}
+    return {"model": fmsd, "optim": fosd}
 
 
 def load_and_verify(root: str, mesh_shape: tuple[int, ...] | None = None, flip: tuple[str, int] | None = None) -> dict[str, object]:
@@ -428,16 +436,4 @@ def tpnet_save(path: str, tp: int, train: bool) -> dict[str, object]:
 
 def tpnet_load(path: str, tp: int) -> dict[str, object]:
     """Plain dcp.load into a fresh (zeroed) TPNet + AdamW laid out with ``tp``; the full state after."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    model, optimizer = tpnet_sharded(tp)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    fmsd, fosd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {"model": fmsd, "optim": fosd}
+    return load_zeroed(*tpnet_sharded(tp), checkpoint_id=path)
