@@ -16,7 +16,9 @@ from .workloads import assert_same, async_snapshot, async_write_error, crash_dur
 
 
 def test_async_save_is_a_snapshot_while_training_goes_on(tmp_path):
-    for r in run_ranks(async_snapshot, 2, str(tmp_path / "run")):
+    # the background copy starts 2 s late, so the next optimizer step certainly comes first: only
+    # the fence (the step waits for the copy) keeps the snapshot exact
+    for r in run_ranks(async_snapshot, 2, str(tmp_path / "run"), env={"CKPTTOOL_DELAY_AT": "stage-copy:2"}):
         assert r["steps"] == [2, 5] and r["extra"] == {"step": 2}
         assert_same(r["expected"], r["loaded2"], "async step 2")
         assert_same(r["after"], r["loaded5"], "async step 5")
