@@ -113,7 +113,10 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
 
     try:
         sink.start(plan.entries)
+        source.check_in_parts()
         sink.write(tensors, reader_for, advance)
+        ahead.stop()
+        source.settle()  # every record read is checked before the output is committed
         sink.finalize()
     except OSError as exc:  # a write the storage refused (disk full): one line naming the output
         sink.abort(exc)

@@ -127,6 +127,15 @@ class Source(ABC):
         """Names of the data files this checkpoint consists of."""
         return [self.location.name]
 
+    def check_in_parts(self) -> None:
+        """Let reads that take a record in consecutive parts check it as the parts go by (one pass
+        over its bytes instead of a scan before the first part): the caller then calls
+        :meth:`settle` before it trusts what it read (an offline command: before its commit)."""
+
+    def settle(self) -> None:
+        """Finish the checks of the records read in parts (those not read to their end are scanned
+        now); raises as the checks do."""
+
     def close(self) -> None:
         pass
 

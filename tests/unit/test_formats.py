@@ -311,3 +311,67 @@ def test_a_checked_convert_reads_each_dcp_record_once(tmp_path, monkeypatch):
     with pytest.raises(ChecksumError, match=key):
         convert(str(tmp_path / "dcp"), str(tmp_path / "bad.safetensors"))
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+def _ckpttool_step(tmp_path):
+    """A ckpttool step (its commit record carries the manifest): one rank, records above 1 MiB."""
+    from ckpttool import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.Linear(512, 1024))
+    Checkpointer(tmp_path / "run").save(1, model)
+    return tmp_path / "run" / "step-1"
+
+
+def _plain_dcp(tmp_path):
+    """A DCP directory without a manifest (torch's CRC-32 is its only check)."""
+    torch.save({"w0": torch.randn(512, 1024), "w1": torch.randn(1024, 512)}, tmp_path / "s.pt")
+    convert(str(tmp_path / "s.pt"), str(tmp_path / "dcp"))
+    return tmp_path / "dcp"
+
+
+@pytest.mark.parametrize("make", [_plain_dcp, _ckpttool_step], ids=["crc32", "manifest"])
+def test_a_reshard_checks_records_it_reads_in_parts_in_one_pass(tmp_path, monkeypatch, make):
+    """Resharding one rank's records to 4 ranks reads each record in 4 consecutive row ranges; each
+    is checked as its parts go by (CRC-32, or the manifest's hash of the whole record), so the
+    bytes read are about the data's, not twice; a flip anywhere in a record (its first or last
+    part, or its header under a manifest) still fails the reshard, and nothing is written."""
+    from ckpttool import storage
+    from ckpttool.pipeline import reshard
+
+    src = make(tmp_path)
+    read = []
+    real = storage.RangeReader.readinto
+    monkeypatch.setattr(storage.RangeReader, "readinto", lambda self, offset, out: (read.append(out.nbytes), real(self, offset, out))[1])
+    reshard(str(src), str(tmp_path / "out"), world_size=4)
+    monkeypatch.undo()
+    data = sum(end - start for _, start, end, _ in tensor_data_spans(src))
+    assert data <= sum(read) < 1.2 * data, (sum(read), data)
+    assert_same_checkpoint(src, tmp_path / "out")
+
+    spans = [s for s in tensor_data_spans(src) if s[2] - s[1] >= 1 << 20]
+    with open_source(str(src)) as source:
+        header = {key: source.index()[key].chunks[0].location.offset for _, _, _, key in spans}
+    flips = [(path, start + 5, key) for path, start, _, key in spans[:1]] + [(path, end - 5, key) for path, _, end, key in spans[-1:]]
+    if make is _ckpttool_step:
+        flips.append((spans[0][0], header[spans[0][3]] + 20, spans[0][3]))  # inside the record's zip header
+    for path, byte, key in flips:
+        flip_bit(path, byte)
+        with pytest.raises(ChecksumError, match=key):
+            reshard(str(src), str(tmp_path / "bad"), world_size=4)
+        assert not (tmp_path / "bad").exists()
+        flip_bit(path, byte)  # undo
+
+
+def test_a_record_read_only_in_part_is_checked_whole_when_the_reader_settles(tmp_path):
+    """A record whose parts were not all read (the rest of it never asked for) is not trusted on
+    its first part's word: settle() scans it whole and finds the flip in the part never read."""
+    src = _plain_dcp(tmp_path)
+    path, start, end, key = next(s for s in tensor_data_spans(src) if s[3] == "w0")
+    flip_bit(path, end - 5)
+    with open_source(str(src)) as source:
+        source.check_in_parts()
+        first = source.read_tensor(key, ((0, 0), (128, 1024)))
+        assert first.shape == (128, 1024)
+        with pytest.raises(ChecksumError, match=key):
+            source.settle()

@@ -3,12 +3,17 @@ step has one (it covers the CRC-32's bytes and the record's headers, at four tim
 torch's CRC-32 of the record's tensor data. ``.metadata`` is checked against the manifest too.
 
 Loads, and offline reads of a whole chunk into contiguous memory of its dtype (a convert's usual
-case), read a record straight into its destination and check it there (one pass); other offline
-reads scan a record before its first use (a second pass over its bytes). A mismatch is a :class:`ChecksumError` naming the key, file and rank.
+case), read a record straight into its destination and check it there (one pass). An offline read
+that takes a record in consecutive parts, in byte order (a reshard's row ranges), checks it as the
+parts go by once the caller allowed it (``check_in_parts``): one pass again, the check complete at
+the last part, and the caller settles every check before its commit. Other reads scan a record
+before its first use (a second pass over its bytes). A mismatch is a :class:`ChecksumError` naming
+the key, file and rank.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +34,19 @@ if TYPE_CHECKING:
 Manifest = dict[tuple[str, int], tuple[int, str]]
 
 
+class _Stream:
+    """The check of a record being read in consecutive parts: the next data byte it expects and
+    the running checksum (the manifest's hasher, fed the record's header first, or CRC-32)."""
+
+    __slots__ = ("key", "entry", "chunk", "next", "hasher", "crc")
+
+    def __init__(self, key: str, entry: TensorEntry, chunk: Chunk, hasher: Any):
+        self.key, self.entry, self.chunk = key, entry, chunk
+        self.next = 0
+        self.hasher = hasher
+        self.crc = 0
+
+
 class RecordChecks:
     """The checks of one reader: which records were checked, and the manifest to check them against."""
 
@@ -37,6 +55,8 @@ class RecordChecks:
         self.on = f" on rank {rank}" if rank is not None else ""
         self.rows: Manifest | None = None
         self._done: set[tuple[str, int]] = set()
+        self._streams: dict[tuple[str, int], _Stream] = {}
+        self.in_parts = False  # set by check_in_parts: see the module's docstring
         self._scratch = SlabBuffers(1)
         self._block: memoryview | None = None
         if manifest:
@@ -66,6 +86,58 @@ class RecordChecks:
                  hasher=hasher)
             self._compare_digest(key, info, hasher.hexdigest())
         self._done.add((info.relative_path, info.offset))
+        self._streams.pop((info.relative_path, info.offset), None)
+
+    def read_part(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> bool:
+        """With ``in_parts``: when ``part`` of a plain record is the byte range that follows what
+        was read of it so far (rows of a row-major record, into contiguous memory of its dtype),
+        read it into ``dst``, feed it to the record's running check, and finish the check at the
+        record's last byte; returns whether it did (else the caller scans the record)."""
+        source, info = self.source, chunk.location
+        if not self.in_parts or source.transformed(info) or not chunk.sizes:
+            return False
+        ref, storage = source.tensor_record(key, entry, chunk)
+        item = dtype_size(ref.dtype)
+        local = [o - c for o, c in zip(part[0], chunk.offsets)]
+        row = math.prod(chunk.sizes[1:]) * item
+        if not (dst.device.type == "cpu" and dst.dtype == ref.dtype and dst.is_contiguous() and ref.is_contiguous()
+                and ref.storage_offset == 0 and storage.nbytes == math.prod(chunk.sizes) * item and dst.numel() > 0
+                and all(o == 0 for o in local[1:]) and tuple(part[1][1:]) == tuple(chunk.sizes[1:])):
+            return False
+        name = (info.relative_path, info.offset)
+        stream = self._streams.get(name)
+        if local[0] * row != (stream.next if stream is not None else 0):
+            return False  # not the next bytes: the caller scans the whole record
+        where = f"{source.file(info.relative_path).url} (key {key!r}, chunk at {list(chunk.offsets)})"
+        check_ref(ref, storage, where)
+        reader = source.record(info, key)[0]
+        if stream is None:
+            stream = self._streams[name] = _Stream(key, entry, chunk, new_hasher() if self.rows is not None else None)
+            if stream.hasher is not None:
+                stream.hasher.update(reader.read(info.offset, storage.offset - info.offset))
+        data = tensor_buffer(dst)
+        reader.readinto(storage.offset + stream.next, data)
+        if stream.hasher is not None:
+            stream.hasher.update(data)
+        else:
+            stream.crc = zlib.crc32(data, stream.crc)
+        stream.next += len(data)
+        if stream.next == storage.nbytes:
+            del self._streams[name]
+            if stream.hasher is None:
+                self._compare_crc(key, chunk, stream.crc, storage.crc32)
+            else:
+                end = storage.offset + storage.nbytes
+                stream.hasher.update(reader.read(end, info.offset + info.length - end))
+                self._compare_digest(key, info, stream.hasher.hexdigest())
+            self._done.add(name)
+        return True
+
+    def settle(self) -> None:
+        """Complete the checks of records read in parts but not to their end: scan each whole."""
+        for stream in list(self._streams.values()):
+            self.scan_chunk(stream.key, stream.entry, stream.chunk)
+        self._streams.clear()
 
     def straight(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> bool:
         """Whether :meth:`read_chunk` reads ``chunk``'s record straight into ``dst`` (``part`` is the

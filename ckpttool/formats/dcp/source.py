@@ -239,7 +239,9 @@ class DcpSource(Source):
                 if self.checks.straight(key, entry, chunk, part, dst):
                     self.checks.read_chunk(key, entry, chunk, part, dst)  # one pass: read into dst, checked there
                     continue
-                self.checks.scan_chunk(key, entry, chunk)  # a part of the record: check it all first
+                if self.checks.read_part(key, entry, chunk, part, dst):  # the next part: checked as it goes by
+                    continue
+                self.checks.scan_chunk(key, entry, chunk)  # another part of the record: check it all first
             ref, storage = self.tensor_record(key, entry, chunk)
             where = f"{self.file(chunk.location.relative_path).url} (key {key!r})"
             local = tuple(s.start for s in relative(part, (chunk.offsets, chunk.sizes)))
@@ -263,6 +265,14 @@ class DcpSource(Source):
             self.checks.check_object(key, info)
         reader, offset, length = self.record(info, key)
         return load_object_record(reader, offset, length, f"{self.file(info.relative_path).url} (object {key!r})")
+
+    def check_in_parts(self) -> None:
+        if self.checks is not None:
+            self.checks.in_parts = True
+
+    def settle(self) -> None:
+        if self.checks is not None:
+            self.checks.settle()
 
     def close(self) -> None:
         for r in self._readers.values():
