@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import weakref
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +95,7 @@ class Checkpointer:
         self._pending_error: BaseException | None = None
         self._group: Any = None  # checkpoint-only process group, made on the first async save
         self._staged: Any = None  # the last async save's copy of the state, reused by the next (DCP fallback)
-        self._stager = Stager(lambda: _pause_point("stage-copy"))  # host buffers of async saves, reused while shapes hold
+        self._stager = Stager(lambda: dist.pause_point("stage-copy"))  # host buffers of async saves, reused while shapes hold
         self._fences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its pre-step hook
 
     # --- queries --------------------------------------------------------------------------------
@@ -197,7 +196,7 @@ class Checkpointer:
                 self._fences[optimizer] = optimizer.register_step_pre_hook(lambda *_: self._stager.fence())
         else:
             staged = self._staged = _stage(state, self._staged)
-        _pause_point("after-stage")
+        dist.pause_point("after-stage")
         self._pending = threading.Thread(target=self._background, args=(staged, step, tmp, final, own, dist.rank(), dist.world_size()),
                                          name=f"ckpttool-save-{step}", daemon=False)
         self._pending.start()
@@ -222,7 +221,7 @@ class Checkpointer:
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int) -> None:
         try:
-            save_writer.write_rank(tmp, rank, state, after_write=lambda: _pause_point("after-write"), compress=self.compress)
+            save_writer.write_rank(tmp, rank, state, after_write=lambda: dist.pause_point("after-write"), compress=self.compress)
         except CkptError:
             raise
         except Exception as exc:  # a write the storage refused: one line naming the step
@@ -234,7 +233,7 @@ class Checkpointer:
         indexes = save_writer.read_rank_indexes(tmp, world_size, self.commit_timeout)
         manifest = save_writer.commit_metadata(tmp, indexes)
         tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, {"manifest": manifest}))
-        _pause_point("before-rename")
+        dist.pause_point("before-rename")
         self.root.commit_policy.publish(tmp, final)
         self._apply_retention()
 
@@ -246,7 +245,7 @@ class Checkpointer:
                 dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options, self.compress), process_group=group)
         except _DCP_ERRORS as exc:
             raise _save_error(exc, tmp) from None
-        _pause_point("after-write")
+        dist.pause_point("after-write")
         manifest = _manifest_of_own_file(tmp, group)
         self._commit_dcp(step, tmp, final, manifest, group)
         self._apply_retention()
@@ -273,7 +272,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._staged = None
-            self._stager = Stager(lambda: _pause_point("stage-copy"))
+            self._stager = Stager(lambda: dist.pause_point("stage-copy"))
             for handle in list(self._fences.values()):
                 handle.remove()
             self._fences = weakref.WeakKeyDictionary()
@@ -312,7 +311,7 @@ class Checkpointer:
         def commit() -> None:
             full = {**manifest, "files": metadata_row(tmp)}  # the manifest covers .metadata too
             tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size(), {"manifest": full}))
-            _pause_point("before-rename")
+            dist.pause_point("before-rename")
             self.root.commit_policy.publish(tmp, final)
 
         dist.agreed(commit, rank0_only=True, group=group)
@@ -423,21 +422,6 @@ def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
     for part in dist.all_gather(mine, group):
         records.update(part["records"])
     return {"algorithm": mine["algorithm"], "records": records}
-
-
-def _pause_point(name: str) -> None:
-    """Crash tests stop a rank here (CKPTTOOL_PAUSE_AT=name) to kill it at a known moment, or
-    slow it down (CKPTTOOL_DELAY_AT=name:seconds) to make a save still pending at a known moment."""
-    delay = os.environ.get("CKPTTOOL_DELAY_AT", "")
-    if delay.partition(":")[0] == name:
-        time.sleep(float(delay.partition(":")[2] or 1))
-    if os.environ.get("CKPTTOOL_PAUSE_AT") != name:
-        return
-    marker = os.environ.get("CKPTTOOL_PAUSE_FILE", "/tmp/ckpttool-paused")
-    with open(f"{marker}.{dist.rank()}", "w") as f:
-        f.write(str(os.getpid()))
-    while True:
-        time.sleep(1)
 
 
 @contextlib.contextmanager

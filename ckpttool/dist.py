@@ -6,6 +6,8 @@ serves a training job, a single-process tool and a test. Barriers carry a name f
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, TypeVar
 
 import torch
@@ -99,3 +101,19 @@ def first_error(error: BaseException | None, group: Any = None) -> BaseException
             name, text = item
             return RuntimeError(f"rank {r} failed: {name}: {text}")
     return None
+
+
+def pause_point(name: str) -> None:
+    """Crash tests stop a rank (or an offline command's worker) here (CKPTTOOL_PAUSE_AT=name) to
+    kill it at a known moment, or slow it down (CKPTTOOL_DELAY_AT=name:seconds) to make a save
+    still pending at a known moment."""
+    delay = os.environ.get("CKPTTOOL_DELAY_AT", "")
+    if delay.partition(":")[0] == name:
+        time.sleep(float(delay.partition(":")[2] or 1))
+    if os.environ.get("CKPTTOOL_PAUSE_AT") != name:
+        return
+    marker = os.environ.get("CKPTTOOL_PAUSE_FILE", "/tmp/ckpttool-paused")
+    with open(f"{marker}.{rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(1)

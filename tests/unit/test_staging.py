@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from ckpttool import Checkpointer, checkpointer
+from ckpttool import Checkpointer, dist
 from ckpttool.staging import Stager
 
 
@@ -67,8 +67,8 @@ def held_copy(monkeypatch):
     """The background staging copy waits at its start until the returned event is set (set at
     teardown too, so a failing test cannot leave a save hanging)."""
     gate = threading.Event()
-    real = checkpointer._pause_point
-    monkeypatch.setattr(checkpointer, "_pause_point", lambda name: gate.wait(30) if name == "stage-copy" else real(name))
+    real = dist.pause_point
+    monkeypatch.setattr(dist, "pause_point", lambda name: gate.wait(30) if name == "stage-copy" else real(name))
     yield gate
     gate.set()
 
@@ -195,14 +195,14 @@ def test_a_failed_background_copy_fails_that_checkpointer_save_and_not_the_next(
     """Through Checkpointer: the save whose copy failed raises (at the next save, as every
     background error does); the save after it commits."""
     fail = iter([True])
-    real = checkpointer._pause_point
+    real = dist.pause_point
 
     def pause(name):
         if name == "stage-copy" and next(fail, False):
             raise RuntimeError("copy failed")
         real(name)
 
-    monkeypatch.setattr(checkpointer, "_pause_point", pause)
+    monkeypatch.setattr(dist, "pause_point", pause)
     with _async_run(tmp_path) as (root, model, optimizer, ckpt):
         ckpt.save(1, model, optimizer)
         _step(model, optimizer)
