@@ -18,7 +18,7 @@ import click
 
 from . import formats
 from .choices import CAST_DTYPES, COMPRESSIONS, parse_size
-from .errors import EXIT_BAD_INPUT, CkptError
+from .errors import EXIT_BAD_INPUT, CkptError, UsageError
 
 SIZE_HELP = "sizes like 512MiB, 2GB or plain bytes"
 
@@ -63,10 +63,54 @@ def _quiet(ctx: click.Context) -> bool:
     return bool(ctx.find_root().params.get("quiet"))
 
 
+def _speaks() -> bool:
+    """Whether this process prints: a lone one, or worker 0 of several (the others stay quiet)."""
+    from .parallel import launched
+
+    return not launched() or os.environ.get("RANK", "0") == "0"
+
+
+nproc_option = click.option("--nproc", type=click.IntRange(1, 256), default=1, show_default=True,
+                            help="Split the work between N local worker processes (gloo); the output is byte-identical. "
+                                 "Under torchrun (torchrun ... -m ckpttool ...) torchrun's processes are the workers.")
+
+
+def _spread(ctx: click.Context, nproc: int, dst: str | None, storage_options: tuple[str, ...]) -> None:
+    """With ``--nproc N`` (and not already a worker): run this command line as N workers and exit
+    with its code. Otherwise return, and the command runs here."""
+    from .parallel import launch, launched
+
+    if nproc > 1 and not launched():
+        ctx.exit(launch(nproc, sys.argv[1:], dst, _storage_options(storage_options)))
+
+
 class _Group(click.Group):
     """Maps library errors to one line and an exit code for every command."""
 
     command_class = _Command
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """As click's, but a worker of a parallel offline command (``--nproc``, torchrun) ends with
+        ``os._exit`` once its output is flushed: its gloo threads may still drop the last
+        reference to a collective's temporary tensor, which needs the interpreter an exiting
+        process is tearing down ("terminate called without an active exception", SIGABRT, seen
+        about once in 20 torchrun runs on a loaded machine). Everything it wrote is closed by then."""
+        from . import parallel
+
+        code: Any = 0
+        try:
+            return super().main(*args, **kwargs)
+        except SystemExit as exc:
+            if not parallel.joined:  # not a worker (train under torchrun included): exit as usual
+                raise
+            code = exc.code
+        if not isinstance(code, int):
+            if code is not None:
+                print(code, file=sys.stderr)
+            code = 0 if code is None else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -74,7 +118,8 @@ class _Group(click.Group):
         except CkptError as exc:
             if _debug(ctx):
                 traceback.print_exc()
-            click.echo(f"error: {exc.message()}", err=True)
+            if _speaks():
+                click.echo(f"error: {exc.message()}", err=True)
             ctx.exit(exc.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
             raise
@@ -84,7 +129,8 @@ class _Group(click.Group):
         except Exception as exc:  # a bug, or an error we do not know yet: still one line
             if _debug(ctx):
                 traceback.print_exc()
-            click.echo(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True)
+            if _speaks():
+                click.echo(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True)
             ctx.exit(EXIT_BAD_INPUT)
 
 
@@ -196,11 +242,12 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
                    "(plain torch reads it; needs ckpttool[zstd]).")
 @click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
+@nproc_option
 @json_option
 @storage_option
 @click.pass_context
 def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | None, dtype: str | None, max_shard_size: str | None,
-            compress: str | None, memory_budget: str, force: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
+            compress: str | None, memory_budget: str, force: bool, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Convert SRC to DST between DCP, torch.save and safetensors.
 
     \b
@@ -220,16 +267,22 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
       ckpttool convert runs/exp1/step-100 model.safetensors --only model --dtype bfloat16
       ckpttool convert runs/exp1/step-100 hf/ --to safetensors --only model --max-shard-size 2GB
       ckpttool convert full.pt restored-dcp/
+      ckpttool convert runs/exp1/step-100 hf/ --to safetensors --only model --max-shard-size 5GB --nproc 4
     """
+    from .parallel import workers
     from .pipeline import convert as run_convert
 
-    progress = Progress("convert", not _quiet(ctx) and not as_json)
+    _spread(ctx, nproc, dst, storage_options)
+    progress = Progress("convert", not _quiet(ctx) and not as_json and _speaks())
     try:
-        report = run_convert(src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size, compress=compress,
-                             memory_budget=memory_budget, force=force, storage_options=_storage_options(storage_options),
-                             progress=progress)
+        with workers() as many:
+            report = run_convert(src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size, compress=compress,
+                                 memory_budget=memory_budget, force=force, storage_options=_storage_options(storage_options),
+                                 progress=progress, parallel=many)
     finally:
         progress.close()
+    if not _speaks():
+        return
     if as_json:
         _emit_json(report.__dict__)
         return
@@ -262,13 +315,12 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
                    "(plain torch reads it; needs ckpttool[zstd]).")
 @click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
+@nproc_option
 @json_option
 @storage_option
 @click.pass_context
 def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, like: str | None, only: str | None,
-            compress: str | None,
-            memory_budget: str,
-            force: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
+            compress: str | None, memory_budget: str, force: bool, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Rewrite a DCP checkpoint for a new world size, in one process, without a cluster.
 
     \b
@@ -289,16 +341,23 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
       ckpttool reshard runs/exp1/step-100 step-100-hsdp --world-size 4 --mesh 2x2
       ckpttool reshard runs/exp1/step-100 step-100-w8-zstd --world-size 8 --compress zstd
       ckpttool reshard runs/exp1/step-100 step-100-tp --like runs/exp2-tp/step-0
+      ckpttool reshard runs/exp1/step-100 step-100-w64 --world-size 64 --nproc 8
+      torchrun --nnodes 4 --nproc_per_node 8 ... -m ckpttool reshard s3://b/step-100 s3://b/w1024 --world-size 1024
     """
+    from .parallel import workers
     from .pipeline import reshard as run_reshard
 
-    progress = Progress("reshard", not _quiet(ctx) and not as_json)
+    _spread(ctx, nproc, dst, storage_options)
+    progress = Progress("reshard", not _quiet(ctx) and not as_json and _speaks())
     try:
-        report = run_reshard(src, dst, world_size=world_size, mesh=mesh, like=like, only=only, compress=compress, memory_budget=memory_budget,
-                             force=force,
-                             storage_options=_storage_options(storage_options), progress=progress)
+        with workers() as many:
+            report = run_reshard(src, dst, world_size=world_size, mesh=mesh, like=like, only=only, parallel=many, compress=compress,
+                                 memory_budget=memory_budget, force=force, storage_options=_storage_options(storage_options),
+                                 progress=progress)
     finally:
         progress.close()
+    if not _speaks():
+        return
     if as_json:
         _emit_json(report.__dict__)
         return
@@ -315,11 +374,12 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
 @click.option("--atol", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="Absolute tolerance for --against.")
 @click.option("--cast", is_flag=True, help="With --against: where dtypes differ, cast PATH's values to OTHER's dtype first (for exports made with --dtype).")
 @click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
+@nproc_option
 @json_option
 @storage_option
 @click.pass_context
 def verify(ctx: click.Context, path: str, other: str | None, only: str | None, against_only: str | None, rtol: float, atol: float, cast: bool,
-           memory_budget: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
+           memory_budget: str, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Check a checkpoint's integrity, or compare it with another.
 
     \b
@@ -343,19 +403,27 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
       ckpttool verify runs/exp1/step-100 --against model.safetensors --only model
       ckpttool verify runs/exp1/step-100 --against model-bf16.safetensors --only model --cast
       ckpttool verify hf-export/ --against runs/exp1/step-100 --against-only model
+      ckpttool verify s3://bucket/runs/exp1 --nproc 8
     """
+    from .parallel import launched, workers
     from .verify import verify_against, verify_path
 
-    progress = Progress("verify", not _quiet(ctx) and not as_json)
+    if other and (nproc > 1 or launched()):
+        raise UsageError("--against runs in one process", hint="split integrity checks only: verify PATH --nproc N")
+    _spread(ctx, nproc, None, storage_options)
+    progress = Progress("verify", not _quiet(ctx) and not as_json and _speaks())
     opts = _storage_options(storage_options)
     try:
         if other:
             report = verify_against(path, other, only=only, against_only=against_only, rtol=rtol, atol=atol, cast=cast, memory_budget=parse_size(memory_budget, "--memory-budget"),
                                     storage_options=opts, progress=progress)
         else:
-            report = verify_path(path, only=only, storage_options=opts, progress=progress)
+            with workers() as many:
+                report = verify_path(path, only=only, storage_options=opts, progress=progress, parallel=many)
     finally:
         progress.close()
+    if not _speaks():
+        ctx.exit(0 if report.ok else 1)
     if as_json:
         _emit_json(report.to_json())
     else:

@@ -78,3 +78,11 @@ class UnsafePathError(CkptError):
 
 class LeaseError(CkptError):
     """Another live job holds the training root (or took it over from this one)."""
+
+
+class WorkerError(CkptError):
+    """Another worker of a command run by several (``--nproc``, torchrun) failed; this is its error."""
+
+    def __init__(self, text: str, exit_code: int = EXIT_BAD_INPUT):
+        self.exit_code = exit_code
+        super().__init__(text)

@@ -7,13 +7,14 @@ budget, so no more than about one slab (plus its cast) is in memory at once, wha
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import formats
+from . import dist, formats
 from .choices import CAST_DTYPES, parse_size
 from .errors import FormatError, MismatchError, OutputExistsError, StorageError, UsageError
 from .formats.base import ObjectSpec, Progress, ReadAhead, ReadFn, Sink, SinkOptions, SlabBuffers, Source, TensorSpec, stream_slabs
@@ -68,14 +69,27 @@ def plan_entries(source: Source, only: str | None = None, dtype: torch.dtype | N
 
 
 def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, progress: Progress | None = None,
-        read_ahead: bool = True) -> None:
+        read_ahead: bool = True, parallel: bool = False) -> None:
     """Stream every planned entry from ``source`` into ``sink`` and commit; on any failure (or
     Ctrl-C) remove the partial output and re-raise. With ``read_ahead`` the next slab (of this
-    tensor or the next) is read while the current one is written: two slabs of half the budget."""
+    tensor or the next) is read while the current one is written: two slabs of half the budget.
+
+    With ``parallel``, every process of the torch.distributed group runs this together and each
+    writes its share of the output's files (:mod:`ckpttool.parallel`): the same bytes as one
+    process writes, committed once every worker has finished, or nothing when any one fails."""
+    workers = dist.world_size() if parallel else 1
+    if workers > 1:
+        if not sink.splittable:
+            raise UsageError(f"{workers} workers cannot share a single-file {sink.format} output",
+                             hint="split the output (--max-shard-size), write DCP, or run one worker")
+        sink.share = (dist.rank(), workers)
     tensors = sink.order(plan.tensors)
-    total = sum(s.nbytes for s in tensors)
-    done = 0
     index = source.index()
+    shared = None
+    if workers > 1:
+        from .parallel import SharedProgress
+
+        shared = progress = SharedProgress(progress, sum(s.nbytes for s in tensors), sink.location.url)
     # two sets of buffers (source dtype, cast), reused from slab to slab: no fresh pages per slab;
     # one set is read into in the background while the other is written
     scratch = SlabBuffers(4)
@@ -99,35 +113,122 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
             return t
         return scratch.view(box[1], spec.dtype, 2 * which + 1).copy_(t)
 
-    schedule = [(spec.key, slab) for spec, box in sink.read_order(tensors) for slab in stream_slabs(spec, slab_budget(spec), box)]
-    ahead = ReadAhead(schedule if pool else [], read_into, pool)
+    ahead = ReadAhead([], read_into, None)
+    done = total = 0
 
     def reader_for(spec: TensorSpec) -> tuple[ReadFn, int]:
         return (lambda box: ahead.read(spec.key, box)), slab_budget(spec)
 
     def advance(nbytes: int, key: str) -> None:
         nonlocal done
+        dist.pause_point("offline-chunk")
         done += nbytes
         if progress:
             progress(done, total, key)
 
-    try:
-        sink.start(plan.entries)
+    def write() -> None:
+        nonlocal ahead, total
+        if workers > 1:
+            _start_shared(sink, plan)
+        else:
+            sink.start(plan.entries)
+        # the slabs this process will write, in order (after start: a sink plans its files there)
+        schedule = [(spec.key, slab) for spec, box in sink.read_order(tensors) for slab in stream_slabs(spec, slab_budget(spec), box)]
+        total = sum(math.prod(box[1]) * dtype_size(specs[key].dtype) for key, box in schedule)
+        ahead = ReadAhead(schedule if pool else [], read_into, pool)
         source.check_in_parts()
         sink.write(tensors, reader_for, advance)
         ahead.stop()
         source.settle()  # every record read is checked before the output is committed
-        sink.finalize()
-    except OSError as exc:  # a write the storage refused (disk full): one line naming the output
-        sink.abort(exc)
-        raise StorageError(describe_os_error(exc, "write"), where=sink.location.url) from None
+        sink.finish_files()
+
+    try:
+        try:
+            write()
+        except OSError as exc:  # a write the storage refused (disk full): one line naming the output
+            raise StorageError(describe_os_error(exc, "write"), where=sink.location.url) from None
+        finally:
+            ahead.stop()
+            if pool is not None:
+                pool.shutdown(wait=True)
+        if workers > 1:
+            _agree(None)
+            shared.close(finished=True)
+            pieces = dist.all_gather(sink.pieces())
+            if dist.rank() == 0:
+                sink.merge(pieces)
+                _agree_on(sink.finalize)
+            else:
+                _agree_on(lambda: None)
+        else:
+            sink.finalize()
     except BaseException as exc:
-        sink.abort(exc)
+        if shared is not None:
+            shared.close(finished=False)
+        agreed = workers == 1 or getattr(exc, "_agreed", False)
+        if not agreed and isinstance(exc, Exception):  # an interrupt (SIGTERM, Ctrl-C) stops without a word
+            try:
+                exc, agreed = _agreed_error(exc), True
+            except Exception:  # noqa: BLE001 - a worker is gone (killed): no agreement to be had
+                pass
+        # worker 0 removes the shared staging directory after an agreed failure; when the workers
+        # could not agree, every one removes it (some may not be there to do it)
+        sink.abort(exc, discard=not agreed or dist.rank() == 0)
+        if isinstance(exc, OSError):  # a commit the storage refused
+            raise StorageError(describe_os_error(exc, "write"), where=sink.location.url) from None
+        raise exc from None
+
+
+# Workers run the same sequence of collectives whatever fails where: every step that may fail on
+# some workers only is followed by one agreement (a failure anywhere is raised everywhere, marked
+# as agreed so that it is not agreed on again), and nothing else waits on the others.
+
+
+def _agreed_error(error: BaseException | None) -> BaseException | None:
+    """Agree on the outcome of a step: the failure this worker raises (its own, or the first
+    failed worker's as a :class:`WorkerError` with its message and exit code), or None when every
+    worker succeeded."""
+    from .errors import CkptError, WorkerError
+
+    mine = None
+    if error is not None:
+        text = error.message() if isinstance(error, CkptError) else f"{type(error).__name__}: {error}"
+        mine = (text, getattr(error, "exit_code", 2) if isinstance(error, CkptError) else 2)
+    failures = [f for f in dist.all_gather(mine)] if dist.world_size() > 1 else [mine]
+    if all(f is None for f in failures):
+        return None
+    if error is None:
+        r, (text, code) = next((r, f) for r, f in enumerate(failures) if f is not None)
+        error = WorkerError(f"worker {r} of {len(failures)} failed: {text}", code)
+    error._agreed = True  # type: ignore[attr-defined]
+    return error
+
+
+def _agree(error: BaseException | None) -> None:
+    agreed = _agreed_error(error)
+    if agreed is not None:
+        raise agreed
+
+
+def _agree_on(fn: Any) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - agreed on, then raised on every worker
+        _agree(exc)
         raise
-    finally:
-        ahead.stop()
-        if pool is not None:
-            pool.shutdown(wait=True)
+    _agree(None)
+
+
+def _start_shared(sink: Sink, plan: Plan) -> None:
+    """Every worker writes into one staging directory: worker 0's (or the one ``--nproc`` chose),
+    prepared by worker 0 once every worker has checked the output."""
+    from .parallel import staging_name
+
+    if sink.tmp.url != sink.location.url:
+        sink.tmp = sink.location.sibling(dist.broadcast(staging_name() or sink.tmp.name))
+    _agree(None)  # every worker has checked the output before worker 0 prepares it
+    _agree_on(lambda: sink.policy.prepare(sink.tmp, sink.location) if dist.rank() == 0 else None)
+    _agree_on(lambda: sink.begin(plan.entries))
 
 
 @dataclass
@@ -200,11 +301,14 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
     read_ahead: bool = True,
+    parallel: bool = False,
 ) -> ConvertReport:
     """Convert a checkpoint between dcp, torch and safetensors, streaming under ``memory_budget``.
 
     Raises :class:`OutputExistsError` before writing anything when ``dst`` exists and ``force`` is
-    not set, :class:`UsageError` for bad options; the output appears only once complete.
+    not set, :class:`UsageError` for bad options; the output appears only once complete. With
+    ``parallel``, every process of the torch.distributed group calls this with the same arguments
+    and writes its share of a sharded output (:func:`run`); the report is complete on rank 0.
     """
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
@@ -225,7 +329,7 @@ def convert(
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, dtype)
         sink = fmt.make_sink(dst_loc, options)
-        run(source, sink, plan, budget, progress, read_ahead=read_ahead)
+        run(source, sink, plan, budget, progress, read_ahead=read_ahead, parallel=parallel)
         return ConvertReport.of(src_loc, dst_loc, plan, sink, src_format=source.format, dst_format=fmt.name,
                                 dropped=list(sink.dropped))
 
@@ -311,12 +415,14 @@ def reshard(
     progress: Progress | None = None,
     compress: str | None = None,
     read_ahead: bool = True,
+    parallel: bool = False,
 ) -> ReshardReport:
     """Rewrite a DCP checkpoint as FSDP2 would lay it out on ``world_size`` ranks (or an HSDP
     ``mesh`` "RxS"), or exactly as the DCP checkpoint ``like`` is laid out (any mesh, FSDP+TP
     included): one ``__<rank>_0.distcp`` per target rank holding exactly that rank's boxes.
 
-    One process, no process group, streaming under ``memory_budget``. Raises :class:`UsageError`
+    One process, no process group, streaming under ``memory_budget``; with ``parallel`` every
+    process of the group calls this and writes its share of the target ranks' files. Raises :class:`UsageError`
     for a bad world size or mesh, :class:`FormatError` when SRC (or ``like``) is not DCP,
     :class:`MismatchError` when ``like`` holds other tensors or shapes.
     """
@@ -352,7 +458,7 @@ def reshard(
                 layout = like_layout(plan, other)
             described = f"like {like_loc.url}"
         sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout, compress=compress))
-        run(source, sink, plan, budget, progress, read_ahead=read_ahead)
+        run(source, sink, plan, budget, progress, read_ahead=read_ahead, parallel=parallel)
         return ReshardReport.of(src_loc, dst_loc, plan, sink, source_world_size=source.world_size,
                                 world_size=layout.world_size, mesh=described,
                                 bytes_per_rank=dict(sorted(sink.bytes_per_rank.items())))

@@ -32,8 +32,12 @@ __all__ = ["LoadedReport", "Mismatch", "Problem", "Report", "verify_against", "v
 
 
 def verify_path(path: str | Location, *, only: str | None = None, storage_options: dict[str, Any] | None = None,
-                progress: Progress | None = None) -> Report:
-    """Check every committed step of a training root, or one checkpoint in any format."""
+                progress: Progress | None = None, parallel: bool = False) -> Report:
+    """Check every committed step of a training root, or one checkpoint in any format.
+
+    With ``parallel``, every process of the torch.distributed group runs this together and the
+    checks of a DCP checkpoint are split between them (the entries of each in runs of about equal
+    bytes); every worker returns the report one process would (other formats: worker 0 checks)."""
     loc = resolve(path, storage_options)
     if loc.isdir() and is_training_root(loc) and not loc.child(".metadata").exists():
         report = Report(loc.url, "integrity")
@@ -43,7 +47,7 @@ def verify_path(path: str | Location, *, only: str | None = None, storage_option
         for step, what in listing.damaged.items():
             report.add(what, loc.child(step_name(step)).url, hint="load never takes this step; it cannot be trusted")
         for step in listing.committed:
-            report.merge(verify_path(loc.child(step_name(step)), only=only, progress=progress))
+            report.merge(verify_path(loc.child(step_name(step)), only=only, progress=progress, parallel=parallel))
         if not listing.committed and not listing.damaged:
             report.note("no committed steps")
         return report
@@ -56,13 +60,40 @@ def verify_path(path: str | Location, *, only: str | None = None, storage_option
     except CkptError as exc:
         report.add(exc.what, exc.where, hint=exc.hint or "restore the checkpoint from a good copy")
         return report
+    workers = dist.world_size() if parallel else 1
+    share = (dist.rank(), workers) if workers > 1 and fmt.splits_integrity else None
+    segments = None
+    shared = None
+    if share is not None:
+        from .parallel import SharedProgress
+
+        # every worker's progress counts against the bytes of all the entries checked
+        shared = progress = SharedProgress(progress, None, loc.url)
     with source:
         try:
-            fmt.check_integrity(source, report, only, progress)
+            if share is not None:
+                segments = fmt.check_integrity(source, report, only, progress, share)
+            elif dist.rank() == 0 or workers == 1:
+                fmt.check_integrity(source, report, only, progress)
         except CkptError as exc:
             report.add(exc.what, exc.where, hint=exc.hint)
         except Exception as exc:  # noqa: BLE001 - damaged input must end as a reported problem, not a crash
             report.add(f"cannot be read: {type(exc).__name__}: {exc}", loc.url, hint="the checkpoint is damaged")
+    if shared is not None:
+        shared.close(finished=False)
+    if workers > 1:
+        report = _merged(report, dist.all_gather((report, segments or [])))
+    return report
+
+
+def _merged(mine: Report, parts: list[tuple[Report, list[tuple[int, Report]]]]) -> Report:
+    """The workers' reports as one process makes it: worker 0's checks of the whole checkpoint,
+    then what each entry's check found in the entries' order, then anything a worker found
+    outside both (an error that stopped its share)."""
+    report = Report(mine.path, mine.kind)
+    segments = sorted((seg for _, segs in parts for seg in segs), key=lambda s: s[0])
+    for part in [parts[0][0], *(seg for _, seg in segments), *(p for p, _ in parts[1:])]:
+        report.merge(part)
     return report
 
 

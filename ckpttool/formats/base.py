@@ -158,6 +158,28 @@ class Sink(ABC):
         self.dropped: list[str] = []  # object keys the format could not hold
         self._files = ExitStack()
         self._current: ExitStack | None = None
+        self.share = (0, 1)  # (this worker, workers): which of the output's files this process writes
+
+    # --- splitting one output between workers (``--nproc``, torchrun) ----------------------------
+    @property
+    def splittable(self) -> bool:
+        """Whether the output has several files that workers can write apart (shards, ranks' files)."""
+        return False
+
+    def mine(self, i: int) -> bool:
+        """Whether this worker writes file ``i`` of the output (files go round-robin)."""
+        return i % self.share[1] == self.share[0]
+
+    def writes(self, spec: TensorSpec) -> bool:
+        """Whether this worker writes tensor ``spec`` (every tensor, for one worker)."""
+        return True
+
+    def pieces(self) -> Any:
+        """What this worker wrote that the marker file (written by worker 0) must describe."""
+        return None
+
+    def merge(self, pieces: list[Any]) -> None:
+        """Worker 0, before :meth:`finalize`: take in every worker's :meth:`pieces`, in worker order."""
 
     def open_file(self, loc: Location) -> IO[bytes]:
         """Open one file of the output: closed (an upload completed) by :meth:`finalize`,
@@ -200,7 +222,7 @@ class Sink(ABC):
     def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
         """The (tensor, box) reads :meth:`write` will make, in order (None: the whole tensor); the
         pipeline reads ahead along it. A sink that overrides :meth:`write` overrides this too."""
-        return [(spec, None) for spec in tensors]
+        return [(spec, None) for spec in tensors if self.writes(spec)]
 
     def write(self, tensors: list[TensorSpec], reader_for: Callable[[TensorSpec], tuple[ReadFn, int]],
               done: Callable[[int, str], None]) -> None:
@@ -208,28 +230,37 @@ class Sink(ABC):
         budget, ``done(nbytes, key)`` reports progress. A sink with many files overrides this to
         write them one at a time."""
         for spec in tensors:
+            if not self.writes(spec):
+                continue
             read, budget = reader_for(spec)
             self.add_tensor(spec, read, budget)
             done(spec.nbytes, spec.key)
 
+    def finish_files(self) -> None:
+        """Finish and close the files this worker writes (every worker, before worker 0's
+        :meth:`complete`); calling it again does nothing."""
+        self.close_files()
+
     def complete(self) -> None:
-        """Write what makes the output complete (an index, a pickle, metadata) after the data; a
-        format whose marker must follow closed data files calls :meth:`close_files` first."""
+        """Write what makes the output complete (an index, a pickle, metadata) after the data
+        (worker 0 only, once every worker's files are finished)."""
 
     def finalize(self) -> None:
         """Commit: the output appears at its destination whole, or not at all."""
+        self.finish_files()
         self.complete()
         self.close_files()
         self.policy.publish(self.tmp, self.location)
 
-    def abort(self, error: BaseException) -> None:
+    def abort(self, error: BaseException, discard: bool = True) -> None:
         """Discard the output after ``error`` (or an interrupt): open uploads are aborted, never
-        completed, and what was written is removed."""
+        completed, and (unless another worker does it: ``discard`` false) what was written is removed."""
         try:
             self._files.__exit__(type(error), error, error.__traceback__)
         except BaseException:  # noqa: BLE001 - closing a half-written file may fail again; removal matters more
             pass
-        self.policy.discard(self.tmp)
+        if discard:
+            self.policy.discard(self.tmp)
 
 
 class Format(ABC):
@@ -242,6 +273,8 @@ class Format(ABC):
     name: ClassVar[str]
     #: whether the format stores checksums, so integrity checks catch a flipped bit in tensor data
     checksums: ClassVar[bool] = False
+    #: whether ``check_integrity`` can split its work between workers (``verify --nproc``)
+    splits_integrity: ClassVar[bool] = False
     #: the :class:`SinkOptions` fields its sink accepts
     sink_options: ClassVar[frozenset[str]] = frozenset()
 
@@ -263,10 +296,13 @@ class Format(ABC):
     def make_sink(self, loc: Location, options: SinkOptions) -> Sink: ...
 
     @abstractmethod
-    def check_integrity(self, source: Source, report: Report, only: str | None, progress: Progress | None) -> None:
+    def check_integrity(self, source: Source, report: Report, only: str | None, progress: Progress | None,
+                        share: tuple[int, int] | None = None) -> list[tuple[int, Report]] | None:
         """This format's part of ``verify``: add a problem to ``report`` for everything wrong with
         the checkpoint's entries (those under the top-level key ``only``, when given): their files,
-        byte ranges, tiling, decoding and checksums."""
+        byte ranges, tiling, decoding and checksums. A format that can split the work between
+        workers (``splits_integrity``) takes ``share`` (worker, workers) and returns what it found
+        per entry (see the DCP format's); the others are only called without it."""
 
 
 class SlabBuffers:

@@ -296,6 +296,13 @@ class SafetensorsSink(Sink):
     def sharded(self) -> bool:
         return self.max_shard_size is not None
 
+    @property
+    def splittable(self) -> bool:
+        return self.sharded
+
+    def writes(self, spec: TensorSpec) -> bool:
+        return self.share[1] == 1 or self.mine(self._file_of[spec.key])  # (shards are planned at begin)
+
     def order(self, specs: list[TensorSpec]) -> list[TensorSpec]:
         # Larger elements first: every tensor then starts at an offset aligned to its element size.
         return sorted(specs, key=lambda s: -dtype_size(s.dtype))
@@ -356,12 +363,15 @@ class SafetensorsSink(Sink):
             self._start_file(i)  # shards are written in order: the previous one is complete
         stream_tensor(self._open[1].write, spec, read, budget)
 
-    def complete(self) -> None:
+    def finish_files(self) -> None:
         for i in range(len(self._shards)):  # files with no tensor written yet (empty checkpoint)
-            if i not in self._started:
+            if i not in self._started and self.mine(i):
+                self._started.add(i)
                 self._start_file(i)
-        self.close_files()  # the index, written last, is what makes a sharded output complete
-        if self.sharded:
+        self.close_files()
+
+    def complete(self) -> None:
+        if self.sharded:  # the index, written last, is what makes a sharded output complete
             weight_map = {spec.key: self._shard_name(i) for i, shard in enumerate(self._shards) for spec in shard}
             self.tmp.child(INDEX_FILE).write_bytes(index_bytes(self.total_size, weight_map))
 

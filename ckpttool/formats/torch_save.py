@@ -186,10 +186,18 @@ class TorchSaveSink(Sink):
         self._flat: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
         self._objects: dict[str, Any] = {}
+        self._started: set[int] = set()
 
     @property
     def sharded(self) -> bool:
         return self.max_shard_size is not None
+
+    @property
+    def splittable(self) -> bool:
+        return self.sharded
+
+    def writes(self, spec: TensorSpec) -> bool:
+        return self.share[1] == 1 or self.mine(self._shard_of[spec.key])  # (shards are planned at begin)
 
     def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         tensors, objects = split(entries)
@@ -213,6 +221,7 @@ class TorchSaveSink(Sink):
         f: IO[bytes] = self.next_file(self.tmp.child(self._name(i)) if self.sharded else self.tmp)
         self._writer = self.enter(ArchiveWriter(f, name="archive"))
         self._open = i
+        self._started.add(i)
 
     def _finish_open(self) -> None:
         if self._writer is None:
@@ -234,12 +243,15 @@ class TorchSaveSink(Sink):
             stream_tensor(stream.write, spec, read, budget)
         self._flat[spec.key] = placeholder
 
-    def complete(self) -> None:
+    def finish_files(self) -> None:
         if self.sharded:
-            for i in range(max(self._open + 1, 0), len(self._shards)):  # shards not started (no tensors)
-                self._start(i)
+            for i in range(len(self._shards)):  # this worker's shards not started (no tensors)
+                if i not in self._started and self.mine(i):
+                    self._start(i)
         self._finish_open()
         self.close_files()
+
+    def complete(self) -> None:
         if self.sharded:  # the index, written last, is what makes a sharded output complete
             weight_map = {spec.key: self._name(i) for i, shard in enumerate(self._shards) for spec in shard}
             total = sum(spec.nbytes for shard in self._shards for spec in shard)

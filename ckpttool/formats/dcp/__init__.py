@@ -20,6 +20,7 @@ from .source import DcpSource
 class DcpFormat(Format):
     name = "dcp"
     checksums = True  # torch's CRC-32 of every record, and ckpttool's manifest
+    splits_integrity = True
     sink_options = frozenset({"layout", "compress"})
 
     def sniff(self, probe: Probe) -> bool:
@@ -37,8 +38,9 @@ class DcpFormat(Format):
     def make_sink(self, loc: Location, options: SinkOptions) -> DcpSink:
         return DcpSink(loc, layout=options.layout, compress=options.compress)
 
-    def check_integrity(self, source: DcpSource, report: Report, only: str | None, progress: Progress | None) -> None:
-        integrity.check_integrity(source, report, only, progress)
+    def check_integrity(self, source: DcpSource, report: Report, only: str | None, progress: Progress | None,
+                        share: tuple[int, int] | None = None) -> list[tuple[int, Report]] | None:
+        return integrity.check_integrity(source, report, only, progress, share)
 
 
 FORMAT = DcpFormat()

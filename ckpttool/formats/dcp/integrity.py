@@ -24,8 +24,20 @@ from .source import DcpSource
 Manifest = dict[tuple[str, int], tuple[int, str]]
 
 
-def check_integrity(source: DcpSource, report: Report, only: str | None, progress: Progress | None) -> None:
-    manifest = _load_manifest(source, report)  # first: it says whether .metadata itself is the one saved
+def check_integrity(source: DcpSource, report: Report, only: str | None, progress: Progress | None,
+                    share: tuple[int, int] | None = None) -> list[tuple[int, Report]] | None:
+    """With ``share`` (worker, workers) the checks are split between workers: those of the whole
+    checkpoint (manifest, files) are worker 0's, and each worker checks the entries whose position
+    falls in its share (contiguous runs of entries of about equal bytes, so each reads on through
+    its files); what it finds about entry ``i`` is returned as ``(i, Report)`` in order, for
+    worker 0 to put back in the order one process finds it."""
+    segments: list[tuple[int, Report]] | None = None
+    whole = report
+    if share is not None:
+        segments = []
+        if share[0] != 0:
+            whole = Report(report.path, report.kind)  # found by worker 0 as well: reported once
+    manifest = _load_manifest(source, whole)  # first: it says whether .metadata itself is the one saved
     index = source.index()
     keys = index.under(only)
     sizes: dict[str, int | None] = {}
@@ -34,12 +46,18 @@ def check_integrity(source: DcpSource, report: Report, only: str | None, progres
         sizes[name] = loc.size() if loc.exists() else None
         if sizes[name] is None:
             lost = sorted(k for k in index if name in _files_of(index[k]))
-            report.add("data file is missing", loc.url, lost[0] if lost else None,
+            whole.add("data file is missing", loc.url, lost[0] if lost else None,
                        hint=f"{len(lost)} entries lose their data; restore the file")
     buf = new_block()
     total = sum(index[k].nbytes for k in keys if isinstance(index[k], TensorEntry))
     done = 0
-    for key in keys:
+    owners = split_by_bytes([index[k].nbytes if isinstance(index[k], TensorEntry) else 0 for k in keys], share[1]) if share else []
+    for position, key in enumerate(keys):
+        if share is not None:
+            if owners[position] != share[0]:
+                continue
+            report = Report(whole.path, whole.kind)
+            segments.append((position, report))
         entry = index[key]
         infos = [c.location for c in entry.chunks] if isinstance(entry, TensorEntry) else [entry.location]
         if not _records_inside_files(source, key, infos, sizes, report):
@@ -57,6 +75,19 @@ def check_integrity(source: DcpSource, report: Report, only: str | None, progres
                 progress(done, total, key)
         else:
             _check_object(source, key, entry.location, manifest, report, buf)
+    return segments
+
+
+def split_by_bytes(sizes: list[int], workers: int) -> list[int]:
+    """The worker of each item: contiguous runs of about ``sum(sizes) / workers`` bytes each (an
+    item goes to the worker whose run its first byte falls in; items of no bytes count as one)."""
+    sizes = [max(1, s) for s in sizes]
+    total = sum(sizes)
+    owners, start = [], 0
+    for size in sizes:
+        owners.append(min(workers - 1, start * workers // total))
+        start += size
+    return owners
 
 
 def _records_inside_files(source: DcpSource, key: str, infos: list[Any], sizes: dict[str, int | None], report: Report) -> bool:

@@ -6,6 +6,7 @@ archive, records streamed slab by slab), so plain ``torch.distributed.checkpoint
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import uuid
@@ -35,7 +36,9 @@ from .transforms import check_compress, record_stream, storage_info
 class DcpSink(Sink):
     """``layout`` says which rank's file stores which box of each tensor (default: everything
     whole in rank 0's file); objects go to rank 0's file. Files are written one rank after the
-    other, so one is open at a time whatever the world size."""
+    other, so one is open at a time whatever the world size. Split between workers, each writes
+    the target ranks' files that are its own (round-robin) and worker 0 writes ``.metadata`` from
+    everyone's records, merged in rank order: the output's bytes do not depend on the split."""
 
     format = "dcp"
 
@@ -45,15 +48,30 @@ class DcpSink(Sink):
         check_compress(compress)
         self.compress = compress
         self._objects: list[ObjectSpec] = []
-        self._chunks: dict[str, list[ChunkStorageMetadata]] = {}
-        self._state_md: dict[str, Any] = {}
-        self._storage: dict[MetadataIndex, Any] = {}
+        self._tensors: list[TensorSpec] = []
+        # target rank -> its file's records in file order: (key, None, None, start, length) for an
+        # object, (key, offsets, sizes, start, length) for a tensor's chunk
+        self._records: dict[int, list[tuple[str, Any, Any, int, int]]] = {}
         self._paths: dict[str, tuple] = {}
         self._order: list[str] = []
-        self.bytes_per_rank: dict[int, int] = {}
+
+    @property
+    def splittable(self) -> bool:
+        return True
+
+    @property
+    def bytes_per_rank(self) -> dict[int, int]:
+        return {rank: sum(r[4] for r in records) for rank, records in sorted(self._records.items())}
+
+    def pieces(self) -> Any:
+        return self._records
+
+    def merge(self, pieces: list[Any]) -> None:
+        for records in pieces:
+            self._records.update(records)
 
     def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
-        _, self._objects = split(entries)
+        self._tensors, self._objects = split(entries)
         self._order = [e.key for e in entries]
         self._paths = {e.key: tuple(e.path) for e in entries}
         self.tmp.makedirs()
@@ -61,55 +79,76 @@ class DcpSink(Sink):
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         self.write([spec], lambda s: (read, budget), lambda n, k: None)
 
+    def _ranks(self) -> list[int]:
+        return [rank for rank in range(self.layout.world_size) if self.mine(rank)]
+
     def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
-        return [(spec, box) for rank in range(self.layout.world_size) for spec in tensors
+        return [(spec, box) for rank in self._ranks() for spec in tensors
                 for box in self.layout.boxes_of(rank, spec.key, spec.shape)]
 
     def write(self, tensors: list[TensorSpec], reader_for: Callable[[TensorSpec], tuple[ReadFn, int]],
               done: Callable[[int, str], None]) -> None:
-        for rank in range(self.layout.world_size):  # the order read_order lists
+        for rank in self._ranks():  # the order read_order lists
             f = self.next_file(self.tmp.child(data_file_name(rank)))  # every rank gets its file, even an empty one
+            records = self._records.setdefault(rank, [])
             if rank == 0:
                 for spec in self._objects:
-                    self._add_object(f, spec)
+                    self._add_object(f, records, spec)
                 self._objects = []
             for spec in tensors:
                 for box in self.layout.boxes_of(rank, spec.key, spec.shape):
                     read, budget = reader_for(spec)
-                    self._add_chunk(f, rank, spec, box, read, budget)
+                    self._add_chunk(f, records, spec, box, read, budget)
                     done(math.prod(box[1]) * dtype_size(spec.dtype), spec.key)
-        for spec in tensors:
-            self._state_md[spec.key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), torch.Size(spec.shape),
-                                                             self._chunks.pop(spec.key, []))
 
-    def _add_object(self, f: IO[bytes], spec: ObjectSpec) -> None:
+    def _add_object(self, f: IO[bytes], records: list, spec: ObjectSpec) -> None:
         start = f.tell()
         buf = io.BytesIO()
         torch.save(spec.value, buf)
         with record_stream(f, self.compress) as out:
             out.write(buf.getvalue())
-        self._storage[MetadataIndex(spec.key)] = storage_info(data_file_name(0), start, f.tell() - start, self.compress)
-        self._state_md[spec.key] = BytesStorageMetadata()
+        records.append((spec.key, None, None, start, f.tell() - start))
 
-    def _add_chunk(self, f: IO[bytes], rank: int, spec: TensorSpec, box: Box, read: ReadFn, budget: int) -> None:
-        chunks = self._chunks.setdefault(spec.key, [])
+    def _add_chunk(self, f: IO[bytes], records: list, spec: TensorSpec, box: Box, read: ReadFn, budget: int) -> None:
         start = f.tell()
         with record_stream(f, self.compress) as out, ArchiveWriter(out) as writer:
             placeholder, stream = writer.new_tensor(spec.dtype, box[1])
             with stream:
                 stream_tensor(stream.write, spec, read, budget, box)
             writer.finish(placeholder)
-        length = f.tell() - start
-        self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + length
-        self._storage[MetadataIndex(spec.key, box[0], len(chunks))] = storage_info(data_file_name(rank), start, length, self.compress)
-        chunks.append(ChunkStorageMetadata(offsets=torch.Size(box[0]), sizes=torch.Size(box[1])))
+        records.append((spec.key, tuple(box[0]), tuple(box[1]), start, f.tell() - start))
 
     def complete(self) -> None:
-        self.close_files()  # .metadata, the marker of a complete checkpoint, follows every data file
-        metadata = dcp_metadata(
-            state_dict_metadata={k: self._state_md[k] for k in self._order if k in self._state_md},
-            planner_data={k: self._paths[k] for k in self._order if k in self._paths},
-            storage_data=self._storage,
-            storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None),
-        )
-        self.tmp.child(METADATA_FILE).write_bytes(dump_metadata(metadata))
+        # .metadata, the marker of a complete checkpoint, follows every data file (finished first)
+        state_md: dict[str, Any] = {}
+        storage: dict[MetadataIndex, Any] = {}
+        chunks: dict[str, list[ChunkStorageMetadata]] = {}
+        # the keys as this sink holds them: a worker's records arrive as copies, and pickle writes a
+        # string it has seen once as a back-reference, so the bytes would depend on who wrote what
+        own = {k: k for k in self._order}
+        for rank, records in sorted(self._records.items()):
+            name = data_file_name(rank)
+            for key, offsets, sizes, start, length in records:
+                key = own.get(key, key)
+                if offsets is None:
+                    storage[MetadataIndex(key)] = storage_info(name, start, length, self.compress)
+                    state_md[key] = BytesStorageMetadata()
+                    continue
+                mine = chunks.setdefault(key, [])
+                storage[MetadataIndex(key, torch.Size(offsets), len(mine))] = storage_info(name, start, length, self.compress)
+                mine.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        for spec in self._tensors:
+            state_md[spec.key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), torch.Size(spec.shape), chunks.get(spec.key, []))
+
+        def metadata(save_id: str) -> bytes:
+            return dump_metadata(dcp_metadata(
+                state_dict_metadata={k: state_md[k] for k in self._order if k in state_md},
+                planner_data={k: self._paths[k] for k in self._order if k in self._paths},
+                storage_data=storage,
+                storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id, load_id=None),
+            ))
+
+        # the save's id is a digest of what it describes, not a random one: the same input written
+        # by any number of workers, or again, gives the same bytes
+        save_id = str(uuid.UUID(bytes=hashlib.sha256(metadata("")).digest()[:16], version=4))
+        self.tmp.child(METADATA_FILE).write_bytes(metadata(save_id))

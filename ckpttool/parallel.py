@@ -1,0 +1,227 @@
+"""Offline commands spread over workers: torch.distributed (gloo) processes that split one output.
+
+A worker is a process of a gloo group. Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment,
+any number of nodes) a command joins the group torchrun set up; ``--nproc N`` starts N local
+workers itself (:func:`launch`), with a file-store rendezvous (no port to pick) and the name of the
+output's staging directory chosen up front, so that a worker killed mid-run leaves nothing behind.
+
+What is split is the output's files (a reshard's target ranks, a sharded convert's shards, the
+records a verify reads): worker ``w`` of ``n`` takes files ``w, w + n, ...``, reads only the source
+bytes they need, and worker 0 writes the file that completes the output (``.metadata``, the
+index) last, from every worker's records merged in file order, so the bytes written do not depend
+on how many workers wrote them. Any worker's failure fails every worker and leaves no output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+ENV_INIT = "CKPTTOOL_INIT_METHOD"  # set by launch(): the file store the workers meet at
+ENV_STAGING = "CKPTTOOL_STAGING"  # set by launch(): the hidden name the output is staged under
+ENV_TIMEOUT = "CKPTTOOL_WORKER_TIMEOUT"  # seconds a worker waits for the others (default a day)
+#: how long the others may take to stop after one worker failed with an error it reported
+GRACE_S = 30.0
+#: whether this process joined a group of workers (:func:`workers`): the CLI then ends it with os._exit
+joined = False
+
+
+def launched() -> bool:
+    """Whether this process is one of several workers (started by torchrun or by :func:`launch`)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+@contextmanager
+def workers() -> Iterator[bool]:
+    """Join the workers' gloo group for one command (yields whether there are several workers)."""
+    import torch.distributed as dist
+
+    if not launched() or dist.is_initialized():
+        yield launched()
+        return
+    global joined
+    timeout = timedelta(seconds=float(os.environ.get(ENV_TIMEOUT, 24 * 3600)))
+    dist.init_process_group("gloo", init_method=os.environ.get(ENV_INIT, "env://"), timeout=timeout,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    joined = True
+    # torchrun stops the other workers with SIGTERM when one fails: unwind (the output's staging
+    # directory is removed on the way out) instead of dying where the signal lands
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield True
+    except Terminated:
+        sys.exit(128 + signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        dist.destroy_process_group()
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (torchrun stopping the workers): a BaseException, so that no ``except
+    Exception`` swallows it and the command unwinds."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def staging_name() -> str | None:
+    """The staging name :func:`launch` chose for the output (None under a plain torchrun)."""
+    return os.environ.get(ENV_STAGING) or None
+
+
+def launch(nproc: int, argv: list[str], dst: str | None, storage_options: dict | None = None) -> int:
+    """Run ``python -m ckpttool ARGV`` as ``nproc`` workers here and return the command's exit code.
+
+    Worker 0 prints (its report, or the one error every worker agreed on); the others are silent
+    unless a worker dies without a word (killed, or crashed before the workers could agree): then
+    its last lines of stderr are shown and the exit code is 2. The others are stopped at once when
+    one dies, and the output's staging directory, if any, is removed.
+    """
+    from .storage import resolve, temp_sibling
+
+    staged = None
+    if dst is not None:
+        loc = resolve(dst, storage_options)
+        if loc.local_path is not None:
+            staged = temp_sibling(loc)
+    with tempfile.TemporaryDirectory(prefix="ckpttool-workers-") as tmp:
+        env = dict(os.environ, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **{ENV_INIT: f"file://{tmp}/store"})
+        if staged is not None:
+            env[ENV_STAGING] = staged.name
+        logs, procs = [], []
+        for r in range(nproc):
+            log = None if r == 0 else open(os.path.join(tmp, f"worker-{r}.err"), "w+b")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, "-m", "ckpttool", *argv],
+                                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                          stdout=None if r == 0 else subprocess.DEVNULL, stderr=log))
+        try:
+            codes, first = _wait(procs)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        try:
+            if all(c in (0, 1, 2) for c in codes):
+                return max(codes)  # the same on every worker, which agreed on the outcome
+            dead = first if first is not None else next(r for r, c in enumerate(codes) if c not in (0, 1, 2))
+            tail = b""
+            if logs[dead] is not None:
+                logs[dead].seek(0)
+                tail = logs[dead].read()[-2000:]
+            how = f"signal {-codes[dead]}" if codes[dead] < 0 else f"exit code {codes[dead]}"
+            print(f"ckpttool: error: worker {dead} of {nproc} died ({how}); nothing was written"
+                  + (f"\n{tail.decode(errors='replace').rstrip()}" if tail.strip() else ""), file=sys.stderr)
+            return 2
+        finally:
+            for log in logs:
+                if log is not None:
+                    log.close()
+            if staged is not None and staged.exists():
+                staged.remove()
+
+
+def _wait(procs: list[subprocess.Popen]) -> tuple[list[int], int | None]:
+    """Wait for every worker; once one has failed, the rest get :data:`GRACE_S` to stop (they do
+    at once when the failure was an error all of them agreed on), after one that died by a signal
+    none. Returns the exit codes and the first worker that died without reporting (or None)."""
+    deadline, first = None, None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes, first  # type: ignore[return-value]
+        if first is None:
+            first = next((r for r, c in enumerate(codes) if c is not None and c not in (0, 1, 2)), None)
+        if deadline is None and (first is not None or any(c not in (None, 0) for c in codes)):
+            deadline = time.monotonic() + (0 if first is not None else GRACE_S)
+        if deadline is not None and time.monotonic() >= deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            return [p.wait() for p in procs], first
+        time.sleep(0.05)
+
+
+class SharedProgress:
+    """Progress of all the workers, shown by worker 0 (the only one that prints): every worker
+    publishes the bytes it has done in the group's key-value store (at most every half second),
+    and worker 0 shows their sum against the whole command's bytes, from its own calls and from
+    a thread that polls the store while it waits for the others. Without a store to use (a torch
+    whose private accessor moved), worker 0 shows its own share."""
+
+    PERIOD_S = 0.5
+
+    def __init__(self, progress: Callable[[int, int, str], None] | None, total: int | None, tag: str):
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        self._progress = progress
+        self._total = total or 0
+        self._calls_total = total is None  # each call's total is the command's (verify), not a share's
+        self._rank, self._workers = dist.get_rank(), dist.get_world_size()
+        getter = getattr(distributed_c10d, "_get_default_store", None)
+        self._store = getter() if getter is not None else None
+        self._keys = [f"ckpttool-progress/{tag}/{r}" for r in range(self._workers)]
+        self._done = 0
+        self._key = ""
+        self._sent = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if self._rank == 0 and progress is not None and self._store is not None:
+            self._thread = threading.Thread(target=self._poll, name="ckpttool-progress", daemon=True)
+            self._thread.start()
+
+    def __call__(self, done: int, total: int, key: str) -> None:
+        """This worker's own progress (``total``: its share's, or with ``total=None`` given to the
+        constructor, the whole command's)."""
+        self._done, self._key = done, key
+        if self._calls_total:
+            self._total = total
+        if self._rank != 0:
+            now = time.monotonic()
+            if self._store is not None and (now - self._sent >= self.PERIOD_S or done >= total or self._calls_total):
+                self._store.set(self._keys[self._rank], str(done))
+                self._sent = now
+        else:
+            self._show()
+
+    def _others(self) -> int:
+        if self._store is None:
+            return 0
+        present = [k for k in self._keys[1:] if self._store.check([k])]
+        return sum(int(self._store.get(k)) for k in present)
+
+    def _show(self) -> None:
+        if self._progress is None:
+            return
+        with self._lock:
+            self._progress(min(self._total, self._done + self._others()), self._total, self._key)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                self._show()
+            except Exception:  # noqa: BLE001 - the store went away with the group: stop showing
+                return
+
+    def close(self, finished: bool) -> None:
+        """Stop polling; ``finished`` (every worker done): show the whole command done."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if finished and self._rank == 0 and self._progress is not None:
+            self._progress(self._total, self._total, "")
