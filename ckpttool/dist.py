@@ -55,6 +55,16 @@ def all_gather(obj: T, group: Any = None) -> list[T]:
     return out
 
 
+def gather(obj: T, dst: int = 0, group: Any = None) -> list[T] | None:
+    """Every rank's ``obj`` on rank ``dst`` (in rank order), None on the others: for what only one
+    rank needs (a reshard's records, millions at a 1024-rank layout, gathered to worker 0 alone)."""
+    if not active():
+        return [obj]
+    out: list[Any] | None = [None] * world_size(group) if rank(group) == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
 _FLAGS: dict[int, torch.Tensor] = {}
 
 

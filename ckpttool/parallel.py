@@ -5,9 +5,9 @@ any number of nodes) a command joins the group torchrun set up; ``--nproc N`` st
 workers itself (:func:`launch`), with a file-store rendezvous (no port to pick) and the name of the
 output's staging directory chosen up front, so that a worker killed mid-run leaves nothing behind.
 
-What is split is the output's files (a reshard's target ranks, a sharded convert's shards, the
-records a verify reads): worker ``w`` of ``n`` takes files ``w, w + n, ...``, reads only the source
-bytes they need, and worker 0 writes the file that completes the output (``.metadata``, the
+What is split is the output's files (a reshard's target ranks, a sharded convert's shards) and a
+verify's entries: worker ``w`` of ``n`` takes the ``w``-th contiguous run of them (neighbouring files
+read neighbouring source bytes), reads only the source bytes they need, and worker 0 writes the file that completes the output (``.metadata``, the
 index) last, from every worker's records merged in file order, so the bytes written do not depend
 on how many workers wrote them. Any worker's failure fails every worker and leaves no output.
 """

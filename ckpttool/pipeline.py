@@ -154,8 +154,8 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
         if workers > 1:
             _agree(None)
             shared.close(finished=True)
-            pieces = dist.all_gather(sink.pieces())
-            if dist.rank() == 0:
+            pieces = dist.gather(sink.pieces())  # worker 0 alone writes the file that describes them
+            if pieces is not None:
                 sink.merge(pieces)
                 _agree_on(sink.finalize)
             else:

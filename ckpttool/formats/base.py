@@ -166,9 +166,12 @@ class Sink(ABC):
         """Whether the output has several files that workers can write apart (shards, ranks' files)."""
         return False
 
-    def mine(self, i: int) -> bool:
-        """Whether this worker writes file ``i`` of the output (files go round-robin)."""
-        return i % self.share[1] == self.share[0]
+    def mine(self, i: int, count: int) -> bool:
+        """Whether this worker writes file ``i`` of the output's ``count``: each worker takes a
+        contiguous run of them, so neighbouring files, which read neighbouring source bytes (the
+        two halves of one source record when a reshard doubles the ranks), are one worker's and
+        each source byte is fetched by one worker."""
+        return i * self.share[1] // max(1, count) == self.share[0]
 
     def writes(self, spec: TensorSpec) -> bool:
         """Whether this worker writes tensor ``spec`` (every tensor, for one worker)."""

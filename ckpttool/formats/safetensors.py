@@ -301,7 +301,7 @@ class SafetensorsSink(Sink):
         return self.sharded
 
     def writes(self, spec: TensorSpec) -> bool:
-        return self.share[1] == 1 or self.mine(self._file_of[spec.key])  # (shards are planned at begin)
+        return self.share[1] == 1 or self.mine(self._file_of[spec.key], len(self._shards))  # (shards are planned at begin)
 
     def order(self, specs: list[TensorSpec]) -> list[TensorSpec]:
         # Larger elements first: every tensor then starts at an offset aligned to its element size.
@@ -365,7 +365,7 @@ class SafetensorsSink(Sink):
 
     def finish_files(self) -> None:
         for i in range(len(self._shards)):  # files with no tensor written yet (empty checkpoint)
-            if i not in self._started and self.mine(i):
+            if i not in self._started and self.mine(i, len(self._shards)):
                 self._started.add(i)
                 self._start_file(i)
         self.close_files()

@@ -197,7 +197,7 @@ class TorchSaveSink(Sink):
         return self.sharded
 
     def writes(self, spec: TensorSpec) -> bool:
-        return self.share[1] == 1 or self.mine(self._shard_of[spec.key])  # (shards are planned at begin)
+        return self.share[1] == 1 or self.mine(self._shard_of[spec.key], len(self._shards))  # (shards are planned at begin)
 
     def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         tensors, objects = split(entries)
@@ -246,7 +246,7 @@ class TorchSaveSink(Sink):
     def finish_files(self) -> None:
         if self.sharded:
             for i in range(len(self._shards)):  # this worker's shards not started (no tensors)
-                if i not in self._started and self.mine(i):
+                if i not in self._started and self.mine(i, len(self._shards)):
                     self._start(i)
         self._finish_open()
         self.close_files()

@@ -37,7 +37,7 @@ class DcpSink(Sink):
     """``layout`` says which rank's file stores which box of each tensor (default: everything
     whole in rank 0's file); objects go to rank 0's file. Files are written one rank after the
     other, so one is open at a time whatever the world size. Split between workers, each writes
-    the target ranks' files that are its own (round-robin) and worker 0 writes ``.metadata`` from
+    a contiguous run of the target ranks' files and worker 0 writes ``.metadata`` from
     everyone's records, merged in rank order: the output's bytes do not depend on the split."""
 
     format = "dcp"
@@ -80,7 +80,7 @@ class DcpSink(Sink):
         self.write([spec], lambda s: (read, budget), lambda n, k: None)
 
     def _ranks(self) -> list[int]:
-        return [rank for rank in range(self.layout.world_size) if self.mine(rank)]
+        return [rank for rank in range(self.layout.world_size) if self.mine(rank, self.layout.world_size)]
 
     def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
         return [(spec, box) for rank in self._ranks() for spec in tensors
