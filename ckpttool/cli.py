@@ -305,7 +305,13 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @click.argument("src")
 @click.argument("dst")
 @click.option("--world-size", type=int, help="Ranks of the job that will load DST (1 to 65536).")
-@click.option("--mesh", metavar="RxS", help="HSDP mesh: R replicas x S shards (R*S = world size); boxes follow the shard dim.")
+@click.option("--mesh", metavar="RxS", help="HSDP mesh: R replicas x S shards (R*S = world size); boxes follow the shard dim. "
+                                             "With --tp-colwise/--tp-rowwise: DPxTP, FSDP2 over DP and tensor parallelism over TP.")
+@click.option("--tp-colwise", metavar="LAYER", multiple=True,
+              help="With --mesh DPxTP: a layer cut by rows over TP (ColwiseParallel): a dotted name inside its keys (w1) or a glob "
+                   "of whole keys; repeatable.")
+@click.option("--tp-rowwise", metavar="LAYER", multiple=True,
+              help="With --mesh DPxTP: a layer whose weight is cut by columns over TP (RowwiseParallel); repeatable.")
 @click.option("--like", metavar="OTHER", help="Lay DST out exactly as the DCP checkpoint OTHER (every key's chunks, in the same "
                                               "ranks' files): save the new job's initial state once on its mesh, then reshard to it. "
                                               "Instead of --world-size.")
@@ -319,7 +325,8 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @json_option
 @storage_option
 @click.pass_context
-def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, like: str | None, only: str | None,
+def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, tp_colwise: tuple[str, ...],
+            tp_rowwise: tuple[str, ...], like: str | None, only: str | None,
             compress: str | None, memory_budget: str, force: bool, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Rewrite a DCP checkpoint for a new world size, in one process, without a cluster.
 
@@ -335,12 +342,18 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
     shards on dim 1, ...): every key's chunks as OTHER has them, in the same ranks' files. OTHER
     must hold the same tensor keys and shapes (its data is not read).
 
+    With --mesh DPxTP and --tp-colwise/--tp-rowwise, DST is laid out for FSDP2 over DP ranks and
+    tensor parallelism over TP (rank = dp_index * TP + tp_index): colwise layers cut by rows over
+    TP, rowwise layers' weights by columns, then FSDP2's rows over DP; other tensors Shard(0) over
+    DP, stored once.
+
     \b
     Examples:
       ckpttool reshard runs/exp1/step-100 step-100-w4 --world-size 4
       ckpttool reshard runs/exp1/step-100 step-100-hsdp --world-size 4 --mesh 2x2
       ckpttool reshard runs/exp1/step-100 step-100-w8-zstd --world-size 8 --compress zstd
       ckpttool reshard runs/exp1/step-100 step-100-tp --like runs/exp2-tp/step-0
+      ckpttool reshard runs/exp1/step-100 step-100-fsdp-tp --world-size 4 --mesh 2x2 --tp-colwise w1 --tp-rowwise w2
       ckpttool reshard runs/exp1/step-100 step-100-w64 --world-size 64 --nproc 8
       torchrun --nnodes 4 --nproc_per_node 8 ... -m ckpttool reshard s3://b/step-100 s3://b/w1024 --world-size 1024
     """
@@ -351,7 +364,8 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
     progress = Progress("reshard", not _quiet(ctx) and not as_json and _speaks())
     try:
         with workers() as many:
-            report = run_reshard(src, dst, world_size=world_size, mesh=mesh, like=like, only=only, parallel=many, compress=compress,
+            report = run_reshard(src, dst, world_size=world_size, mesh=mesh, tp_colwise=tp_colwise, tp_rowwise=tp_rowwise,
+                                 like=like, only=only, parallel=many, compress=compress,
                                  memory_budget=memory_budget, force=force, storage_options=_storage_options(storage_options),
                                  progress=progress)
     finally:

@@ -7,6 +7,7 @@ everything here is tested exhaustively in one process.
 from __future__ import annotations
 
 import bisect
+import fnmatch
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -177,6 +178,65 @@ class FsdpLayout:
 
     def boxes_of(self, rank: int, key: str, shape: tuple[int, ...]) -> list[Box]:
         return stored_box_of(shape, self.mesh, rank, sharded=key not in self.replicated)
+
+
+def matches(key: str, pattern: str) -> bool:
+    """Whether a tensor key belongs to a layer named by ``pattern``: dotted names inside the key
+    (``w1`` matches ``model.w1.weight`` and ``optim.state.w1.weight.exp_avg``), or a glob of the
+    whole key (``*.attention.wq.*``)."""
+    return f".{pattern}." in f".{key}." or fnmatch.fnmatchcase(key, pattern)
+
+
+@dataclass(frozen=True)
+class TpLayout:
+    """FSDP2 over ``dp`` ranks and tensor parallelism over ``tp`` on a ``(dp, tp)`` mesh (rank
+    ``d * tp + t``), for the common placements: layers matching ``colwise`` are cut by rows over
+    tp (``ColwiseParallel``: weight and bias), layers matching ``rowwise`` by columns
+    (``RowwiseParallel``: the weight's dim 1), and FSDP2 cuts each rank's part again by rows over
+    dp (a colwise part within its tp rows, as FSDP2's strided sharding does). Other tensors are
+    FSDP2's ``Shard(0)`` over dp, replicated over tp and stored once (tp rank 0's file);
+    ``replicated`` keys (buffers, scalars) stay whole on rank 0. Cuts follow ``torch.chunk``."""
+
+    dp: int
+    tp: int
+    colwise: tuple[str, ...] = ()
+    rowwise: tuple[str, ...] = ()
+    replicated: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    def tp_dim(self, key: str, ndim: int) -> int | None:
+        """The dim tensor parallelism cuts ``key`` along (None: replicated over tp)."""
+        if ndim >= 1 and any(matches(key, p) for p in self.colwise):
+            return 0
+        if ndim >= 2 and any(matches(key, p) for p in self.rowwise):
+            return 1
+        return None
+
+    def boxes_of(self, rank: int, key: str, shape: tuple[int, ...]) -> list[Box]:
+        shape = tuple(shape)
+        d, t = divmod(rank, self.tp)
+        if not shape or key in self.replicated or 0 in shape:
+            return [whole(shape)] if rank == 0 else []
+        starts, sizes = [0] * len(shape), list(shape)
+        dim = self.tp_dim(key, len(shape))
+        if dim is None:
+            if t:
+                return []
+            starts[0], stop = shard_range(shape[0], self.dp, d)
+            sizes[0] = stop - starts[0]
+        elif dim == 0:
+            lo, hi = shard_range(shape[0], self.tp, t)
+            start, stop = shard_range(hi - lo, self.dp, d)
+            starts[0], sizes[0] = lo + start, stop - start
+        else:
+            starts[1], stop = shard_range(shape[1], self.tp, t)
+            sizes[1] = stop - starts[1]
+            starts[0], stop = shard_range(shape[0], self.dp, d)
+            sizes[0] = stop - starts[0]
+        return [] if 0 in sizes else [(tuple(starts), tuple(sizes))]
 
 
 @dataclass(frozen=True)

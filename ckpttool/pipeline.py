@@ -19,7 +19,7 @@ from .choices import CAST_DTYPES, parse_size
 from .errors import FormatError, MismatchError, OutputExistsError, StorageError, UsageError
 from .formats.base import ObjectSpec, Progress, ReadAhead, ReadFn, Sink, SinkOptions, SlabBuffers, Source, TensorSpec, stream_slabs
 from .index import TensorEntry, dtype_size, strip_prefix
-from .layout import MAX_WORLD_SIZE, Box, ChunkLayout, FsdpLayout, Mesh, stored_replicated
+from .layout import MAX_WORLD_SIZE, Box, ChunkLayout, FsdpLayout, Mesh, TpLayout, matches, stored_replicated
 from .steps import is_training_root, list_root
 from .storage import Location, describe_os_error, resolve
 
@@ -408,6 +408,8 @@ def reshard(
     world_size: int | None = None,
     mesh: str | None = None,
     like: str | Location | None = None,
+    tp_colwise: list[str] | tuple[str, ...] = (),
+    tp_rowwise: list[str] | tuple[str, ...] = (),
     only: str | None = None,
     memory_budget: int | str = DEFAULT_BUDGET,
     force: bool = False,
@@ -430,6 +432,9 @@ def reshard(
         raise UsageError("give either --world-size or --like", hint="--like OTHER lays DST out as the DCP checkpoint OTHER is")
     if like is not None and mesh is not None:
         raise UsageError("--mesh goes with --world-size, not with --like (OTHER's layout is used as it is)")
+    tp_plan = bool(tp_colwise or tp_rowwise)
+    if tp_plan and mesh is None:
+        raise UsageError("--tp-colwise/--tp-rowwise need --mesh DPxTP (data-parallel x tensor-parallel ranks)")
     target = Mesh.parse(world_size, mesh) if world_size is not None else None
     dcp = formats.get("dcp")
     src_loc = resolve(src, storage_options)
@@ -446,10 +451,19 @@ def reshard(
             )
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, None)
-        layout: FsdpLayout | ChunkLayout
+        layout: FsdpLayout | TpLayout | ChunkLayout
         if target is not None:
-            layout = FsdpLayout(target, replicated_keys(source, plan))
-            described = f"{target.replicate}x{target.shard}"
+            if tp_plan:
+                keys = [spec.key for spec in plan.tensors]
+                for flag, pattern in [("--tp-colwise", p) for p in tp_colwise] + [("--tp-rowwise", p) for p in tp_rowwise]:
+                    if not any(matches(k, pattern) for k in keys):
+                        raise UsageError(f"{flag} {pattern!r} matches no tensor of the checkpoint",
+                                         hint="name a layer as its keys do (w1 matches model.w1.weight), or a glob of whole keys")
+                layout = TpLayout(target.replicate, target.shard, tuple(tp_colwise), tuple(tp_rowwise), replicated_keys(source, plan))
+                described = f"{target.replicate}x{target.shard} (dp x tp)"
+            else:
+                layout = FsdpLayout(target, replicated_keys(source, plan))
+                described = f"{target.replicate}x{target.shard}"
         else:
             like_loc = resolve(like, storage_options)
             with formats.open_source(like_loc) as other:

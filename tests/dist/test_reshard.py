@@ -163,6 +163,53 @@ def test_like_refuses_a_shape_that_differs_and_the_cli_says_so_in_one_line(tp_pa
     assert '"world_size": 4' in result.output
 
 
+def test_mesh_dp_x_tp_lays_out_fsdp_plus_tp_as_plain_torch_saves_it_and_plain_torch_loads_it(tp_pair, tmp_path):
+    """--mesh 2x2 --tp-colwise w1 --tp-rowwise w2 from the FSDP2 checkpoint of 2 ranks: every
+    tensor-parallel key's chunks are those plain torch saves on the 2x2 (dp, tp) mesh, in the same
+    ranks' files (w1 by rows, tp first; w2 by columns); the others have the same boxes (which rank
+    stores a replicated chunk is torch's choice); plain dcp.load on 2x2 gets the state bitwise."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    from .workloads import tpnet_load
+
+    src, other, expected = tp_pair
+    out = str(tmp_path / "out")
+    result = CliRunner().invoke(main, ["reshard", src, out, "--world-size", "4", "--mesh", "2x2",
+                                       "--tp-colwise", "w1", "--tp-rowwise", "w2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"mesh": "2x2 (dp x tp)"' in result.output
+    mine, theirs = stored_layout(out), stored_layout(other)
+    assert mine.keys() == theirs.keys()
+    tp_keys = [k for k in theirs if (".w1." in k or ".w2." in k) and not k.endswith(".step")]
+    assert len(tp_keys) == 9
+    for key in theirs:
+        if key in tp_keys:
+            assert mine[key] == theirs[key], key
+        else:
+            assert [c[:2] for c in mine[key]] == [c[:2] for c in theirs[key]], key
+    results = run_ranks(tpnet_load, 4, out, 2)
+    assert_same_nested(results[0]["model"], expected["model"], "model")
+    assert_same_nested(results[0]["optim"], expected["optim"], "optim")
+
+
+def test_mesh_dp_x_tp_refuses_a_layer_it_cannot_find_and_a_plan_without_a_mesh(tp_pair, tmp_path):
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    src = tp_pair[0]
+    out = str(tmp_path / "out")
+    result = CliRunner().invoke(main, ["reshard", src, out, "--world-size", "4", "--mesh", "2x2", "--tp-colwise", "wq"])
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        "error: --tp-colwise 'wq' matches no tensor of the checkpoint "
+        "(name a layer as its keys do (w1 matches model.w1.weight), or a glob of whole keys)"]
+    result = CliRunner().invoke(main, ["reshard", src, out, "--world-size", "4", "--tp-rowwise", "w2"])
+    assert result.exit_code == 2 and "need --mesh DPxTP" in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_like_bounds_the_ranks_its_file_names_claim(plain, tmp_path):
     """OTHER's file names say how many rank files DST gets: a hostile one naming rank 70000 must be
     refused before anything is written, not answered with 70,001 files."""
