@@ -86,6 +86,17 @@ def agreed(fn: Any, *, rank0_only: bool = False, group: Any = None) -> Any:
     return result
 
 
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """Whether ``flag`` is true on any rank: one all-reduce of a tensor that lives as long as the
+    process (see :func:`first_error` for why it must)."""
+    if not active():
+        return flag
+    tensor = _FLAGS.setdefault(id(group), torch.zeros(1, dtype=torch.int64))
+    tensor.fill_(1 if flag else 0)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return bool(tensor.item())
+
+
 def first_error(error: BaseException | None, group: Any = None) -> BaseException | None:
     """Agree on failure: every rank gets the lowest rank's error (or None when all succeeded).
 
@@ -98,10 +109,7 @@ def first_error(error: BaseException | None, group: Any = None) -> BaseException
     """
     if not active():
         return error
-    flag = _FLAGS.setdefault(id(group), torch.zeros(1, dtype=torch.int64))
-    flag.fill_(0 if error is None else 1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not int(flag.item()):
+    if not any_rank(error is not None, group):
         return None
     errors = all_gather(None if error is None else (type(error).__name__, str(error)), group)
     for r, item in enumerate(errors):

@@ -194,9 +194,9 @@ def _agreed_error(error: BaseException | None) -> BaseException | None:
     if error is not None:
         text = error.message() if isinstance(error, CkptError) else f"{type(error).__name__}: {error}"
         mine = (text, getattr(error, "exit_code", 2) if isinstance(error, CkptError) else 2)
-    failures = [f for f in dist.all_gather(mine)] if dist.world_size() > 1 else [mine]
-    if all(f is None for f in failures):
+    if not dist.any_rank(mine is not None):  # the common case: one all-reduce, no objects
         return None
+    failures = dist.all_gather(mine)
     if error is None:
         r, (text, code) = next((r, f) for r, f in enumerate(failures) if f is not None)
         error = WorkerError(f"worker {r} of {len(failures)} failed: {text}", code)
