@@ -47,6 +47,13 @@ class _Stream:
         self.crc = 0
 
 
+def _plain(ref: Any, storage: Any, dst: torch.Tensor, numel: int) -> bool:
+    """Whether a record's bytes are ``numel`` C-order elements from its start, and ``dst`` is
+    contiguous CPU memory of its dtype: bytes read from the record can land in ``dst`` as they are."""
+    return (dst.device.type == "cpu" and dst.dtype == ref.dtype and dst.is_contiguous() and ref.is_contiguous()
+            and ref.storage_offset == 0 and storage.nbytes == numel * dtype_size(ref.dtype))
+
+
 class RecordChecks:
     """The checks of one reader: which records were checked, and the manifest to check them against."""
 
@@ -100,8 +107,7 @@ class RecordChecks:
         item = dtype_size(ref.dtype)
         local = [o - c for o, c in zip(part[0], chunk.offsets)]
         row = math.prod(chunk.sizes[1:]) * item
-        if not (dst.device.type == "cpu" and dst.dtype == ref.dtype and dst.is_contiguous() and ref.is_contiguous()
-                and ref.storage_offset == 0 and storage.nbytes == math.prod(chunk.sizes) * item and dst.numel() > 0
+        if not (_plain(ref, storage, dst, math.prod(chunk.sizes)) and dst.numel() > 0
                 and all(o == 0 for o in local[1:]) and tuple(part[1][1:]) == tuple(chunk.sizes[1:])):
             return False
         name = (info.relative_path, info.offset)
@@ -143,9 +149,7 @@ class RecordChecks:
         """Whether :meth:`read_chunk` reads ``chunk``'s record straight into ``dst`` (``part`` is the
         whole chunk, ``dst`` contiguous CPU memory of the stored dtype and the record's exact size)."""
         ref, storage = self.source.tensor_record(key, entry, chunk)
-        return (part == (chunk.offsets, chunk.sizes) and dst.device.type == "cpu" and dst.dtype == ref.dtype
-                and dst.is_contiguous() and ref.is_contiguous() and ref.storage_offset == 0
-                and storage.nbytes == dst.numel() * dtype_size(ref.dtype))
+        return part == (chunk.offsets, chunk.sizes) and _plain(ref, storage, dst, dst.numel())
 
     def read_chunk(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> None:
         """Read the whole record of ``chunk`` once, check it, and copy ``part`` of it into ``dst``:
