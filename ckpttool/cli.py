@@ -232,7 +232,7 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", type=click.Choice(formats.names()), help="Output format (default: from DST's suffix).")
+@click.option("--to", type=click.Choice(formats.output_names()), help="Output format (default: from DST's suffix).")
 @click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix (e.g. --only model).")
 @click.option("--dtype", type=click.Choice(CAST_DTYPES), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
 @click.option("--max-shard-size", metavar="SIZE", callback=_size,

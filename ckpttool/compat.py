@@ -105,6 +105,15 @@ def rebuild_tensor_v2() -> Any:
     return torch._utils._rebuild_tensor_v2
 
 
+def rebuild_tensor_v3() -> Any:
+    """What a ``torch.save`` pickle names for a tensor whose dtype has no legacy storage class (float8,
+    uint16/32/64): ``torch._utils._rebuild_tensor_v3`` over an ``UntypedStorage``, with the dtype
+    given explicitly, as torch itself writes them."""
+    import torch._utils
+
+    return torch._utils._rebuild_tensor_v3
+
+
 #: The legacy typed-storage class names ``torch.save`` writes into its pickle, per dtype. A fixed
 #: part of the format (torch.load of a 1.x file reads the same names), kept here rather than read
 #: from torch's private ``torch.storage._dtype_to_storage_type_map``.

@@ -26,6 +26,7 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
                 entries.append({
                     "key": key, "kind": "tensor", "shape": list(entry.shape), "dtype": str(entry.dtype).removeprefix("torch."),
                     "bytes": entry.nbytes, "chunks": len(entry.chunks), "files": files, "path": path,
+                    **({"placement": source.placement(key)} if source.placement(key) else {}),
                 })
             else:
                 value = source.read_object(key)
@@ -43,6 +44,7 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
             "objects": sum(1 for e in entries if e["kind"] == "object"),
             "total_bytes": index.tensor_bytes,
             "entries": entries,
+            "notes": list(source.notes),
         }
 
 
@@ -93,7 +95,9 @@ def render_text(report: dict[str, Any]) -> str:
     for e in report["entries"]:
         if e["kind"] == "tensor":
             shape = "x".join(str(s) for s in e["shape"]) or "scalar"
-            lines.append(f"  {e['key']:<{width}}  {e['dtype']:<9} {shape:<16} {e['bytes']:>12} B  {e['chunks']} chunk(s) in {', '.join(e['files'])}")
+            placed = f"  [{e['placement']}]" if e.get("placement") else ""
+            lines.append(f"  {e['key']:<{width}}  {e['dtype']:<9} {shape:<16} {e['bytes']:>12} B  {e['chunks']} chunk(s) in {', '.join(e['files'])}{placed}")
         else:
             lines.append(f"  {e['key']:<{width}}  {e['type']:<9} = {e['value']}")
+    lines.extend(f"note: {n}" for n in report.get("notes", ()))
     return "\n".join(lines)

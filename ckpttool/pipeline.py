@@ -312,8 +312,8 @@ def convert(
     """
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
-    if to is not None and to not in formats.names():
-        raise UsageError(f"unknown format {to!r} for --to", hint=f"choose one of {', '.join(formats.names())}")
+    if to is not None and to not in formats.output_names():
+        raise UsageError(f"unknown format {to!r} for --to", hint=f"choose one of {', '.join(formats.output_names())}")
     if isinstance(dtype, str):
         if dtype not in DTYPE_NAMES:
             raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
@@ -443,9 +443,9 @@ def reshard(
     if src_loc.url == dst_loc.url:
         raise UsageError("source and destination are the same path", where=dst_loc.url)
     with formats.open_source(src_loc) as source:
-        if source.format != dcp.name:
+        if not formats.get(source.format).ranked:
             raise FormatError(
-                f"reshard reads DCP checkpoints; this is {source.format}",
+                f"reshard reads DCP checkpoints and per-rank torch.save folders; this is {source.format}",
                 where=src_loc.url,
                 hint=f"convert it first: ckpttool convert {src_loc.url} DIR --to dcp",
             )

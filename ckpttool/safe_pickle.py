@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from . import safe_dtensor, safe_numpy
 from .compat import LEGACY_STORAGE_NAMES, tensor_properties_reader
 from .errors import CorruptCheckpointError, UnsafePickleError
 
@@ -53,6 +54,13 @@ _DCP_CLASSES = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
 }
+
+def _empty_bytes(*args: Any) -> bytes:
+    """How protocol-2 pickles spell ``b""``: ``bytes()``; any argument (a size, an iterable) is refused."""
+    if args:
+        raise UnsafePickleError("refused bytes() with arguments: a checkpoint's data is stored, not built by a call")
+    return b""
+
 
 def _get_layout(name: str) -> torch.layout:
     value = getattr(torch, name.removeprefix("torch."), None)
@@ -193,9 +201,15 @@ VALUE_TYPES = ("io.BytesIO", "collections.OrderedDict", "collections.defaultdict
 
 
 def _finish(value: Any) -> Any:
-    """Replace every :class:`_BytesIOState` in a freshly unpickled tree by its ``io.BytesIO``."""
-    if isinstance(value, _BytesIOState):
+    """Replace every stand-in in a freshly unpickled tree by its value (an :class:`_BytesIOState`
+    by its ``io.BytesIO``, a numpy placeholder by its array or dtype); refuse a torch.distributed
+    record found outside a DTensor."""
+    if isinstance(value, (_BytesIOState, safe_numpy.NumpyPlaceholder)):
         return value.build()
+    stray = safe_dtensor.stray_record(value)
+    if stray is not None:
+        raise UnsafePickleError(f"refused a {stray.kind} stored outside a DTensor",
+                                hint="ckpttool reads DTensors, plain tensors and plain data")
     if isinstance(value, (list, collections.deque)):
         items = [_finish(v) for v in value]
         value.clear()
@@ -223,6 +237,7 @@ _COMMON = {
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
     ("builtins", "bytearray"): _bytearray,
+    ("builtins", "bytes"): _empty_bytes,
     ("torch", "device"): torch.device,
     ("_codecs", "encode"): _latin1_encode,
 }
@@ -253,6 +268,12 @@ class _AllowListUnpickler(pickle.Unpickler):
         if key in _COMMON:
             self.placeholders |= _COMMON[key] is _BytesIOState
             return _COMMON[key]
+        if key in safe_numpy.GLOBALS:
+            self.placeholders |= key in safe_numpy.PLACEHOLDER_GLOBALS
+            return safe_numpy.GLOBALS[key]
+        if key in safe_dtensor.GLOBALS:
+            self.placeholders = True  # records that end up outside a DTensor are refused at the end
+            return safe_dtensor.GLOBALS[key]
         if key == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
             return tensor_properties_reader()  # the 5 fields of torch <= 2.14 or the 6 of 2.15
         if key in _DCP_CLASSES:
@@ -261,10 +282,11 @@ class _AllowListUnpickler(pickle.Unpickler):
         if value is not None:
             return value
         raise UnsafePickleError(
-            f"refused to unpickle global '{module}.{name}'",
+            f"refused to unpickle global '{module}.{name}': the file holds a {name} value, which is not plain "
+            "checkpoint data (tensors, DTensors, numbers, strings, containers, numpy arrays)",
             where=self._source,
-            hint="the file asks to run code that a checkpoint never needs; nothing from it was run. "
-            "If you wrote this file yourself and trust it, load it with plain torch",
+            hint="nothing from the file was run; if you trust the file, read it with "
+            "torch.load(path, weights_only=False) and save the value as plain data",
         )
 
 
@@ -439,6 +461,9 @@ def same_value(a: Any, b: Any) -> bool:
     identity there)."""
     if type(a) is not type(b):
         return False
+    numpy_same = safe_numpy.same_numpy(a, b)
+    if numpy_same is not None:
+        return numpy_same
     if isinstance(a, float):
         return struct.pack("<d", a) == struct.pack("<d", b)
     if isinstance(a, io.BytesIO):

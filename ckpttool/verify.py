@@ -100,9 +100,17 @@ def _merged(mine: Report, parts: list[tuple[Report, list[tuple[int, Report]]]]) 
 # --- equality ------------------------------------------------------------------------------------
 
 
-def _int_view(t: torch.Tensor) -> torch.Tensor:
-    flat = t.contiguous().reshape(-1)
-    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if flat.numel() else flat
+def _bits_differ(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per element (flat, C order) whether ``x`` and ``y`` (same dtype and shape) differ in any bit:
+    each element compared as one integer (complex128: two int64s)."""
+    a, b = x.contiguous().reshape(-1), y.contiguous().reshape(-1)
+    if not a.numel():
+        return torch.zeros(0, dtype=torch.bool)
+    size = x.element_size()
+    if size == 16:
+        return (a.view(torch.int64).view(-1, 2) != b.view(torch.int64).view(-1, 2)).any(dim=1)
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    return a.view(view) != b.view(view)
 
 
 def verify_against(path: str | Location, other: str | Location, *, only: str | None = None, against_only: str | None = None,
@@ -181,7 +189,7 @@ def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype
         if a_dtype != b_dtype:  # OTHER is an export made with --dtype: cast PATH's values the same way
             x = x.to(b_dtype)
         if rtol == 0 and atol == 0:
-            bad = _int_view(x) != _int_view(y)
+            bad = _bits_differ(x, y)
         else:
             xd, yd = x.double().reshape(-1), y.double().reshape(-1)
             diff = (xd - yd).abs()
@@ -273,7 +281,7 @@ def verify_loaded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                 if stored.dtype != local.dtype or tuple(stored.shape) != tuple(local.shape):
                     mine.append(Mismatch(key, rank, [], float("nan"), local.numel()))
                     continue
-                bad = _int_view(stored) != _int_view(local)
+                bad = _bits_differ(stored, local)
                 n = int(bad.sum().item())
                 if n:
                     flat = int(bad.nonzero()[0].item())

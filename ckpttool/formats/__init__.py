@@ -32,16 +32,17 @@ class Registration:
     summary: str
     default: bool  # the output format for a name with no known suffix (a directory)
     sharded_default: bool  # ... when the output is to be sharded (--max-shard-size)
+    writable: bool = True  # whether ckpttool writes it (convert/reshard outputs), not only reads it
 
 
 _REGISTRY: dict[str, Registration] = {}
 
 
 def register(name: str, module: str, *, suffixes: tuple[str, ...] = (), summary: str = "", default: bool = False,
-             sharded_default: bool = False) -> None:
+             sharded_default: bool = False, writable: bool = True) -> None:
     if name in _REGISTRY:
         raise ValueError(f"format {name!r} is registered twice")
-    _REGISTRY[name] = Registration(name, module, suffixes, summary, default, sharded_default)
+    _REGISTRY[name] = Registration(name, module, suffixes, summary, default, sharded_default, writable)
 
 
 register("dcp", "ckpttool.formats.dcp", summary="torch.distributed.checkpoint directory", default=True)
@@ -49,11 +50,19 @@ register("torch", "ckpttool.formats.torch_save", suffixes=(".pt", ".pth", ".bin"
          summary="one torch.save file, or an HF-sharded directory of .bin files")
 register("safetensors", "ckpttool.formats.safetensors", suffixes=(".safetensors",),
          summary="one .safetensors file, or an HF-sharded directory", sharded_default=True)
+register("torch-ranks", "ckpttool.formats.torch_ranks",
+         summary="a folder of per-rank torch.save files (<prefix>_rank_<R>.pt, FSDP2's manual sharded checkpoints)",
+         writable=False)
 
 
 def names() -> tuple[str, ...]:
     """Registered format names, in registration (and detection) order. Imports no torch."""
     return tuple(_REGISTRY)
+
+
+def output_names() -> tuple[str, ...]:
+    """The formats ckpttool writes (``--to`` choices), in registration order. Imports no torch."""
+    return tuple(name for name, reg in _REGISTRY.items() if reg.writable)
 
 
 def registrations() -> tuple[Registration, ...]:
@@ -81,6 +90,8 @@ def output_format(name: str, to: str | None = None, sharded: bool = False) -> st
     be sharded. Imports no torch."""
     if to is not None:
         get(to)  # a clear error for an unknown name
+        if not _REGISTRY[to].writable:
+            raise FormatError(f"ckpttool reads {to} but does not write it", hint=f"write one of {', '.join(output_names())}")
         return to
     lowered = name.lower()
     for reg in _REGISTRY.values():
@@ -131,4 +142,5 @@ def open_source(path: str | Location, fmt: str | None = None, storage_options: d
     return (get(fmt) if fmt else detect(loc)).open_source(loc, verify)
 
 
-__all__ = ["Registration", "all_formats", "detect", "get", "names", "open_source", "output_format", "register", "registrations"]
+__all__ = ["Registration", "all_formats", "detect", "get", "names", "open_source", "output_format", "output_names", "register",
+           "registrations"]

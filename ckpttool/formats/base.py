@@ -88,9 +88,14 @@ class Source(ABC):
 
     def __init__(self, location: Location):
         self.location = location
+        self.notes: list[str] = []  # what a reader should know (values it read from one rank, files it did not read)
 
     @abstractmethod
     def index(self) -> Index: ...
+
+    def placement(self, key: str) -> str | None:
+        """How a sharded tensor was laid out over its job's mesh, where the format records it."""
+        return None
 
     @abstractmethod
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -280,6 +285,8 @@ class Format(ABC):
     splits_integrity: ClassVar[bool] = False
     #: the :class:`SinkOptions` fields its sink accepts
     sink_options: ClassVar[frozenset[str]] = frozenset()
+    #: whether its chunks are the boxes of a job's ranks, so ``reshard`` reads it (DCP, per-rank folders)
+    ranked: ClassVar[bool] = False
 
     @abstractmethod
     def sniff(self, probe: Probe) -> bool:

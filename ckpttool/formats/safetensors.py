@@ -47,7 +47,8 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "C64": torch.complex64,
 }
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                     ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
 NAMES = {v: k for k, v in DTYPES.items()}

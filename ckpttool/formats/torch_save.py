@@ -46,11 +46,13 @@ def _index_name(names: tuple[str, ...] | list[str]) -> str | None:
     return found[0] if found else None
 
 
-class _TorchFile:
-    """One ``torch.save`` archive: its reader, parsed pickle and storage records."""
+class TorchFile:
+    """One ``torch.save`` archive: its reader, parsed pickle and storage records; with ``verify``,
+    each storage record's CRC-32 is checked before its first read."""
 
-    def __init__(self, location: Location):
+    def __init__(self, location: Location, verify: bool = True):
         self.location = location
+        self.crc_checked: set[str] | None = set() if verify else None
         self.reader = location.open_reader()
         try:
             self.archive = read_archive(self.reader, 0, None, location.url)
@@ -65,6 +67,24 @@ class _TorchFile:
             raise CorruptCheckpointError("tensor's storage record is missing from the archive", where=f"{self.location.url} (key {key!r})")
         return storage
 
+    def checked_storage(self, ref: TensorRef, key: str) -> StoredStorage:
+        """:meth:`storage_of`, its CRC-32 checked on first use when verifying."""
+        storage = self.storage_of(ref, key)
+        if self.crc_checked is not None and storage.name not in self.crc_checked:
+            crc = scan(self.reader, storage.offset, storage.nbytes, new_block())
+            if crc != storage.crc32:
+                raise ChecksumError(f"data of {key!r} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
+                                    where=self.location.url, hint="the file changed after it was written; restore it")
+            self.crc_checked.add(storage.name)
+        return storage
+
+    def read(self, ref: TensorRef, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``box`` of the tensor ``ref`` (a tensor of this file), checked."""
+        return read_tensor_box(self.reader, ref, self.checked_storage(ref, key), box, f"{self.location.url} (key {key!r})", out)
+
+    def close(self) -> None:
+        self.reader.close()
+
 
 class TorchSaveSource(Source):
     """With ``verify`` (the default) each storage record's CRC-32 is checked before its first read.
@@ -75,8 +95,8 @@ class TorchSaveSource(Source):
 
     def __init__(self, location: Location, verify: bool = True):
         super().__init__(location)
-        self._crc_checked: set[tuple[int, str]] | None = set() if verify else None  # (file, storage) checked
-        self.parts: list[_TorchFile] = []
+        self._verify = verify
+        self.parts: list[TorchFile] = []
         try:
             self._index = self._read_index(location)
         except BaseException:
@@ -94,7 +114,7 @@ class TorchSaveSource(Source):
         idx = Index()
         self._part_of: dict[str, int] = {}
         for i, loc in enumerate(files):
-            part = _TorchFile(loc)
+            part = TorchFile(loc, self._verify)
             self.parts.append(part)
             obj = part.archive.obj
             if isinstance(obj, TensorRef):
@@ -124,7 +144,7 @@ class TorchSaveSource(Source):
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return self.part(entry.key).location.name
 
-    def part(self, key: str) -> _TorchFile:
+    def part(self, key: str) -> TorchFile:
         """The file that holds ``key``."""
         i = self._part_of.get(key)
         if i is None:
@@ -139,26 +159,12 @@ class TorchSaveSource(Source):
     def storage_of(self, ref: TensorRef, key: str) -> StoredStorage:
         return self.part(key).storage_of(ref, key)
 
-    def _checked_storage(self, ref: TensorRef, key: str) -> StoredStorage:
-        part = self.part(key)
-        storage = part.storage_of(ref, key)
-        seen = (self._part_of[key], storage.name)
-        if self._crc_checked is not None and seen not in self._crc_checked:
-            crc = scan(part.reader, storage.offset, storage.nbytes, new_block())
-            if crc != storage.crc32:
-                raise ChecksumError(f"data of {key!r} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
-                                    where=part.location.url, hint="the file changed after it was written; restore it")
-            self._crc_checked.add(seen)
-        return storage
-
     def _ref(self, key: str) -> TensorRef:
         return self.entry(key, TensorEntry).chunks[0].location
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         ref = self._ref(key)
-        box = box if box is not None else whole(ref.shape)
-        part = self.part(key)
-        return read_tensor_box(part.reader, ref, self._checked_storage(ref, key), box, f"{part.location.url} (key {key!r})", out)
+        return self.part(key).read(ref, key, box if box is not None else whole(ref.shape), out)
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         storage = self.storage_of(self._ref(key), key)
@@ -166,7 +172,7 @@ class TorchSaveSource(Source):
 
     def close(self) -> None:
         for p in self.parts:
-            p.reader.close()
+            p.close()
 
 
 class TorchSaveSink(Sink):
@@ -258,6 +264,26 @@ class TorchSaveSink(Sink):
             self.tmp.child(INDEX_FILE).write_bytes(index_bytes(total, weight_map))
 
 
+def check_record(part: TorchFile, ref: TensorRef, key: str, report: Report, checked: set[tuple[str, str]],
+                 buf: memoryview) -> None:
+    """verify's check of one tensor of a ``torch.save`` archive: its storage record is there, its
+    bytes match the zip's CRC-32 (each record scanned once: ``checked`` holds (file, record)), and
+    the tensor lies inside it."""
+    try:
+        storage = part.storage_of(ref, key)
+    except CkptError as exc:
+        report.add(exc.what, part.location.url, key)
+        return
+    if (part.location.url, storage.name) not in checked:
+        checked.add((part.location.url, storage.name))
+        crc = scan(part.reader, storage.offset, storage.nbytes, buf)
+        if crc != storage.crc32:
+            report.add(f"data of {storage.name} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
+                       part.location.url, key, hint="the file changed after it was written; restore it")
+    if ref.storage_offset * dtype_size(ref.dtype) + span_bytes(ref) > storage.nbytes:
+        report.add("tensor extends past its storage record", part.location.url, key)
+
+
 class TorchSaveFormat(Format):
     name = "torch"
     checksums = True  # the zip's CRC-32 of every storage record
@@ -299,21 +325,7 @@ class TorchSaveFormat(Format):
             if not isinstance(entry, TensorEntry):
                 report.objects_checked += 1
                 continue
-            ref = entry.chunks[0].location
-            part = source.part(key)
-            try:
-                storage = part.storage_of(ref, key)
-            except CkptError as exc:
-                report.add(exc.what, part.location.url, key)
-                continue
-            if (part.location.url, storage.name) not in checked:
-                checked.add((part.location.url, storage.name))
-                crc = scan(part.reader, storage.offset, storage.nbytes, buf)
-                if crc != storage.crc32:
-                    report.add(f"data of {storage.name} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
-                               part.location.url, key, hint="the file changed after it was written; restore it")
-            if ref.storage_offset * dtype_size(ref.dtype) + span_bytes(ref) > storage.nbytes:
-                report.add("tensor extends past its storage record", part.location.url, key)
+            check_record(source.part(key), entry.chunks[0].location, key, report, checked, buf)
             report.checked_tensor(entry.nbytes)
             done += entry.nbytes
             if progress:

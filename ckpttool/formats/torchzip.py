@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import torch
 
-from ..compat import LEGACY_STORAGE_NAMES, rebuild_tensor_v2
+from ..compat import LEGACY_STORAGE_NAMES, rebuild_tensor_v2, rebuild_tensor_v3
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError
 from ..index import dtype_size, plausible_shape
 from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
@@ -255,34 +255,31 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _ArchivePickler(pickle.Pickler):
+    """Spells each tensor as torch.save does: a legacy typed storage and ``_rebuild_tensor_v2`` where
+    the dtype has one, else an ``UntypedStorage`` (its size in bytes) and ``_rebuild_tensor_v3``
+    with the dtype (float8, uint16/32/64)."""
+
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _Placeholder):
-            numel = 1
-            for size in obj.shape:
-                numel *= size
-            storage = _StorageToken(obj.key, obj.dtype, numel)
-            return (
-                rebuild_tensor_v2(),
-                (storage, 0, torch.Size(obj.shape), _contiguous_stride(obj.shape), False, OrderedDict()),
-            )
+            numel = math.prod(obj.shape)
+            stride = _contiguous_stride(obj.shape)
+            if obj.dtype in LEGACY_STORAGE_NAMES:
+                storage = _StorageToken(obj.key, obj.dtype, numel)
+                return rebuild_tensor_v2(), (storage, 0, torch.Size(obj.shape), stride, False, OrderedDict())
+            storage = _StorageToken(obj.key, None, numel * dtype_size(obj.dtype))
+            return rebuild_tensor_v3(), (storage, 0, torch.Size(obj.shape), stride, False, OrderedDict(), obj.dtype)
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageToken):
-            return ("storage", _legacy_storage_type(obj.dtype), obj.key, "cpu", obj.numel)
+            storage_type = torch.UntypedStorage if obj.dtype is None else getattr(torch, LEGACY_STORAGE_NAMES[obj.dtype])
+            return ("storage", storage_type, obj.key, "cpu", obj.numel)
         return None
 
 
 class _StorageToken:
-    def __init__(self, key: str, dtype: torch.dtype, numel: int):
-        self.key, self.dtype, self.numel = key, dtype, numel
-
-
-def _legacy_storage_type(dtype: torch.dtype) -> Any:
-    mapping = LEGACY_STORAGE_NAMES
-    if dtype not in mapping:
-        raise FormatError(f"dtype {dtype} cannot be written to a torch.save archive by ckpttool")
-    return getattr(torch, mapping[dtype])
+    def __init__(self, key: str, dtype: torch.dtype | None, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel  # dtype None: untyped, numel in bytes
 
 
 class ArchiveWriter:

@@ -90,7 +90,7 @@ def references(tmp_path_factory):
     src = base / "ref.pt"
     torch.save(reference_state(), src)
     out = References()
-    for fmt in formats.names():
+    for fmt in formats.output_names():
         dst = base / output_name(fmt)
         convert(str(src), str(dst))
         out[fmt] = (str(dst), snapshot(str(dst)))
@@ -193,7 +193,7 @@ def run_everything(fmt: str, path: str, work: str, reference: str, exact: bool) 
     outputs = os.path.join(work, "out")
     os.makedirs(outputs)
     calls = [("inspect", lambda: inspect_path(path)), ("verify", lambda: verify_path(path))]
-    for other in formats.names():
+    for other in formats.output_names():
         dst = os.path.join(outputs, output_name(other))
         calls.append((f"convert->{other}", lambda dst=dst: convert(path, dst)))
     if fmt == "dcp":
@@ -206,7 +206,7 @@ def run_everything(fmt: str, path: str, work: str, reference: str, exact: bool) 
             continue
         if name.startswith("convert") and exact:
             assert_same_checkpoint(reference, os.path.join(outputs, output_name(name.split("->")[1])), name)
-    left = set(os.listdir(outputs)) - {output_name(o) for o in formats.names()}
+    left = set(os.listdir(outputs)) - {output_name(o) for o in formats.output_names()}
     assert not left, f"temporary output left behind: {left}"
     assert set(os.listdir(work)) <= {"in", os.path.basename(path), "out"}, os.listdir(work)
 
@@ -238,14 +238,14 @@ def _property(fmt: str, references, data: st.DataObject, field: bool) -> None:
         assert snapshot(path) == mutated, "a command changed its input"
 
 
-@pytest.mark.parametrize("fmt", formats.names())
+@pytest.mark.parametrize("fmt", formats.output_names())
 @fuzz_settings(default=150)
 @given(data=st.data())
 def test_byte_damage(fmt, references, data):
     _property(fmt, references, data, field=False)
 
 
-@pytest.mark.parametrize("fmt", formats.names())
+@pytest.mark.parametrize("fmt", formats.output_names())
 @fuzz_settings(default=100)
 @given(data=st.data())
 def test_field_mutations(fmt, references, data):
@@ -253,7 +253,7 @@ def test_field_mutations(fmt, references, data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", formats.names())
+@pytest.mark.parametrize("fmt", formats.output_names())
 @settings(max_examples=EXAMPLES or 2000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(data=st.data(), field=st.booleans())
 def test_long_run(fmt, references, data, field):

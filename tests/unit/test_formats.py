@@ -43,7 +43,7 @@ def copy_of(path, dst):
     return dst
 
 
-@pytest.mark.parametrize("fmt", formats.names())
+@pytest.mark.parametrize("fmt", formats.output_names())
 class TestConformance:
     """Generated from the registry: every format writes the reference through its Sink (from a plain
     torch.save file), reads it back through its Source, and has its integrity checks and its
@@ -101,7 +101,7 @@ class TestConformance:
 
     def test_round_trip_through_every_other_format(self, tmp_path, ref_pt, fmt):
         first, _ = self.written(tmp_path, ref_pt, fmt)
-        for other in formats.names():
+        for other in formats.output_names():
             mid = tmp_path / output_name(other, "mid")
             back = tmp_path / output_name(fmt, "back")
             convert(str(first), str(mid), force=True)
@@ -188,7 +188,7 @@ class TestConformance:
                     flip_bit(victim, rnd.randrange(size), rnd.randrange(8))
             for run in ([lambda: inspect_path(str(work))], [lambda: verify_path(str(work))],
                         [lambda o=o: convert(str(work), str(tmp_path / output_name(o, f"c{i}")), force=True)
-                         for o in formats.names()]):
+                         for o in formats.output_names()]):
                 for call in run:
                     try:
                         call()

@@ -94,7 +94,7 @@ def test_every_command_refuses_the_case(name, tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     commands = [("verify", path)]
-    commands += [("convert", path, out_dir / output_name(fmt)) for fmt in formats.names()]
+    commands += [("convert", path, out_dir / output_name(fmt)) for fmt in formats.output_names()]
     if kind in ("dcp", "root"):
         commands.append(("reshard", path, out_dir / "resharded", "--world-size", "2"))
     for args in commands:

@@ -22,6 +22,7 @@ class DcpFormat(Format):
     checksums = True  # torch's CRC-32 of every record, and ckpttool's manifest
     splits_integrity = True
     sink_options = frozenset({"layout", "compress"})
+    ranked = True
 
     def sniff(self, probe: Probe) -> bool:
         return probe.is_dir and METADATA_FILE in probe.names

@@ -1,0 +1,366 @@
+"""Per-rank ``torch.save`` folders (format ``torch-ranks``): what FSDP2's "manual sharded
+checkpointing" writes. Every rank saves ``model_rank_<R>.pt`` (``model.state_dict()``: DTensors)
+and ``optim_rank_<R>.pt`` (``optimizer.state_dict()``: keyed by parameter index); rank 0 may add
+``metadata.pt``. Any ``<prefix>_rank_<R>.pt`` group is read, each as the top-level key ``prefix``;
+any other ``NAME.pt`` beside them as the top-level key ``NAME``.
+
+Each DTensor is read as data (:mod:`ckpttool.safe_dtensor`): the box a rank holds follows from its
+placements, the mesh's shape and the rank's coordinate, and the boxes of all ranks make the
+tensor's chunks (a replicated box, as HSDP stores it, is read from the lowest rank holding it).
+Plain tensors (buffers, AdamW's ``step``) and other values are taken from rank 0. The optimizer's
+parameter indices are mapped to the model's parameter names in the order the model file lists its
+DTensors, which is ``model.parameters()``'s order for an optimizer built from it (what
+``get_optimizer_state_dict`` does with the live objects); where that cannot be told (no single
+model group, a count or a shape that disagrees) the indices are kept and a note says why.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CkptError, CorruptCheckpointError, FormatError, NotACheckpointError
+from ..index import Chunk, Index, ObjectEntry, TensorEntry, flatten
+from ..layout import Box, relative, whole
+from ..report import Report
+from ..safe_dtensor import DTensorRef
+from ..safe_pickle import TensorRef, same_value
+from ..storage import Location
+from .base import Format, Probe, Progress, Source
+from .torch_save import TorchFile, check_record
+
+RANK_FILE = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d+)\.(pt|pth|bin)$")
+SIDE_FILE = re.compile(r"^(?P<name>[^.].*)\.(pt|pth|bin)$")
+#: the most rank files a folder may hold (one per rank)
+MAX_RANKS = 1 << 16
+
+
+def rank_groups(names: tuple[str, ...] | list[str]) -> dict[str, dict[int, list[str]]]:
+    """prefix -> rank -> the file names claiming that rank (two names may claim one: refused later)."""
+    groups: dict[str, dict[int, list[str]]] = {}
+    for name in sorted(names):
+        m = RANK_FILE.match(name)
+        if m:
+            groups.setdefault(m["prefix"], {}).setdefault(int(m["rank"]), []).append(name)
+    return groups
+
+
+def _is_ref(value: Any) -> bool:
+    return isinstance(value, (TensorRef, DTensorRef))
+
+
+def _unravel(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    coord = []
+    for n in reversed(shape):
+        coord.append(rank % n)
+        rank //= n
+    return tuple(reversed(coord))
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return (isinstance(obj, Mapping) and set(obj) == {"state", "param_groups"} and isinstance(obj["state"], Mapping)
+            and isinstance(obj["param_groups"], list)
+            and all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in obj["param_groups"]))
+
+
+class RanksSource(Source):
+    """A per-rank ``torch.save`` folder as one checkpoint with global shapes. Opening reads every
+    file's pickle (no tensor data) and refuses a folder whose ranks are incomplete or disagree."""
+
+    format = "torch-ranks"
+
+    def __init__(self, location: Location, verify: bool = True):
+        super().__init__(location)
+        self._verify = verify
+        self._files: dict[str, TorchFile] = {}
+        self._placements: dict[str, str] = {}  # key -> how its DTensor was laid out (for inspect)
+        self.unread: list[str] = []  # names in the folder that are not part of the checkpoint
+        try:
+            self._index = self._read()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- opening -------------------------------------------------------------------------------
+    def _open(self, name: str) -> TorchFile:
+        part = self._files.get(name)
+        if part is None:
+            part = self._files[name] = TorchFile(self.location.child(name), self._verify)
+        return part
+
+    def _read(self) -> Index:
+        names = list(self.location.listdir())
+        groups = rank_groups(names)
+        if not groups:
+            raise NotACheckpointError("folder holds no <prefix>_rank_<R>.pt files", where=self.location.url)
+        world = self._world_size(groups)
+        self._world = world
+        trees: dict[str, Any] = {}
+        for prefix in sorted(groups, key=lambda p: (p != "model", p)):  # the model first: the optimizer maps onto it
+            trees[prefix] = self._group(prefix, groups[prefix], world)
+        grouped = {name for files in groups.values() for claim in files.values() for name in claim}
+        for name in sorted(names):
+            if name in grouped:
+                continue
+            m = SIDE_FILE.match(name)
+            if m and m["name"] not in trees and self.location.child(name).isfile():
+                part = self._open(name)
+                obj = part.archive.obj
+                trees[m["name"]] = (obj if isinstance(obj, Mapping) else {"value": obj}, {}, name)
+            else:
+                self.unread.append(name)
+        if self.unread:
+            self.notes.append(f"not part of the checkpoint, not read: {', '.join(self.unread)}")
+        self._map_optimizers(trees)
+        idx = Index()
+        for top, (obj, chunks, _) in trees.items():
+            flat, paths = flatten({top: obj}, is_tensor=_is_ref)
+            for key, value in flat.items():
+                if isinstance(value, DTensorRef):
+                    idx.add(TensorEntry(key, value.shape, value.dtype, chunks[id(value)]), paths[key])
+                elif isinstance(value, TensorRef):
+                    where = chunks.get(id(value), trees[top][2])
+                    idx.add(TensorEntry(key, value.shape, value.dtype, (Chunk((0,) * len(value.shape), value.shape, (where, value)),)),
+                            paths[key])
+                else:
+                    idx.add(ObjectEntry(key, value), paths[key])
+        return idx
+
+    def _world_size(self, groups: dict[str, dict[int, list[str]]]) -> int:
+        world = 0
+        for prefix, ranks in groups.items():
+            for rank, claim in ranks.items():
+                if len(claim) > 1:
+                    raise CorruptCheckpointError(f"two files claim rank {rank} of {prefix!r}: {', '.join(claim)}",
+                                                 where=self.location.url, hint="remove the stray copy")
+            world = max(world, max(ranks) + 1)
+        if world > MAX_RANKS:
+            raise CorruptCheckpointError(f"rank files name rank {world - 1}, more than ckpttool reads ({MAX_RANKS})",
+                                         where=self.location.url)
+        for prefix, ranks in groups.items():
+            missing = [r for r in range(world) if r not in ranks]
+            if missing:
+                raise CorruptCheckpointError(f"{prefix}_rank_{missing[0]}.pt is missing ({len(ranks)} of {world} ranks of "
+                                             f"{prefix!r} present{'' if len(missing) == 1 else f'; also missing: {missing[1:6]}'})",
+                                             where=self.location.url, hint="every rank's file is needed; restore it")
+        return world
+
+    def _group(self, prefix: str, ranks: dict[int, list[str]], world: int) -> tuple[Any, dict[int, tuple[Chunk, ...]], str]:
+        """Rank 0's tree, with every DTensor's chunks gathered from all ranks (by ``id`` of rank
+        0's reference), checked to agree rank by rank."""
+        parts = [self._open(ranks[r][0]) for r in range(world)]
+        trees = []
+        for part in parts:
+            obj = part.archive.obj
+            if not isinstance(obj, Mapping):
+                raise FormatError(f"top level of the file is a {type(obj).__name__}, not a dict", where=part.location.url,
+                                  hint="ckpttool reads state dicts")
+            trees.append(flatten(obj, is_tensor=_is_ref)[0])
+        first = trees[0]
+        chunks: dict[int, tuple[Chunk, ...]] = {}
+        differ = []
+        for rank, (part, flat) in enumerate(zip(parts, trees)):
+            if list(flat) != list(first):
+                extra, lacking = sorted(set(flat) - set(first)), sorted(set(first) - set(flat))
+                raise CorruptCheckpointError(f"holds other keys than {parts[0].location.name} "
+                                             f"({'only here: ' + repr(extra[:3]) if extra else 'missing here: ' + repr(lacking[:3])})",
+                                             where=part.location.url, hint="the ranks' files come from different saves")
+        for key, value in first.items():
+            where = f"{prefix}.{key}"
+            if isinstance(value, DTensorRef):
+                chunks[id(value)] = self._chunks(where, [flat[key] for flat in trees], parts)
+            elif isinstance(value, TensorRef):
+                for rank, flat in enumerate(trees):
+                    other = flat[key]
+                    if not isinstance(other, TensorRef) or other.shape != value.shape or other.dtype != value.dtype:
+                        raise CorruptCheckpointError(f"key {where!r} is a {value.dtype} tensor of shape {list(value.shape)} on rank 0 "
+                                                     f"but not on rank {rank}", where=parts[rank].location.url)
+                chunks[id(value)] = parts[0].location.name
+            elif any(not same_value(value, flat[key]) for flat in trees[1:]):
+                differ.append(where)
+        if differ:
+            self.notes.append(f"{len(differ)} non-tensor value(s) differ between the ranks' {prefix} files and are read from "
+                              f"rank 0's: {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''}")
+        tree = parts[0].archive.obj
+        return tree, chunks, parts[0].location.name
+
+    def _chunks(self, key: str, refs: list[Any], parts: list[TorchFile]) -> tuple[Chunk, ...]:
+        """The stored boxes of one DTensor, one per distinct box over the ranks (replicas once)."""
+        base = refs[0]
+        seen: dict[tuple[int, ...], list[int]] = {}
+        boxes: dict[Box, Chunk] = {}
+        for rank, (ref, part) in enumerate(zip(refs, parts)):
+            where = f"{part.location.url} (key {key!r})"
+            if not isinstance(ref, DTensorRef):
+                raise CorruptCheckpointError(f"is a DTensor on rank 0 but a {type(ref).__name__} here", where=where)
+            if (ref.shape, ref.dtype, ref.mesh_shape, ref.placements) != (base.shape, base.dtype, base.mesh_shape, base.placements):
+                raise CorruptCheckpointError(f"DTensor of shape {list(ref.shape)} {ref.dtype} placed {[str(p) for p in ref.placements]} on a "
+                                             f"{list(ref.mesh_shape)} mesh; rank 0's is {list(base.shape)} {base.dtype} placed "
+                                             f"{[str(p) for p in base.placements]} on {list(base.mesh_shape)}", where=where,
+                                             hint="the ranks' files come from different saves")
+            size = math.prod(ref.mesh_shape)
+            if len(parts) % size:
+                raise CorruptCheckpointError(f"DTensor on a mesh of {size} ranks {list(ref.mesh_shape)}, but the folder holds "
+                                             f"{len(parts)} rank files", where=where, hint="a rank's file is missing or extra")
+            if ref.rank is not None and ref.rank != rank:
+                raise CorruptCheckpointError(f"the file is named for rank {rank} but its DTensors were saved by rank {ref.rank}",
+                                             where=where, hint="files were renamed or mixed up")
+            if ref.coordinate is None and size != len(parts):
+                raise CorruptCheckpointError(f"DTensor on a sub-mesh {list(ref.mesh_shape)} of the job's {len(parts)} ranks "
+                                             "that does not record the rank's place in it", where=where)
+            coord = ref.coordinate if ref.coordinate is not None else _unravel(rank, ref.mesh_shape)
+            # a mesh of fewer ranks than the job (FSDP's data-parallel part of an FSDP+TP mesh) holds
+            # each coordinate on len(parts) / size ranks: more is two files claiming one rank
+            seen.setdefault(coord, []).append(rank)
+            if len(seen[coord]) > len(parts) // size:
+                raise CorruptCheckpointError(f"ranks {', '.join(map(str, seen[coord]))} all hold mesh coordinate {list(coord)} "
+                                             f"of a {list(ref.mesh_shape)} mesh", where=where, hint="two files claim one rank")
+            box = ref.box(coord)
+            if tuple(ref.local.shape) != box[1]:
+                raise CorruptCheckpointError(f"local shape {list(ref.local.shape)} disagrees with its placements "
+                                             f"{[str(p) for p in ref.placements]} and global shape {list(ref.shape)}, which give "
+                                             f"{list(box[1])} at mesh coordinate {list(coord)}", where=where)
+            if box not in boxes:
+                boxes[box] = Chunk(box[0], box[1], (part.location.name, ref.local))
+        self._placements[key] = f"{', '.join(str(p) for p in base.placements)} on mesh {'x'.join(map(str, base.mesh_shape))}"
+        return tuple(boxes.values())
+
+    def _map_optimizers(self, trees: dict[str, Any]) -> None:
+        """Key every optimizer group's state by parameter name (see the module docstring)."""
+        optims = [p for p, (obj, _, _) in trees.items() if _is_optimizer(obj)]
+        if not optims:
+            return
+        models = [p for p, (obj, _, _) in trees.items() if p not in optims
+                  and any(isinstance(v, DTensorRef) for v in flatten(obj, is_tensor=_is_ref)[0].values())]
+        model = "model" if "model" in models else (models[0] if len(models) == 1 else None)
+        for prefix in optims:
+            obj, chunks, name = trees[prefix]
+            why = self._why_unmapped(obj, trees[model][0] if model else None, models)
+            if why:
+                self.notes.append(f"the {prefix} state stays keyed by parameter index: {why}")
+                continue
+            params = [k for k, v in flatten(trees[model][0], is_tensor=_is_ref)[0].items() if isinstance(v, DTensorRef)]
+            state = {params[i]: obj["state"][i] for i in sorted(obj["state"], key=lambda i: i)}
+            groups = [{**g, "params": [params[i] for i in g["params"]]} for g in obj["param_groups"]]
+            trees[prefix] = ({"state": state, "param_groups": groups}, chunks, name)
+            self.notes.append(f"{prefix}: parameter indices mapped to the names of {model}'s {len(params)} DTensor parameters, "
+                              "in the order its file lists them")
+
+    @staticmethod
+    def _why_unmapped(optim: Mapping[str, Any], model: Mapping[str, Any] | None, models: list[str]) -> str | None:
+        if model is None:
+            return f"no single model group to name the parameters ({len(models)} groups hold DTensors)"
+        params = {i: v for i, (k, v) in enumerate((k, v) for k, v in flatten(model, is_tensor=_is_ref)[0].items()
+                                                  if isinstance(v, DTensorRef))}
+        ids = [i for g in optim["param_groups"] for i in g["params"]]
+        if sorted(ids) != list(range(len(params))) or not all(type(i) is int for i in ids):
+            return (f"its param_groups list {len(ids)} parameter indices, the model has {len(params)} DTensor parameters "
+                    "(tied or frozen parameters, or an optimizer over part of the model)")
+        if not all(type(i) is int and i in params for i in optim["state"]):
+            return "its state names indices that are no parameter"
+        for i, entry in optim["state"].items():
+            for value in (entry.values() if isinstance(entry, Mapping) else ()):
+                if isinstance(value, DTensorRef) and value.shape != params[i].shape:
+                    return (f"parameter {i}'s state has shape {list(value.shape)} but the model's parameter {i} has "
+                            f"{list(params[i].shape)}")
+        return None
+
+    # --- reading ---------------------------------------------------------------------------------
+    def index(self) -> Index:
+        return self._index
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def files(self) -> list[str]:
+        return sorted(self._files)
+
+    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+        return entry.chunks[chunk_index].location[0]
+
+    def placement(self, key: str) -> str | None:
+        return self._placements.get(key)
+
+    def part(self, name: str) -> TorchFile:
+        """The open archive of one file of the folder."""
+        return self._files[name]
+
+    def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        entry = self.entry(key, TensorEntry)
+        entry.check_coverage(self.location.url)  # a gap would be uninitialised memory in the output
+        box = box if box is not None else whole(entry.shape)
+        if out is None:
+            out = torch.empty(box[1], dtype=entry.dtype)
+        for chunk, part in entry.chunks_in(box):
+            name, ref = chunk.location
+            local = tuple(s.start for s in relative(part, (chunk.offsets, chunk.sizes)))
+            self._files[name].read(ref, key, (local, part[1]), out=out[relative(part, box)])
+        return out
+
+    def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
+        spans = []
+        for chunk in self.entry(key, TensorEntry).chunks:
+            name, ref = chunk.location
+            storage = self._files[name].storage_of(ref, key)
+            spans.append((self.location.child(name), storage.offset, storage.offset + storage.nbytes))
+        return spans
+
+    def close(self) -> None:
+        for part in self._files.values():
+            part.close()
+
+
+class RanksFormat(Format):
+    name = "torch-ranks"
+    checksums = True  # the zip's CRC-32 of every storage record
+    ranked = True
+
+    def sniff(self, probe: Probe) -> bool:
+        return probe.is_dir and bool(rank_groups(probe.names))
+
+    def open_source(self, loc: Location, verify: bool = True) -> RanksSource:
+        return RanksSource(loc, verify=verify)
+
+    def make_sink(self, loc: Location, options: Any) -> Any:
+        raise FormatError("ckpttool reads per-rank torch.save folders but does not write them",
+                          hint="write DCP (reshard --world-size M), which plain torch loads on any world size")
+
+    def check_integrity(self, source: RanksSource, report: Report, only: str | None, progress: Progress | None,
+                        share: tuple[int, int] | None = None) -> None:
+        """Every DTensor's boxes tile its global shape with no gap or overlap; every record's bytes
+        match their CRC-32 and hold the tensor; objects are read. Values that differ between the
+        ranks and files of the folder that are not read are problems: verify does not pass them."""
+        from ..checksums import new_block
+
+        buf = new_block()
+        checked: set[tuple[str, str]] = set()
+        index = source.index()
+        keys = index.under(only)
+        total = sum(index[k].nbytes for k in keys if isinstance(index[k], TensorEntry))
+        done = 0
+        for key in keys:
+            entry = index[key]
+            if not isinstance(entry, TensorEntry):
+                report.objects_checked += 1
+                continue
+            try:
+                entry.check_coverage(source.location.url)
+            except CkptError as exc:
+                report.add(exc.what, source.location.url, key, hint="shards overlap or leave a gap; the folder mixes saves")
+            for chunk in entry.chunks:
+                name, ref = chunk.location
+                check_record(source.part(name), ref, key, report, checked, buf)
+            report.checked_tensor(entry.nbytes)
+            done += entry.nbytes
+            if progress:
+                progress(done, total, key)
+        for text in source.notes:
+            report.note(text)
+
+
+FORMAT = RanksFormat()
