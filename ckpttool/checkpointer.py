@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from . import dist
+from . import dist, formats
 from .compat import local_shard_box
-from .errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
+from .errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
 from .formats.dcp import save as save_writer
 from .formats.dcp.online import dcp_writer, hash_records, metadata_row
 from .formats.dcp.transforms import check_compress
@@ -446,7 +446,8 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
 
 def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          verify: bool = True, storage_options: dict[str, Any] | None = None) -> LoadResult:
-    """Load one DCP checkpoint directory into ``model``/``optimizer`` on the current mesh.
+    """Load one DCP checkpoint directory (or a per-rank ``torch.save`` folder, as FSDP2's manual
+    sharded checkpointing writes it) into ``model``/``optimizer`` on the current mesh.
 
     Every rank reads only its own boxes (any world size, any mesh). Checks keys and shapes first (a
     :class:`MismatchError` names the key and both shapes), reads ``.metadata`` and every object
@@ -465,7 +466,12 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     error: BaseException | None = None
     try:
         record = read_commit_record(loc)
-        with DcpSource(loc, verify=verify, rank=dist.rank()) as source:
+        fmt = formats.detect(loc)
+        if not fmt.ranked:
+            raise FormatError(f"load reads DCP checkpoints and per-rank torch.save folders; this is {fmt.name}",
+                              where=loc.url, hint=f"convert it first: ckpttool convert {loc.url} DIR --to dcp")
+        opened = DcpSource(loc, verify=verify, rank=dist.rank()) if fmt.name == "dcp" else fmt.open_source(loc, verify)
+        with opened as source:
             index = source.index()
             _check_fits(state, index, loc)
             extra_template = _extra_template(source)

@@ -39,6 +39,30 @@ def reference_state() -> dict:
     }
 
 
+def golden_of(path: str) -> dict:
+    """What ckpttool reads from a checkpoint, in the terms of the golden files (fixtures/*/expected.json):
+    per key, a tensor's dtype, shape and sha256 of its bytes, or the canonical form of a value."""
+    import hashlib
+    import sys
+
+    from ckpttool.index import TensorEntry
+
+    sys.path.insert(0, FIXTURES)
+    from make_realworld import canon
+
+    out = {}
+    with open_source(path) as src:
+        index = src.index()
+        for key in index:
+            if isinstance(index[key], TensorEntry):
+                t = src.read_tensor(key)
+                data = t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+                out[key] = {"dtype": str(t.dtype), "shape": list(t.shape), "sha256": hashlib.sha256(data.numpy().tobytes()).hexdigest()}
+            else:
+                out[key] = {"value": canon(src.read_object(key))}
+    return out
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
 

@@ -93,6 +93,13 @@ class Source(ABC):
     @abstractmethod
     def index(self) -> Index: ...
 
+    def checked_entry(self, key: str) -> TensorEntry:
+        """The entry of tensor ``key``, once checked to be safe to read: its chunks tile its shape
+        (no gap to leave uninitialised)."""
+        entry = self.entry(key, TensorEntry)
+        entry.check_coverage(self.location.url)
+        return entry
+
     def placement(self, key: str) -> str | None:
         """How a sharded tensor was laid out over its job's mesh, where the format records it."""
         return None

@@ -18,6 +18,8 @@ from ckpttool.cli import main
 from ckpttool.formats import open_source
 from ckpttool.index import TensorEntry
 
+from ..helpers import golden_of
+
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures")
 sys.path.insert(0, FIXTURES)
@@ -28,20 +30,7 @@ with open(os.path.join(REAL, "expected.json")) as f:
     EXPECTED = json.load(f)
 
 
-def read_all(path: str) -> dict:
-    """What ckpttool reads, in the golden file's terms."""
-    out = {}
-    with open_source(path) as src:
-        index = src.index()
-        for key in index:
-            entry = index[key]
-            if isinstance(entry, TensorEntry):
-                t = src.read_tensor(key)
-                data = t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-                out[key] = {"dtype": str(t.dtype), "shape": list(t.shape), "sha256": hashlib.sha256(data.numpy().tobytes()).hexdigest()}
-            else:
-                out[key] = {"value": canon(src.read_object(key))}
-    return out
+read_all = golden_of  # what ckpttool reads, in the golden file's terms
 
 
 def run(*args) -> str:

@@ -17,15 +17,17 @@ import torch
 from ...compat import local_shard_box
 from ...index import TensorEntry
 from ...layout import Box, relative
-from ..base import SlabBuffers
+from ..base import SlabBuffers, Source
 from .source import DcpSource
 
-def load_into(source: DcpSource, flat: dict[str, Any]) -> None:
+def load_into(source: Source, flat: dict[str, Any]) -> None:
     """Fill every tensor of the flat state ``flat`` in place with this rank's box of it, and
     replace every other value by the checkpoint's object under the same key; every record read is
     checked when ``source`` was opened with ``verify``. A checksum that fails raises after that
-    record's bytes reached the tensor: a load that raises leaves the state partly filled."""
-    checks = source.checks
+    record's bytes reached the tensor: a load that raises leaves the state partly filled. A DCP
+    source checks each record as it reads it into the tensor; any other ranked source (a per-rank
+    torch.save folder) checks a record before its first read."""
+    checks = source.checks if isinstance(source, DcpSource) else None
     scratch = SlabBuffers(1)
     # Everything that can be checked without the tensor data is checked before the first tensor
     # is written: each tensor's chunks (coverage, records inside their files) and every object.
@@ -47,7 +49,7 @@ def load_into(source: DcpSource, flat: dict[str, Any]) -> None:
                 checks.read_chunk(key, entry, chunk, part, dst)
 
 
-def _read_plain(source: DcpSource, key: str, entry: TensorEntry, dst: torch.Tensor, box: Box, scratch: SlabBuffers) -> None:
+def _read_plain(source: Source, key: str, entry: TensorEntry, dst: torch.Tensor, box: Box, scratch: SlabBuffers) -> None:
     """``box`` of tensor ``key`` into ``dst``: straight into CPU memory of the stored dtype, else
     through a staging buffer (another dtype, another device)."""
     if dst.device.type == "cpu" and dst.dtype == entry.dtype:

@@ -1,0 +1,180 @@
+"""Per-rank torch.save folders (FSDP2's manual sharded checkpointing; fixtures/rankfolders, made by
+fixtures/make_rank_folders.py with plain torch on 2, 3 and 4 gloo ranks) through every command,
+compared bit for bit with what plain torch reads from the same files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpttool.cli import main
+from ckpttool.formats import open_source
+from ckpttool.index import TensorEntry
+
+from ..dist.harness import run_ranks
+from ..helpers import FIXTURES, golden_of
+
+FOLDERS = os.path.join(FIXTURES, "rankfolders")
+with open(os.path.join(FOLDERS, "expected.json")) as f:
+    EXPECTED = json.load(f)
+MESHES = {"guide": "1-D mesh of 2", "uneven": "1-D mesh of 3", "hsdp": "2x2", "fsdp-tp": "2x2"}
+
+
+def passed(out: str) -> bool:
+    """Whether a verify's output says it passed (notes may come before the verdict)."""
+    return any(line.startswith("OK: ") for line in out.splitlines()) and "FAIL" not in out
+
+
+def run(*args, code: int = 0) -> str:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == code, (args, result.output)
+    return result.output
+
+
+@pytest.fixture(scope="module", params=sorted(EXPECTED))
+def folder(request, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("ranks") / request.param
+    shutil.copytree(os.path.join(FOLDERS, request.param), dst)
+    return str(dst), EXPECTED[request.param]
+
+
+def test_reads_as_plain_torch_does(folder):
+    path, expected = folder
+    assert golden_of(path) == expected
+
+
+def test_inspect_shows_global_shapes_placements_and_files(folder):
+    path, expected = folder
+    report = json.loads(run("inspect", path, "--json"))
+    assert report["format"] == "torch-ranks"
+    entries = {e["key"]: e for e in report["entries"]}
+    assert {k for k, e in entries.items() if e["kind"] == "tensor"} == {k for k, v in expected.items() if "sha256" in v}
+    weight = entries["model.blocks.0.w1.weight"]
+    assert weight["shape"] == expected["model.blocks.0.w1.weight"]["shape"]  # global, not the local shard
+    assert "Shard(0)" in weight["placement"] and len(weight["files"]) > 1
+    assert "placement" not in entries["model.scale"]  # a buffer: the same whole tensor on every rank
+    assert any("parameter indices mapped" in n for n in report["notes"])
+    assert "optim.state.blocks.0.w1.weight.exp_avg" in entries  # keyed by name, not by index
+
+
+def test_verify_passes_and_names_what_it_checked(folder):
+    path, expected = folder
+    out = run("verify", path)
+    assert passed(out) and f"OK: {sum(1 for v in expected.values() if 'sha256' in v)} tensors" in out
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch", "safetensors", "hf-sharded"])
+def test_convert_to_every_format_is_bitwise(folder, to, tmp_path):
+    path, expected = folder
+    out = tmp_path / {"dcp": "out", "torch": "out.pt", "safetensors": "out.safetensors", "hf-sharded": "hf"}[to]
+    extra = ["--only", "model", "--max-shard-size", "512"] if to == "hf-sharded" else []
+    run("convert", path, out, *extra)
+    got = golden_of(str(out))
+    if to == "hf-sharded":
+        assert os.path.exists(out / "model.safetensors.index.json") and len(os.listdir(out)) > 2
+        want = {k.removeprefix("model."): v for k, v in expected.items() if k.startswith("model.")}
+    elif to == "safetensors":  # tensors only; the objects are listed as dropped
+        want = {k: v for k, v in expected.items() if "sha256" in v}
+        got = {k: v for k, v in got.items() if "sha256" in v}
+    else:
+        want = expected
+    assert got == want
+    if to != "safetensors":  # (whose output lacks the objects: verify --against would rightly say so)
+        assert passed(run("verify", out, "--against", path, *(["--against-only", "model"] if to == "hf-sharded" else [])))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_reshard_is_what_plain_dcp_load_reads(folder, world, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path, expected = folder
+    out = tmp_path / f"w{world}"
+    run("reshard", path, out, "--world-size", world)
+    assert sorted(n for n in os.listdir(out) if n.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(world)]
+    dcp_to_torch_save(str(out), str(tmp_path / "plain.pt"))  # plain torch, no ckpttool code
+    state = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert _golden_nested(state) == expected
+    assert passed(run("verify", out, "--against", path))
+
+
+def _golden_nested(state: dict) -> dict:
+    import sys
+
+    sys.path.insert(0, FIXTURES)
+    from make_rank_folders import golden
+
+    return golden(state)
+
+
+def load_folder(path: str, variant: str) -> dict:
+    """On each rank of a new job: the fixture's model and AdamW, sharded by FSDP2 over this job's
+    ranks, loaded from ``path`` with ckpttool.load; the full state, gathered by plain torch."""
+    import sys
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import ckpttool
+
+    sys.path.insert(0, FIXTURES)
+    from make_rank_folders import build_model, golden
+
+    dim, hidden = (8, 12) if variant in ("hsdp", "fsdp-tp") else (7, 10)
+    with torch.device("meta"):
+        model = build_model(dim, hidden)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        torch.nn.init.zeros_(p)
+    model.scale.zero_()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    ckpttool.load(path, model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return golden({"model": msd, "optim": osd}) if dist.get_rank() == 0 else {}
+
+
+@pytest.mark.parametrize("variant,world", [("guide", 3), ("hsdp", 2), ("fsdp-tp", 3)])
+def test_load_into_fsdp2_on_another_world_size(variant, world, tmp_path):
+    path = str(tmp_path / variant)
+    shutil.copytree(os.path.join(FOLDERS, variant), path)
+    got = run_ranks(load_folder, world, path, variant)[0]
+    want = {k: v for k, v in EXPECTED[variant].items() if not k.startswith("metadata.")}
+    assert got == want
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    path = tmp_path / "guide"
+    shutil.copytree(os.path.join(FOLDERS, "guide"), path)
+    os.remove(path / "optim_rank_1.pt")
+    out = run("inspect", path, code=2)
+    assert "optim_rank_1.pt is missing" in out
+    out = run("verify", path, code=1)
+    assert "optim_rank_1.pt is missing" in out
+
+
+def test_a_flipped_bit_in_a_shard_is_caught(tmp_path):
+    path = tmp_path / "guide"
+    shutil.copytree(os.path.join(FOLDERS, "guide"), path)
+    with open_source(str(path)) as src:
+        entry = src.index()["model.blocks.1.w2.weight"]
+        assert isinstance(entry, TensorEntry)
+        file, start, _ = src.data_spans(entry.key)[1]  # rank 1's shard
+    with open(file.path, "r+b") as f:
+        f.seek(start + 4)
+        byte = f.read(1)
+        f.seek(start + 4)
+        f.write(bytes([byte[0] ^ 0x10]))
+    out = run("verify", path, code=1)
+    assert "model_rank_1.pt" in out and "CRC-32" in out
+    out = run("convert", path, tmp_path / "out.pt", code=2)
+    assert "model_rank_1.pt" in out and not os.path.exists(tmp_path / "out.pt")
