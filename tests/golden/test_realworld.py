@@ -15,15 +15,13 @@ from click.testing import CliRunner
 
 import ckpttool
 from ckpttool.cli import main
-from ckpttool.formats import open_source
-from ckpttool.index import TensorEntry
 
 from ..helpers import golden_of
 
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures")
 sys.path.insert(0, FIXTURES)
-from make_realworld import canon, titan_model  # noqa: E402
+from make_realworld import titan_model  # noqa: E402
 
 REAL = os.path.join(FIXTURES, "realworld")
 with open(os.path.join(REAL, "expected.json")) as f:
