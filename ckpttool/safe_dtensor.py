@@ -8,7 +8,7 @@ placements (``Shard``, ``Replicate``, ``_StridedShard``, ``Partial``) and a ``Te
 those classes is replaced by a record that only keeps its constructor arguments and its state;
 :func:`_rebuild_from_type_v2` then checks them and reduces them to a :class:`DTensorRef`. A record
 left anywhere else in the value, a placement we cannot lay out, or a DTensor whose local shape
-disagrees with its placements and global shape is refused with one line.
+disagrees with its placements and global shape is refused by the folder's reader, which names the key.
 """
 
 from __future__ import annotations
@@ -220,14 +220,9 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> DT
     if coordinate is not None and (len(coordinate) != len(mesh_shape) or any(not 0 <= c < n for c, n in zip(coordinate, mesh_shape))):
         raise UnsafePickleError(f"refused {_WHAT} at mesh coordinate {list(coordinate)} of a mesh of shape {list(mesh_shape)}")
     rank = mesh.state.get("_rank")
-    ref = DTensorRef(local, shape, dtype, mesh_shape, coordinate, None if rank is None else _int(rank, "rank"), placed)
-    if coordinate is not None:
-        _, sizes = ref.box(coordinate)
-        if tuple(local.shape) != sizes:
-            raise UnsafePickleError(f"refused {_WHAT} of global shape {list(shape)} placed {[str(p) for p in placed]} on a mesh "
-                                    f"of shape {list(mesh_shape)}: at coordinate {list(coordinate)} its local shape is "
-                                    f"{list(local.shape)}, its placements give {list(sizes)}", hint="the file is damaged")
-    return ref
+    # (whether the local shape is the box its placements give is checked where the key is known:
+    # formats/torch_ranks.py, which has every rank's file)
+    return DTensorRef(local, shape, dtype, mesh_shape, coordinate, None if rank is None else _int(rank, "rank"), placed)
 
 
 GLOBALS: dict[tuple[str, str], Any] = {

@@ -329,9 +329,9 @@ def check_shape(value: Any, source: str, budget: int) -> Any:
 def _unpickle(unpickler: pickle.Unpickler, data: bytes, source: str, what: str, hint: str) -> Any:
     try:
         value = unpickler.load()
-    except UnsafePickleError as exc:
+    except (UnsafePickleError, CorruptCheckpointError) as exc:
         if exc.where is None:  # raised by an allow-listed constructor: add the file
-            raise UnsafePickleError(exc.what, where=source, hint=exc.hint) from None
+            raise type(exc)(exc.what, where=source, hint=exc.hint) from None
         raise
     except RecursionError:
         raise CorruptCheckpointError(f"{what} nests too deeply to read", where=source, hint=hint) from None

@@ -217,7 +217,7 @@ class RanksSource(Source):
             # each coordinate on len(parts) / size ranks: more is two files claiming one rank
             seen.setdefault(coord, []).append(rank)
             if len(seen[coord]) > len(parts) // size:
-                raise CorruptCheckpointError(f"ranks {', '.join(map(str, seen[coord]))} all hold mesh coordinate {list(coord)} "
+                raise CorruptCheckpointError(f"ranks {', '.join(map(str, seen[coord]))} hold mesh coordinate {list(coord)} "
                                              f"of a {list(ref.mesh_shape)} mesh", where=where, hint="two files claim one rank")
             box = ref.box(coord)
             if tuple(ref.local.shape) != box[1]:

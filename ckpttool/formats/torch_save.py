@@ -21,6 +21,7 @@ from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatErr
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, flatten, unflatten
 from ..layout import Box, whole
 from ..report import Report
+from ..safe_dtensor import DTensorRef
 from ..safe_pickle import TensorRef
 from ..storage import Location
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, split, stream_tensor
@@ -128,6 +129,10 @@ class TorchSaveSource(Source):
                     raise CorruptCheckpointError(f"key {key!r} is in both {self.parts[self._part_of[key]].location.name} "
                                                  f"and {loc.name}", where=location.url, hint="the shards overlap; the set is damaged")
                 self._part_of[key] = i
+                if isinstance(value, DTensorRef):
+                    raise FormatError(f"key {key!r} is one rank's shard of a DTensor: this file is one rank's part of a "
+                                      "per-rank checkpoint folder", where=loc.url,
+                                      hint=f"open the folder that holds every rank's file: {loc.parent.url}")
                 if isinstance(value, TensorRef):
                     check_ref(value, part.storage_of(value, key), f"{loc.url} (key {key!r})")
                     idx.add(TensorEntry(key, value.shape, value.dtype, (Chunk(tuple(0 for _ in value.shape), value.shape, value),)), paths[key])

@@ -24,6 +24,7 @@ import torch
 from ..compat import LEGACY_STORAGE_NAMES, rebuild_tensor_v2, rebuild_tensor_v3
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError
 from ..index import dtype_size, plausible_shape
+from ..safe_dtensor import DTensorRef
 from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
 from ..storage import RangeReader
 from .base import read_c_order_box, tensor_buffer
@@ -225,6 +226,9 @@ def load_object_record(reader: RangeReader, start: int, length: int, where: str)
                 raise ChecksumError(f"a tensor inside the object does not match its CRC-32 (stored {storage.crc32:08x}, "
                                     f"computed {crc:08x})", where=where, hint="the bytes changed after they were written")
             return read_tensor_box(reader, value, storage, (tuple(0 for _ in value.shape), value.shape), where)
+        if isinstance(value, DTensorRef):
+            raise FormatError("an object holds a DTensor (one rank's shard)", where=where,
+                              hint="save DTensors as state dict entries, not inside objects")
         if isinstance(value, dict):
             return type(value)((k, materialise(v)) for k, v in value.items())
         if isinstance(value, list):

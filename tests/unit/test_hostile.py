@@ -95,7 +95,7 @@ def test_every_command_refuses_the_case(name, tmp_path):
     out_dir.mkdir()
     commands = [("verify", path)]
     commands += [("convert", path, out_dir / output_name(fmt)) for fmt in formats.output_names()]
-    if kind in ("dcp", "root"):
+    if kind in ("dcp", "root", "ranks"):
         commands.append(("reshard", path, out_dir / "resharded", "--world-size", "2"))
     for args in commands:
         code, out, err = run_cli(*args)
