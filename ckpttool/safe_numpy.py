@@ -126,8 +126,10 @@ class _Array(NumpyPlaceholder):
         if len(raw) != need:  # checked before numpy sees it: no array is made from bytes that are not there
             raise UnsafePickleError(f"refused a numpy array of shape {list(shape)} and dtype {np_dtype}: it needs "
                                     f"{need} bytes and the pickle holds {len(raw)}", hint="the file is damaged or hostile")
-        flat = _numpy().frombuffer(bytes(raw), dtype=np_dtype).copy()  # writable, owns its memory
-        self.value = flat.reshape(shape, order="F" if fortran else "C")
+        flat = _numpy().frombuffer(bytes(raw), dtype=np_dtype)
+        if not np_dtype.isnative:  # numpy's own unpickling gives native byte order (the same values)
+            flat = flat.astype(np_dtype.newbyteorder("="))
+        self.value = flat.copy().reshape(shape, order="F" if fortran else "C")  # writable, owns its memory
 
     def build(self) -> Any:
         if self.value is None:

@@ -34,7 +34,10 @@ from ckpttool.verify import verify_path
 from ..helpers import FIXTURES, Hang, assert_same_checkpoint, output_name, reference_state, time_limit
 
 sys.path.insert(0, FIXTURES)
-from make_hostile import tensor_pickle, torch_file  # noqa: E402
+from make_hostile import _patch_once, tensor_pickle, torch_file  # noqa: E402
+
+#: the read-only formats, fuzzed from a committed fixture: per-rank folders (the FSDP guide's)
+READ_ONLY = {"torch-ranks": os.path.join(FIXTURES, "rankfolders", "guide")}
 
 CASE_SECONDS = 20  # one command on a tiny checkpoint takes well under a second
 MEMORY_BOUND = 2 << 30  # more address space than this for a few-KB input is a failure
@@ -94,6 +97,8 @@ def references(tmp_path_factory):
         dst = base / output_name(fmt)
         convert(str(src), str(dst))
         out[fmt] = (str(dst), snapshot(str(dst)))
+    for fmt, path in READ_ONLY.items():
+        out[fmt] = (path, snapshot(path))
     return out
 
 
@@ -181,7 +186,38 @@ def torch_field_mutation(data: st.DataObject, files: dict[str, bytes]) -> tuple[
         return {"": Path(path).read_bytes()}, {""}
 
 
-FIELD_MUTATIONS = {"dcp": dcp_field_mutation, "safetensors": safetensors_field_mutation, "torch": torch_field_mutation}
+def _repickled(raw: bytes, edit) -> bytes:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "t.pt")
+        Path(path).write_bytes(raw)
+        from make_hostile import _repickle
+
+        _repickle(path, edit)
+        return Path(path).read_bytes()
+
+
+#: where a DTensor's pickle spells the numbers a folder's reader trusts least: the rank's coordinate,
+#: the local tensor's shape, the mesh's shape, a shard dim, the global size, the saving rank
+_DTENSOR_FIELDS = [b"_coordinate_on_dim", b"_local_tensor", b"X\x05\x00\x00\x00shape", b"X\x03\x00\x00\x00dim",
+                   b"DTensor\n", b"X\x05\x00\x00\x00_rank"]
+
+
+def ranks_field_mutation(data: st.DataObject, files: dict[str, bytes]) -> tuple[dict[str, bytes], set[str]]:
+    """One small integer of one DTensor field of one rank's file set to another value (CRCs valid)."""
+    name = data.draw(st.sampled_from(sorted(n for n in files if "_rank_" in n)), label="file")
+    marker = data.draw(st.sampled_from(_DTENSOR_FIELDS), label="field")
+    value = data.draw(st.integers(0, 255), label="value")
+
+    def edit(pkl: bytes) -> bytes:
+        at = pkl.find(marker)
+        k = pkl.find(b"K", at + len(marker)) if at >= 0 else -1
+        return pkl if k < 0 else _patch_once(pkl, marker, pkl[k:k + 2], b"K" + bytes([value]))
+
+    return {**files, name: _repickled(files[name], edit)}, {name}
+
+
+FIELD_MUTATIONS = {"dcp": dcp_field_mutation, "safetensors": safetensors_field_mutation, "torch": torch_field_mutation,
+                   "torch-ranks": ranks_field_mutation}
 
 
 # --- the property --------------------------------------------------------------------------------
@@ -196,16 +232,16 @@ def run_everything(fmt: str, path: str, work: str, reference: str, exact: bool) 
     for other in formats.output_names():
         dst = os.path.join(outputs, output_name(other))
         calls.append((f"convert->{other}", lambda dst=dst: convert(path, dst)))
-    if fmt == "dcp":
+    if fmt in ("dcp", "torch-ranks"):
         calls.append(("load", lambda: ckpttool.load(path, torch.nn.Linear(1, 1))))
     for name, call in calls:
         try:
             with time_limit(CASE_SECONDS):
-                call()
+                result = call()
         except CkptError:
             continue
         if name.startswith("convert") and exact:
-            assert_same_checkpoint(reference, os.path.join(outputs, output_name(name.split("->")[1])), name)
+            assert_same_checkpoint(reference, os.path.join(outputs, output_name(name.split("->")[1])), name, result.dropped)
     left = set(os.listdir(outputs)) - {output_name(o) for o in formats.output_names()}
     assert not left, f"temporary output left behind: {left}"
     assert set(os.listdir(work)) <= {"in", os.path.basename(path), "out"}, os.listdir(work)
@@ -215,7 +251,7 @@ def exactness(fmt: str, touched: set[str]) -> bool:
     """Whether the format's checks cover every byte the mutation touched: torch's zip CRC-32s cover
     the pickle and the data; a DCP's .metadata has no checksum outside a ckpttool step;
     safetensors has none at all."""
-    if fmt == "torch":
+    if fmt in ("torch", "torch-ranks"):
         return True
     if fmt == "dcp":
         return ".metadata" not in touched
@@ -238,14 +274,14 @@ def _property(fmt: str, references, data: st.DataObject, field: bool) -> None:
         assert snapshot(path) == mutated, "a command changed its input"
 
 
-@pytest.mark.parametrize("fmt", formats.output_names())
+@pytest.mark.parametrize("fmt", formats.names())
 @fuzz_settings(default=150)
 @given(data=st.data())
 def test_byte_damage(fmt, references, data):
     _property(fmt, references, data, field=False)
 
 
-@pytest.mark.parametrize("fmt", formats.output_names())
+@pytest.mark.parametrize("fmt", formats.names())
 @fuzz_settings(default=100)
 @given(data=st.data())
 def test_field_mutations(fmt, references, data):
@@ -253,11 +289,41 @@ def test_field_mutations(fmt, references, data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", formats.output_names())
+@pytest.mark.parametrize("fmt", formats.names())
 @settings(max_examples=EXAMPLES or 2000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(data=st.data(), field=st.booleans())
 def test_long_run(fmt, references, data, field):
     _property(fmt, references, data, field)
+
+
+def _numpy_pickle() -> bytes:
+    import numpy as np
+
+    rng = np.random.RandomState(3)
+    return pickle.dumps({"rng": rng.get_state(), "seen": np.int64(12), "f": np.float32(0.5), "mask": np.array([True, False]),
+                         "grid": np.arange(12, dtype=">f4").reshape(3, 4).T, "c": np.complex64(1 - 2j)}, protocol=2)
+
+
+@fuzz_settings(default=300)
+@given(data=st.data())
+def test_numpy_values_rebuild_or_refuse(data):
+    """A pickle of numpy values with bytes flipped, cut or spliced: the allow-listed unpickler
+    gives a value or a typed error, and never allocates past the bound."""
+    from ckpttool.safe_pickle import load_torch_pickle
+
+    mutated, _ = bytes_mutation(data, {"": _numpy_pickle()})
+    with memory_bound(MEMORY_BOUND), time_limit(CASE_SECONDS):
+        try:
+            load_torch_pickle(mutated[""], "fuzz.pkl")
+        except CkptError:
+            pass
+
+
+def test_numpy_values_rebuild_bitwise():
+    from ckpttool.safe_pickle import load_torch_pickle, same_value
+
+    raw = _numpy_pickle()
+    assert same_value(load_torch_pickle(raw, "numpy.pkl"), pickle.loads(raw))
 
 
 def test_the_bounds_are_enforced(references):
