@@ -437,7 +437,7 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
     finally:
         progress.close()
     if not _speaks():
-        ctx.exit(0 if report.ok else 1)
+        ctx.exit(report.exit_code)
     if as_json:
         _emit_json(report.to_json())
     else:
@@ -448,7 +448,7 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
         scope = (f"{report.tensors_checked} tensors ({_human(report.bytes_checked)}) and {report.objects_checked} objects "
                  f"{'checked' if report.ok else 'examined'} in {report.path}")
         click.echo(f"OK: {scope}" if report.ok else f"{len(report.problems)} problem(s) found; {scope}")
-    ctx.exit(0 if report.ok else 1)
+    ctx.exit(report.exit_code)
 
 
 @main.command()

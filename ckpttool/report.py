@@ -16,6 +16,7 @@ class Problem:
     file: str | None = None
     key: str | None = None
     hint: str | None = None
+    unreadable: bool = False  # a value ckpttool refuses to read (not a difference found): exit 2
 
     def line(self) -> str:
         where = ", ".join(p for p in (self.file, f"key {self.key!r}" if self.key else None) if p)
@@ -37,8 +38,17 @@ class Report:
     def ok(self) -> bool:
         return not self.problems
 
-    def add(self, what: str, file: str | None = None, key: str | None = None, hint: str | None = None) -> None:
-        self.problems.append(Problem(what, file, key, hint))
+    @property
+    def exit_code(self) -> int:
+        """0 when nothing is wrong, 2 when a value could not be read at all (refused by the
+        allow-list), else 1 (a difference or damage found)."""
+        if not self.problems:
+            return 0
+        return 2 if any(p.unreadable for p in self.problems) else 1
+
+    def add(self, what: str, file: str | None = None, key: str | None = None, hint: str | None = None,
+            unreadable: bool = False) -> None:
+        self.problems.append(Problem(what, file, key, hint, unreadable))
 
     def note(self, text: str) -> None:
         if text not in self.notes:

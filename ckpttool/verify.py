@@ -75,8 +75,8 @@ def verify_path(path: str | Location, *, only: str | None = None, storage_option
                 segments = fmt.check_integrity(source, report, only, progress, share)
             elif dist.rank() == 0 or workers == 1:
                 fmt.check_integrity(source, report, only, progress)
-        except UnsafePickleError:
-            raise  # a value ckpttool refuses to read is unreadable input (exit 2), not a difference found
+        except UnsafePickleError as exc:  # unreadable input (exit 2), not a difference found
+            report.add(exc.what, exc.where, hint=exc.hint, unreadable=True)
         except CkptError as exc:
             report.add(exc.what, exc.where, hint=exc.hint)
         except Exception as exc:  # noqa: BLE001 - damaged input must end as a reported problem, not a crash

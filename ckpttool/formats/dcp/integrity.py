@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from ...checksums import ALGORITHM, hash_range, new_block, new_hasher, scan
-from ...errors import CkptError
+from ...errors import CkptError, UnsafePickleError
 from ...index import TensorEntry, dtype_size
 from ...layout import tiles_exactly
 from ...report import Report
@@ -156,6 +156,8 @@ def _check_object(source: DcpSource, key: str, info: Any, manifest: Manifest | N
             _compare_digest(row, hash_range(source.reader(info.relative_path), info.offset, info.length, buf), info, url, key, report)
         source.read_object(key)
         report.objects_checked += 1
+    except UnsafePickleError as exc:  # a value ckpttool refuses to read: unreadable input, not damage
+        report.add(exc.what, exc.where or url, key, exc.hint, unreadable=True)
     except CkptError as exc:
         report.add(exc.what, exc.where or url, key, exc.hint)
 
