@@ -22,7 +22,6 @@ from ..helpers import FIXTURES, golden_of
 FOLDERS = os.path.join(FIXTURES, "rankfolders")
 with open(os.path.join(FOLDERS, "expected.json")) as f:
     EXPECTED = json.load(f)
-MESHES = {"guide": "1-D mesh of 2", "uneven": "1-D mesh of 3", "hsdp": "2x2", "fsdp-tp": "2x2"}
 
 
 def passed(out: str) -> bool:
