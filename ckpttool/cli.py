@@ -289,6 +289,8 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
     click.echo(f"wrote {report.dst} ({report.dst_format}): {report.tensors} tensors, {_human(report.bytes)}, {report.objects} objects")
     if report.dropped:
         click.echo(f"dropped {len(report.dropped)} non-tensor entries that {report.dst_format} cannot hold: {', '.join(report.dropped)}", err=True)
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
 
 
 def _suffix_help() -> str:
@@ -377,6 +379,8 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
         return
     click.echo(f"wrote {report.dst}: {report.tensors} tensors, {_human(report.bytes)} for {report.world_size} ranks "
                f"({'' if report.mesh.startswith('like ') else 'mesh '}{report.mesh}; source had {report.source_world_size})")
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
 
 
 @main.command()

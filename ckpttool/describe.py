@@ -44,7 +44,7 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
             "objects": sum(1 for e in entries if e["kind"] == "object"),
             "total_bytes": index.tensor_bytes,
             "entries": entries,
-            "notes": list(source.notes),
+            "notes": source.all_notes(),
         }
 
 

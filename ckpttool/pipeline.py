@@ -240,11 +240,12 @@ class WriteReport:
     tensors: int
     objects: int
     bytes: int
+    notes: list[str] = field(default_factory=list)  # what the source said it did not read, or read from one rank
 
     @classmethod
-    def of(cls, src: Location, dst: Location, plan: Plan, sink: Sink, **more: Any):
+    def of(cls, src: Location, dst: Location, plan: Plan, sink: Sink, source: Source, **more: Any):
         return cls(src=src.url, dst=dst.url, tensors=len(plan.tensors), objects=len(plan.objects) - len(sink.dropped),
-                   bytes=sum(s.nbytes for s in plan.tensors), **more)
+                   bytes=sum(s.nbytes for s in plan.tensors), notes=source.all_notes(), **more)
 
 
 @dataclass
@@ -330,7 +331,7 @@ def convert(
         plan = plan_entries(source, only, dtype)
         sink = fmt.make_sink(dst_loc, options)
         run(source, sink, plan, budget, progress, read_ahead=read_ahead, parallel=parallel)
-        return ConvertReport.of(src_loc, dst_loc, plan, sink, src_format=source.format, dst_format=fmt.name,
+        return ConvertReport.of(src_loc, dst_loc, plan, sink, source, src_format=source.format, dst_format=fmt.name,
                                 dropped=list(sink.dropped))
 
 
@@ -473,6 +474,6 @@ def reshard(
             described = f"like {like_loc.url}"
         sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout, compress=compress))
         run(source, sink, plan, budget, progress, read_ahead=read_ahead, parallel=parallel)
-        return ReshardReport.of(src_loc, dst_loc, plan, sink, source_world_size=source.world_size,
+        return ReshardReport.of(src_loc, dst_loc, plan, sink, source, source_world_size=source.world_size,
                                 world_size=layout.world_size, mesh=described,
                                 bytes_per_rank=dict(sorted(sink.bytes_per_rank.items())))

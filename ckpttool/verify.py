@@ -81,6 +81,12 @@ def verify_path(path: str | Location, *, only: str | None = None, storage_option
             report.add(exc.what, exc.where, hint=exc.hint)
         except Exception as exc:  # noqa: BLE001 - damaged input must end as a reported problem, not a crash
             report.add(f"cannot be read: {type(exc).__name__}: {exc}", loc.url, hint="the checkpoint is damaged")
+        for text in source.read_notes():
+            report.note(text)
+        if only is None:  # a part that cannot be read fails the check: verify never passes over it
+            for name, why in source.unreadable():
+                report.add(f"cannot be read: {why}", source.location.child(name).url, unreadable=True,
+                           hint="check the other parts with --only KEY (e.g. --only model)")
     if shared is not None:
         shared.close(finished=False)
     if workers > 1:

@@ -46,6 +46,9 @@ def register(name: str, module: str, *, suffixes: tuple[str, ...] = (), summary:
 
 
 register("dcp", "ckpttool.formats.dcp", summary="torch.distributed.checkpoint directory", default=True)
+# (before torch and safetensors: a trainer folder holds their files among its parts)
+register("trainer", "ckpttool.formats.trainer", writable=False,
+         summary="a trainer's checkpoint folder (Hugging Face Trainer checkpoint-N/, accelerate save_state), one key per part")
 register("torch", "ckpttool.formats.torch_save", suffixes=(".pt", ".pth", ".bin"),
          summary="one torch.save file, or an HF-sharded directory of .bin files")
 register("safetensors", "ckpttool.formats.safetensors", suffixes=(".safetensors",),

@@ -139,6 +139,32 @@ class Source(ABC):
         """Names of the data files this checkpoint consists of."""
         return [self.location.name]
 
+    def aux_files(self) -> list[str]:
+        """Names of the other files of a directory checkpoint that it reads (metadata, an index)."""
+        return []
+
+    def unread(self) -> list[str]:
+        """Names in a directory checkpoint that are no part of it, so nothing read them (a README,
+        a config.json, a stray copy): every command says so rather than pass over them."""
+        if not self.location.isdir():
+            return []
+        own = {*self.files(), *self.aux_files()}
+        return sorted(n for n in self.location.listdir() if n not in own)
+
+    def unreadable(self) -> list[tuple[str, str]]:
+        """(file, why) of the parts of a checkpoint made of several (a trainer folder) that could
+        not be read: verify fails over them, every other command names them."""
+        return []
+
+    def read_notes(self) -> list[str]:
+        """:attr:`notes`, and the names of the files in the directory it did not read."""
+        unread = self.unread()
+        return [*self.notes, *([f"not part of the checkpoint, not read: {', '.join(unread)}"] if unread else [])]
+
+    def all_notes(self) -> list[str]:
+        """:meth:`read_notes` and the parts that could not be read, with why."""
+        return [*self.read_notes(), *(f"not read: {name}: {why}" for name, why in self.unreadable())]
+
     def check_in_parts(self) -> None:
         """Let reads that take a record in consecutive parts check it as the parts go by (one pass
         over its bytes instead of a scan before the first part): the caller then calls

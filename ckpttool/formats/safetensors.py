@@ -209,6 +209,9 @@ class SafetensorsSource(Source):
     def files(self) -> list[str]:
         return [f.loc.name for f in self.parts]
 
+    def aux_files(self) -> list[str]:
+        return [INDEX_FILE]
+
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return self.parts[entry.chunks[chunk_index].location[0]].loc.name
 

@@ -78,7 +78,6 @@ class RanksSource(Source):
         self._verify = verify
         self._files: dict[str, TorchFile] = {}
         self._placements: dict[str, str] = {}  # key -> how its DTensor was laid out (for inspect)
-        self.unread: list[str] = []  # names in the folder that are not part of the checkpoint
         try:
             self._index = self._read()
         except BaseException:
@@ -111,10 +110,6 @@ class RanksSource(Source):
                 part = self._open(name)
                 obj = part.archive.obj
                 trees[m["name"]] = (obj if isinstance(obj, Mapping) else {"value": obj}, {}, name)
-            else:
-                self.unread.append(name)
-        if self.unread:
-            self.notes.append(f"not part of the checkpoint, not read: {', '.join(self.unread)}")
         self._map_optimizers(trees)
         idx = Index()
         for top, (obj, chunks, _) in trees.items():
@@ -359,8 +354,7 @@ class RanksFormat(Format):
             done += entry.nbytes
             if progress:
                 progress(done, total, key)
-        for text in source.notes:
-            report.note(text)
+
 
 
 FORMAT = RanksFormat()

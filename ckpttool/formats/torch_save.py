@@ -146,6 +146,10 @@ class TorchSaveSource(Source):
     def files(self) -> list[str]:
         return [p.location.name for p in self.parts]
 
+    def aux_files(self) -> list[str]:
+        name = _index_name(self.location.listdir()) if self.location.isdir() else None
+        return [name] if name else []
+
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return self.part(entry.key).location.name
 

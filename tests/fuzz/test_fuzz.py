@@ -37,7 +37,8 @@ sys.path.insert(0, FIXTURES)
 from make_hostile import _patch_once, tensor_pickle, torch_file  # noqa: E402
 
 #: the read-only formats, fuzzed from a committed fixture: per-rank folders (the FSDP guide's)
-READ_ONLY = {"torch-ranks": os.path.join(FIXTURES, "rankfolders", "guide")}
+READ_ONLY = {"torch-ranks": os.path.join(FIXTURES, "rankfolders", "guide"),
+             "trainer": os.path.join(FIXTURES, "trainers", "hf-trainer")}
 
 CASE_SECONDS = 20  # one command on a tiny checkpoint takes well under a second
 MEMORY_BOUND = 2 << 30  # more address space than this for a few-KB input is a failure
@@ -217,7 +218,9 @@ def ranks_field_mutation(data: st.DataObject, files: dict[str, bytes]) -> tuple[
 
 
 FIELD_MUTATIONS = {"dcp": dcp_field_mutation, "safetensors": safetensors_field_mutation, "torch": torch_field_mutation,
-                   "torch-ranks": ranks_field_mutation}
+                   "torch-ranks": ranks_field_mutation,
+                   # a trainer folder's parts are each one of the formats above: its field mutations are theirs
+                   "trainer": bytes_mutation}
 
 
 # --- the property --------------------------------------------------------------------------------
@@ -253,6 +256,8 @@ def exactness(fmt: str, touched: set[str]) -> bool:
     safetensors has none at all."""
     if fmt in ("torch", "torch-ranks"):
         return True
+    if fmt == "trainer":  # its safetensors model and JSON state carry no checksums
+        return not any(name.endswith((".safetensors", ".json")) for name in touched)
     if fmt == "dcp":
         return ".metadata" not in touched
     return False

@@ -11,7 +11,6 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from ckpttool import convert
 from ckpttool.cli import main
 from ckpttool.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from ckpttool.safe_pickle import same_value

@@ -19,7 +19,7 @@ from ...errors import CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ...layout import Box, relative, whole
 from ...storage import Location, RangeReader
-from ...steps import read_commit_record
+from ...steps import COMMIT_FILE, read_commit_record
 from ..base import Source
 from ..torchzip import REMOTE_RECORD, REMOTE_SPAN, Archive, load_object_record, read_archive, read_tensor_box
 from .checks import RecordChecks
@@ -104,6 +104,9 @@ class DcpSource(Source):
 
     def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return entry.chunks[chunk_index].location.relative_path
+
+    def aux_files(self) -> list[str]:
+        return [METADATA_FILE, COMMIT_FILE]
 
     def reader(self, relative_path: str) -> RangeReader:
         """The open reader of one data file (kept open: a file holds many records)."""

@@ -1,0 +1,142 @@
+"""Trainer checkpoint folders (fixtures/trainers, made by fixtures/make_trainer_folders.py with
+transformers' Trainer and accelerate's save_state) read as one checkpoint, part by part, compared bit
+for bit with what plain torch, the safetensors library and json read from the same files; nothing
+in a folder is passed over without a word."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpttool.cli import main
+
+from ..helpers import FIXTURES, golden_of
+
+FOLDERS = os.path.join(FIXTURES, "trainers")
+with open(os.path.join(FOLDERS, "expected.json")) as f:
+    EXPECTED = json.load(f)
+
+
+def run(*args, code: int = 0) -> str:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == code, (args, result.output)
+    return result.output
+
+
+@pytest.fixture(scope="module", params=sorted(EXPECTED))
+def folder(request, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("trainer") / request.param
+    shutil.copytree(os.path.join(FOLDERS, request.param), dst)
+    return str(dst), EXPECTED[request.param], request.param
+
+
+def test_every_part_reads_as_plain_torch_reads_it(folder):
+    path, expected, _ = folder
+    assert golden_of(path) == expected
+
+
+def test_inspect_lists_every_part_and_what_it_is(folder):
+    path, expected, name = folder
+    report = json.loads(run("inspect", path, "--json"))
+    assert report["format"] == "trainer"
+    tops = {e["path"][0] for e in report["entries"]}
+    assert tops == {k.split(".", 1)[0] for k in expected}
+    notes = " ".join(report["notes"])
+    if name.startswith("hf-trainer"):
+        assert {"model", "optimizer", "scheduler", "rng_state", "trainer_state"} <= tops
+        assert "training_args.bin" in notes and "TrainingArguments" in notes  # named, with why it is not read
+        assert "config.json" in notes and "generation_config.json" in notes  # not state: said so
+    else:
+        assert {"model", "optimizer", "random_states_0", "random_states_1"} <= tops
+
+
+def test_verify_fails_over_a_part_it_cannot_read_unless_narrowed(folder):
+    path, expected, name = folder
+    tensors = sum(1 for v in expected.values() if "sha256" in v)
+    if name.startswith("hf-trainer"):
+        out = run("verify", path, code=2)
+        assert "training_args.bin: cannot be read" in out and "OK" not in out
+        out = run("verify", path, "--only", "model")
+        assert any(line.startswith("OK: ") for line in out.splitlines())
+        assert "safetensors stores no checksums" in out  # what was not checked is said too
+    else:
+        out = run("verify", path)
+        assert f"OK: {tensors} tensors" in out
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch", "safetensors"])
+def test_convert_gives_one_state_with_a_key_per_part(folder, to, tmp_path):
+    path, expected, name = folder
+    out = tmp_path / {"dcp": "out", "torch": "out.pt", "safetensors": "out.safetensors"}[to]
+    result = CliRunner().invoke(main, ["convert", path, str(out)])
+    assert result.exit_code == 0, result.output
+    if name.startswith("hf-trainer"):
+        assert "note: not read: training_args.bin" in result.stderr  # the skipped part is named
+    got = golden_of(str(out))
+    if to == "safetensors":  # every tensor; the values JSON can hold; the others listed as dropped
+        assert got == {k: expected[k] for k in got} and {k for k, v in expected.items() if "sha256" in v} <= set(got)
+        dropped = set(expected) - set(got)
+        assert all(k in result.stderr for k in dropped) and "dropped" in result.stderr
+    else:
+        assert got == expected
+        assert run("verify", out, "--against", path).count("OK") == 1
+
+
+def test_the_dcp_of_a_folder_reshards_and_loads(tmp_path):
+    """accelerate's folder as DCP, resharded for 2 ranks: plain dcp.load reads it; its model loads
+    into the same module with ckpttool.load, bitwise."""
+    import sys
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import ckpttool
+
+    sys.path.insert(0, FIXTURES)
+    from make_rank_folders import golden
+
+    path = os.path.join(FOLDERS, "accelerate-cpu")
+    run("convert", path, tmp_path / "dcp")
+    run("reshard", tmp_path / "dcp", tmp_path / "w2", "--world-size", "2")
+    dcp_to_torch_save(str(tmp_path / "w2"), str(tmp_path / "plain.pt"))
+    assert golden(torch.load(tmp_path / "plain.pt", weights_only=False)) == EXPECTED["accelerate-cpu"]
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 4))
+    for p in model.parameters():
+        torch.nn.init.zeros_(p)
+    ckpttool.load(str(tmp_path / "w2"), model)
+    want = {k: v for k, v in EXPECTED["accelerate-cpu"].items() if k.startswith("model.")}
+    assert golden({"model": model.state_dict()}) == want
+
+
+def test_a_flipped_bit_in_a_part_is_caught_and_named(tmp_path):
+    path = tmp_path / "hf"
+    shutil.copytree(os.path.join(FOLDERS, "hf-trainer"), path)
+    from ckpttool.formats import open_source
+
+    with open_source(str(path)) as src:
+        file, start, _ = src.data_spans("optimizer.state.0.exp_avg")[0]
+    with open(file.path, "r+b") as f:
+        f.seek(start + 3)
+        b = f.read(1)
+        f.seek(start + 3)
+        f.write(bytes([b[0] ^ 1]))
+    out = run("verify", path, "--only", "optimizer", code=1)
+    assert "optimizer.pt" in out and "CRC-32" in out
+    out = run("convert", path, tmp_path / "out.pt", code=2)
+    assert "optimizer.pt" in out and not (tmp_path / "out.pt").exists()
+
+
+def test_a_damaged_part_stops_every_command_instead_of_being_skipped(tmp_path):
+    """Only a value the allow-list refuses (training_args.bin) is named and gone past; a damaged
+    optimizer must never drop out of a convert with a note (found by the fuzz test)."""
+    path = tmp_path / "hf"
+    shutil.copytree(os.path.join(FOLDERS, "hf-trainer"), path)
+    (path / "optimizer.pt").write_bytes((path / "optimizer.pt").read_bytes()[:100])
+    for args, code in ((("convert", path, tmp_path / "out.pt"), 2), (("inspect", path), 2), (("verify", path), 1)):
+        out = run(*args, code=code)
+        assert "optimizer.pt" in out, (args, out)
+    assert not (tmp_path / "out.pt").exists()
