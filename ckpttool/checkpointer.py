@@ -23,7 +23,7 @@ import threading
 import weakref
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -77,6 +77,7 @@ class Checkpointer:
         commit_timeout: float = 1800.0,
         lease_stale_after: float = 600.0,
         compress: str | None = None,
+        on_commit: Callable[[int, str], None] | None = None,
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
@@ -97,6 +98,7 @@ class Checkpointer:
         self._staged: Any = None  # the last async save's copy of the state, reused by the next (DCP fallback)
         self._stager = Stager(lambda: dist.pause_point("stage-copy"))  # host buffers of async saves, reused while shapes hold
         self._fences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its pre-step hook
+        self.on_commit = on_commit  # rank 0, once a step is committed: on_commit(step, its URL) (a save's background thread for async saves)
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -235,6 +237,7 @@ class Checkpointer:
         tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, {"manifest": manifest}))
         dist.pause_point("before-rename")
         self.root.commit_policy.publish(tmp, final)
+        self._committed(step, final)
         self._apply_retention()
 
     def _write_and_commit_dcp(self, state: dict[str, Any], step: int, tmp: Location, final: Location, group: Any) -> None:
@@ -313,8 +316,17 @@ class Checkpointer:
             tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size(), {"manifest": full}))
             dist.pause_point("before-rename")
             self.root.commit_policy.publish(tmp, final)
+            self._committed(step, final)
 
         dist.agreed(commit, rank0_only=True, group=group)
+
+    def _committed(self, step: int, final: Location) -> None:
+        """Tell ``on_commit`` (an error in it is logged: the step is committed whatever it does)."""
+        if self.on_commit is not None:
+            try:
+                self.on_commit(step, final.url)
+            except Exception:  # noqa: BLE001 - a caller's callback must not undo a commit
+                log.exception("on_commit callback failed for step %d", step)
 
     def _apply_retention(self) -> None:
         if dist.rank() != 0 or self.keep_last is None:

@@ -78,9 +78,13 @@ def run_training(args: argparse.Namespace) -> TrainRun:
     if args.ckpt_dir:
         from .. import Checkpointer  # only needed when checkpointing
 
-        ckpt = Checkpointer(args.ckpt_dir, keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save)
+        ckpt = Checkpointer(args.ckpt_dir, keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save,
+                            on_commit=lambda step, url: print(f"committed step {step}: {url}", flush=True))
         if args.resume:
             res = ckpt.load(model, optimizer)
+            if rank == 0:
+                print(f"resumed from step {res.step}: {res.path}" if res is not None
+                      else f"no committed step under {args.ckpt_dir}: starting at step 0", flush=True)
             if res is not None:
                 _check_resumed_extra(res.extra, args, res.path)
                 if args.verify_after_load:

@@ -204,6 +204,9 @@ def resume_runs_under_load(tmp_path: Path, runs: int) -> list[int]:
     cli = [sys.executable, "-m", "ckpttool.cli", "train", "--nproc", "2", "--save-every", "2"]
     first = subprocess.run([*cli, "--steps", "4", "--ckpt-dir", str(base)], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
+    # the run says where it started and each step it committed
+    assert f"no committed step under {base}: starting at step 0" in first.stdout, first.stdout
+    assert f"committed step 2: {base}/step-2" in first.stdout and f"committed step 4: {base}/step-4" in first.stdout
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     codes = []
     try:
@@ -213,6 +216,7 @@ def resume_runs_under_load(tmp_path: Path, runs: int) -> list[int]:
             proc = subprocess.run([*cli, "--steps", "6", "--ckpt-dir", str(root)], capture_output=True, text=True, timeout=300)
             assert "terminate called" not in proc.stderr, proc.stderr
             assert proc.returncode == 0, proc.stderr
+            assert f"resumed from step 4: {root}/step-4" in proc.stdout and f"committed step 6: {root}/step-6" in proc.stdout
             assert Checkpointer(root).steps()[-1] == 6
             codes.append(proc.returncode)
     finally:

@@ -217,3 +217,23 @@ def test_rank_0_never_reads_a_half_written_rank_index(tmp_path, monkeypatch):
     finally:
         writer.join()
     assert got[0].objects == {"step": [0, 10]} and got[0].records == [[0, 10, "x"]]
+
+
+def test_on_commit_is_told_each_committed_step_and_cannot_undo_one(tmp_path, caplog):
+    import logging
+
+    told = []
+    model = torch.nn.Linear(3, 2)
+    ckpt = Checkpointer(tmp_path / "run", on_commit=lambda step, url: told.append((step, url)))
+    ckpt.save(1, model)
+    ckpt.save(2, model, blocking=False)
+    ckpt.wait()
+    assert told == [(1, f"{tmp_path}/run/step-1"), (2, f"{tmp_path}/run/step-2")]
+
+    def fails(step, url):
+        raise RuntimeError("a caller's bug")
+
+    ckpt.on_commit = fails
+    with caplog.at_level(logging.ERROR, logger="ckpttool"):
+        ckpt.save(3, model)
+    assert ckpt.steps() == [1, 2, 3] and "on_commit callback failed for step 3" in caplog.text
