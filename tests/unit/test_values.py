@@ -147,3 +147,16 @@ def test_an_unreadable_value_exits_2_from_every_command_and_says_what_it_is(tmp_
             out = run(*args, code=2)
             assert "Fraction" in out and "runs code" not in out and "asks to run code" not in out, out
         assert not os.path.exists(tmp_path / "o.pt")
+
+
+def test_numpy_values_in_a_checkpointers_extra_come_back_bitwise(tmp_path):
+    from ckpttool import Checkpointer
+
+    model = torch.nn.Linear(2, 2)
+    extra = numpy_state()
+    ckpt = Checkpointer(tmp_path / "run")
+    ckpt.save(1, model, extra=extra)
+    ckpt.save(2, model, extra=extra, blocking=False)  # the async path stages objects too
+    ckpt.close()
+    for step in (1, 2):
+        assert same_value(Checkpointer(tmp_path / "run").load(model, step=step).extra, extra)
