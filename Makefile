@@ -35,11 +35,13 @@ demo: setup
 	$(CKPT) inspect $(DEMO)/model.safetensors | head -8
 	@echo "demo finished: see $(DEMO)/"
 
-# The pinned torch's suite, then the same suite on each other torch of the matrix (what CI runs).
-test: test-pinned test-matrix
-
-test-pinned: setup
+# A newcomer's test command: the pinned torch's suite (minutes). CI (.ci/run) runs it, then test-matrix.
+test: setup
 	$(PY) -m pytest -q
+
+test-pinned: test
+
+# The same suite on each other torch release of the matrix (each in a venv of its own; downloads torch).
 
 test-matrix:
 	bash .ci/matrix $(MATRIX)

@@ -22,6 +22,7 @@ import torch
 
 from .errors import UnsafePickleError
 from .index import plausible_shape
+from .refs import TensorRef
 
 #: the most dimensions a device mesh may have (torch's meshes have a handful)
 MAX_MESH_DIMS = 8
@@ -48,7 +49,7 @@ class Placement:
 class DTensorRef:
     """A DTensor a pickle describes, not yet read: ``local`` is the saving rank's TensorRef."""
 
-    local: Any  # safe_pickle.TensorRef
+    local: TensorRef
     shape: tuple[int, ...]  # global
     dtype: torch.dtype
     mesh_shape: tuple[int, ...]
@@ -173,9 +174,7 @@ def _placement(value: Any) -> Placement:
                             "are summed only when it is redistributed", hint="redistribute it to Shard or Replicate before saving")
 
 
-def _tensor_ref(value: Any) -> Any:
-    from .safe_pickle import TensorRef
-
+def _tensor_ref(value: Any) -> TensorRef:
     if not isinstance(value, TensorRef):
         raise UnsafePickleError(f"refused {_WHAT} whose local tensor is a {type(value).__name__}")
     return value

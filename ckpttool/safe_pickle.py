@@ -20,13 +20,13 @@ import operator
 import pathlib
 import pickle
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import safe_dtensor, safe_numpy
 from .compat import LEGACY_STORAGE_NAMES, tensor_properties_reader
+from .refs import StorageRef, TensorRef
 from .errors import CorruptCheckpointError, UnsafePickleError
 
 
@@ -350,34 +350,6 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
 
 
 # --- torch.save pickles --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StorageRef:
-    """A persistent-id reference to ``data/<key>`` in a torch zip archive."""
-
-    key: str
-    dtype: torch.dtype | None  # None for UntypedStorage (dtype comes from _rebuild_tensor_v3)
-    numel: int
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A tensor described by a ``torch.save`` pickle, not yet read."""
-
-    storage: StorageRef
-    dtype: torch.dtype
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
 
 
 def _tensor_ref(storage: Any, dtype: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:

@@ -39,6 +39,17 @@ def reference_state() -> dict:
     }
 
 
+def cli(*args, code: int = 0) -> str:
+    """Run the command line in this process; its exit code must be ``code``; returns what it printed."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == code, (args, result.output)
+    return result.output
+
+
 def golden_of(path: str) -> dict:
     """What ckpttool reads from a checkpoint, in the terms of the golden files (fixtures/*/expected.json):
     per key, a tensor's dtype, shape and sha256 of its bytes, or the canonical form of a value."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 
-from .test_realworld import FIXTURES, read_all, run
+from ..helpers import FIXTURES, cli as run, golden_of as read_all
 
 sys.path.insert(0, FIXTURES)
 from make_crossver import ITEMS  # noqa: E402

@@ -10,14 +10,12 @@ import shutil
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from ckpttool.cli import main
 from ckpttool.formats import open_source
 from ckpttool.index import TensorEntry
 
 from ..dist.harness import run_ranks
-from ..helpers import FIXTURES, golden_of
+from ..helpers import cli as run, FIXTURES, golden_of
 
 FOLDERS = os.path.join(FIXTURES, "rankfolders")
 with open(os.path.join(FOLDERS, "expected.json")) as f:
@@ -27,12 +25,6 @@ with open(os.path.join(FOLDERS, "expected.json")) as f:
 def passed(out: str) -> bool:
     """Whether a verify's output says it passed (notes may come before the verdict)."""
     return any(line.startswith("OK: ") for line in out.splitlines()) and "FAIL" not in out
-
-
-def run(*args, code: int = 0) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == code, (args, result.output)
-    return result.output
 
 
 @pytest.fixture(scope="module", params=sorted(EXPECTED))

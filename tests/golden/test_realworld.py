@@ -16,10 +16,9 @@ from click.testing import CliRunner
 import ckpttool
 from ckpttool.cli import main
 
-from ..helpers import golden_of
+from ..helpers import FIXTURES, cli, golden_of
 
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures")
 sys.path.insert(0, FIXTURES)
 from make_realworld import titan_model  # noqa: E402
 
@@ -31,10 +30,7 @@ with open(os.path.join(REAL, "expected.json")) as f:
 read_all = golden_of  # what ckpttool reads, in the golden file's terms
 
 
-def run(*args) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == 0, (args, result.output)
-    return result.output
+run = cli  # (exit code 0)
 
 
 @pytest.fixture(scope="module", params=sorted(EXPECTED))

@@ -15,17 +15,11 @@ from click.testing import CliRunner
 
 from ckpttool.cli import main
 
-from ..helpers import FIXTURES, golden_of
+from ..helpers import cli as run, FIXTURES, golden_of
 
 FOLDERS = os.path.join(FIXTURES, "trainers")
 with open(os.path.join(FOLDERS, "expected.json")) as f:
     EXPECTED = json.load(f)
-
-
-def run(*args, code: int = 0) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == code, (args, result.output)
-    return result.output
 
 
 @pytest.fixture(scope="module", params=sorted(EXPECTED))
@@ -87,9 +81,25 @@ def test_convert_gives_one_state_with_a_key_per_part(folder, to, tmp_path):
         assert run("verify", out, "--against", path).count("OK") == 1
 
 
-def test_the_dcp_of_a_folder_reshards_and_loads(tmp_path):
-    """accelerate's folder as DCP, resharded for 2 ranks: plain dcp.load reads it; its model loads
-    into the same module with ckpttool.load, bitwise."""
+def module_like(state: dict) -> torch.nn.Module:
+    """A module whose parameters have the names and shapes of ``state``'s tensors (zeros): what a
+    model of that architecture gives a load to fill."""
+    root = torch.nn.Module()
+    for name, value in state.items():
+        *parents, leaf = name.split(".")
+        module = root
+        for part in parents:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(value["shape"], dtype=getattr(torch, value["dtype"][6:]))))
+    return root
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_the_dcp_of_a_folder_reshards_and_loads(name, tmp_path):
+    """A trainer folder as DCP, resharded for 2 ranks: plain dcp.load reads it bitwise, and its model
+    loads with ckpttool.load into a module of the model's parameters, bitwise."""
     import sys
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -99,16 +109,13 @@ def test_the_dcp_of_a_folder_reshards_and_loads(tmp_path):
     sys.path.insert(0, FIXTURES)
     from make_rank_folders import golden
 
-    path = os.path.join(FOLDERS, "accelerate-cpu")
-    run("convert", path, tmp_path / "dcp")
+    run("convert", os.path.join(FOLDERS, name), tmp_path / "dcp")
     run("reshard", tmp_path / "dcp", tmp_path / "w2", "--world-size", "2")
     dcp_to_torch_save(str(tmp_path / "w2"), str(tmp_path / "plain.pt"))
-    assert golden(torch.load(tmp_path / "plain.pt", weights_only=False)) == EXPECTED["accelerate-cpu"]
-    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 4))
-    for p in model.parameters():
-        torch.nn.init.zeros_(p)
+    assert golden(torch.load(tmp_path / "plain.pt", weights_only=False)) == EXPECTED[name]
+    want = {k: v for k, v in EXPECTED[name].items() if k.startswith("model.")}
+    model = module_like({k.removeprefix("model."): v for k, v in want.items()})
     ckpttool.load(str(tmp_path / "w2"), model)
-    want = {k: v for k, v in EXPECTED["accelerate-cpu"].items() if k.startswith("model.")}
     assert golden({"model": model.state_dict()}) == want
 
 

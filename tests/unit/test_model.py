@@ -113,7 +113,6 @@ def test_init_weights_overwrites_existing_values():
 
 def test_derive_seed_is_stable():
     # Pinned: a change here silently changes every model and batch the tests build.
-    assert derive_seed(0, "output.weight") == derive_seed(0, "output.weight")
     assert derive_seed(1, "x") == 0x962A97D6
     assert derive_seed(0, "a") != derive_seed(0, "b")
     # The CPU generator keeps only the low 32 bits of a seed: different seeds must differ there.

@@ -8,14 +8,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from ckpttool.cli import main
 from ckpttool.formats.safetensors import DTYPES as SAFETENSORS_DTYPES
 from ckpttool.safe_pickle import same_value
 
-from ..helpers import assert_bitwise, assert_same_checkpoint
+from ..helpers import cli as run, assert_bitwise, assert_same_checkpoint
 
 #: every plain dtype this torch has; float8_e8m0fnu and complex128 have no safetensors name
 DTYPE_NAMES = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "bfloat16", "float16",
@@ -33,12 +31,6 @@ def every_dtype() -> dict[str, torch.Tensor]:
         raw = torch.randint(0, 256, (3, 5 * size), dtype=torch.uint8, generator=g)
         out[str(dtype).removeprefix("torch.")] = (raw % 2 if dtype == torch.bool else raw).view(dtype)
     return out
-
-
-def run(*args, code: int = 0) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == code, (args, result.output)
-    return result.output
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,8 +27,20 @@ from ..base import SlabBuffers, tensor_buffer
 from ..torchzip import check_ref
 from .metadata import METADATA_FILE
 
-if TYPE_CHECKING:
-    from .source import DcpSource
+
+class RecordSource(Protocol):
+    """What the checks need of the reader whose records they check (the DCP source): where each
+    record's bytes are, and what ``.metadata`` hashed to."""
+
+    location: Any
+    metadata_size: int
+    metadata_digest: str
+
+    def file(self, relative_path: str) -> Any: ...
+    def reader(self, relative_path: str) -> Any: ...
+    def record(self, info: Any, key: str) -> tuple[Any, int, int]: ...
+    def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk) -> tuple[Any, Any]: ...
+    def transformed(self, info: Any) -> bool: ...
 
 #: (file, offset) -> (length, hex digest), from a step's manifest
 Manifest = dict[tuple[str, int], tuple[int, str]]
@@ -57,7 +69,7 @@ def _plain(ref: Any, storage: Any, dst: torch.Tensor, numel: int) -> bool:
 class RecordChecks:
     """The checks of one reader: which records were checked, and the manifest to check them against."""
 
-    def __init__(self, source: DcpSource, manifest: dict[str, Any] | None, rank: int | None = None):
+    def __init__(self, source: RecordSource, manifest: dict[str, Any] | None, rank: int | None = None):
         self.source = source
         self.on = f" on rank {rank}" if rank is not None else ""
         self.rows: Manifest | None = None

@@ -1,0 +1,36 @@
+"""What a ``torch.save`` pickle describes, before any byte of it is read: a tensor as a reference to
+a range of a storage record. Pure data (the allow-listed unpickler makes them; formats read them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A persistent-id reference to ``data/<key>`` in a torch zip archive."""
+
+    key: str
+    dtype: torch.dtype | None  # None for UntypedStorage (dtype comes from _rebuild_tensor_v3)
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor described by a ``torch.save`` pickle, not yet read."""
+
+    storage: StorageRef
+    dtype: torch.dtype
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
