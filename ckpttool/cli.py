@@ -318,6 +318,9 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
                                               "ranks' files): save the new job's initial state once on its mesh, then reshard to it. "
                                               "Instead of --world-size.")
 @click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix.")
+@click.option("--to", "to", type=click.Choice(["dcp", "torch-ranks"]), default="dcp", show_default=True,
+              help="Write DCP, or a per-rank torch.save folder (<key>_rank_<R>.pt of DTensors, as FSDP2's manual "
+                   "sharded checkpointing writes them).")
 @click.option("--compress", type=click.Choice(COMPRESSIONS),
               help="DCP output: store each record zstd-compressed, as torch's FileSystemWriter(_extensions=[ZStandard()]) does "
                    "(plain torch reads it; needs ckpttool[zstd]).")
@@ -328,9 +331,9 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @storage_option
 @click.pass_context
 def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, tp_colwise: tuple[str, ...],
-            tp_rowwise: tuple[str, ...], like: str | None, only: str | None,
+            tp_rowwise: tuple[str, ...], like: str | None, only: str | None, to: str,
             compress: str | None, memory_budget: str, force: bool, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
-    """Rewrite a DCP checkpoint for a new world size, in one process, without a cluster.
+    """Rewrite a DCP checkpoint (or a per-rank torch.save folder) for a new world size, in one process, without a cluster.
 
     \b
     DST is laid out as FSDP2 Shard(0) on WORLD_SIZE ranks (torch.chunk along dim 0, so the last
@@ -349,6 +352,11 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
     TP, rowwise layers' weights by columns, then FSDP2's rows over DP; other tensors Shard(0) over
     DP, stored once.
 
+    With --to torch-ranks, DST is a per-rank folder for the new job, as its ranks would write it
+    with FSDP2's manual sharded checkpointing (model_rank_<R>.pt, optim_rank_<R>.pt of DTensors,
+    the optimizer keyed by parameter index; other keys once, as <key>.pt): each rank of the new
+    job torch.loads its own files.
+
     \b
     Examples:
       ckpttool reshard runs/exp1/step-100 step-100-w4 --world-size 4
@@ -357,6 +365,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
       ckpttool reshard runs/exp1/step-100 step-100-tp --like runs/exp2-tp/step-0
       ckpttool reshard runs/exp1/step-100 step-100-fsdp-tp --world-size 4 --mesh 2x2 --tp-colwise w1 --tp-rowwise w2
       ckpttool reshard runs/exp1/step-100 step-100-w64 --world-size 64 --nproc 8
+      ckpttool reshard ckpt-dir-of-rank-files ranks-w3 --world-size 3 --to torch-ranks
       torchrun --nnodes 4 --nproc_per_node 8 ... -m ckpttool reshard s3://b/step-100 s3://b/w1024 --world-size 1024
     """
     from .parallel import workers
@@ -367,7 +376,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
     try:
         with workers() as many:
             report = run_reshard(src, dst, world_size=world_size, mesh=mesh, tp_colwise=tp_colwise, tp_rowwise=tp_rowwise,
-                                 like=like, only=only, parallel=many, compress=compress,
+                                 like=like, only=only, parallel=many, compress=compress, to=to,
                                  memory_budget=memory_budget, force=force, storage_options=_storage_options(storage_options),
                                  progress=progress)
     finally:

@@ -18,10 +18,14 @@ What remains private, and why (docs/compat.md has the table):
   ``torch.distributed.checkpoint.FsspecWriter`` by recent releases (2.15 does, 2.13 does not); the
   private path on the others.
 - ``DTensor.__create_chunk_list__``: the dunder DCP itself calls to learn a shard's box.
+- ``torch.testing._internal.distributed.fake_pg.FakeStore`` (and the ``fake`` backend it registers):
+  how ``reshard --to torch-ranks`` builds each target rank's device mesh in one process, so the
+  per-rank files it writes hold DTensors pickled by torch itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -103,6 +107,24 @@ def rebuild_tensor_v2() -> Any:
     import torch._utils
 
     return torch._utils._rebuild_tensor_v2
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world_size: int) -> Any:
+    """A process group of ``world_size`` in which this process is ``rank`` and no collective talks
+    to anyone (torch's own ``fake`` backend, ``torch.testing._internal.distributed.fake_pg``): what
+    lets one offline process build the device mesh each rank of a job would have, so DTensors it
+    saves pickle exactly as that rank's would. Refused inside a job that already has a group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def rebuild_tensor_v3() -> Any:

@@ -419,13 +419,16 @@ def reshard(
     compress: str | None = None,
     read_ahead: bool = True,
     parallel: bool = False,
+    to: str = "dcp",
 ) -> ReshardReport:
     """Rewrite a DCP checkpoint as FSDP2 would lay it out on ``world_size`` ranks (or an HSDP
     ``mesh`` "RxS"), or exactly as the DCP checkpoint ``like`` is laid out (any mesh, FSDP+TP
     included): one ``__<rank>_0.distcp`` per target rank holding exactly that rank's boxes.
 
     One process, no process group, streaming under ``memory_budget``; with ``parallel`` every
-    process of the group calls this and writes its share of the target ranks' files. Raises :class:`UsageError`
+    process of the group calls this and writes its share of the target ranks' files. ``to="torch-ranks"``
+    writes a per-rank torch.save folder instead, as the new job's ranks would with FSDP2's manual
+    sharded checkpointing (``Shard(0)`` over ``world_size``, or HSDP ``mesh``). Raises :class:`UsageError`
     for a bad world size or mesh, :class:`FormatError` when SRC (or ``like``) is not DCP,
     :class:`MismatchError` when ``like`` holds other tensors or shapes.
     """
@@ -437,6 +440,11 @@ def reshard(
     if tp_plan and mesh is None:
         raise UsageError("--tp-colwise/--tp-rowwise need --mesh DPxTP (data-parallel x tensor-parallel ranks)")
     target = Mesh.parse(world_size, mesh) if world_size is not None else None
+    if to not in ("dcp", "torch-ranks"):
+        raise UsageError(f"reshard writes dcp or torch-ranks, not {to!r}")
+    if to != "dcp" and (like is not None or tp_plan or compress):
+        raise UsageError("--to torch-ranks writes FSDP2's Shard(0) layouts: --world-size [--mesh RxS], no --like, "
+                         "tensor parallelism or --compress")
     dcp = formats.get("dcp")
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
@@ -472,7 +480,7 @@ def reshard(
                     raise FormatError(f"--like takes a DCP checkpoint; this is {other.format}", where=like_loc.url)
                 layout = like_layout(plan, other)
             described = f"like {like_loc.url}"
-        sink = dcp.make_sink(dst_loc, SinkOptions(layout=layout, compress=compress))
+        sink = formats.get(to).make_sink(dst_loc, SinkOptions(layout=layout, compress=compress))
         run(source, sink, plan, budget, progress, read_ahead=read_ahead, parallel=parallel)
         return ReshardReport.of(src_loc, dst_loc, plan, sink, source, source_world_size=source.world_size,
                                 world_size=layout.world_size, mesh=described,

@@ -25,12 +25,13 @@ import torch
 
 from ..errors import CkptError, CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, flatten
-from ..layout import Box, relative, whole
+from ..index import unflatten
+from ..layout import Box, FsdpLayout, rank_box, relative, whole
 from ..report import Report
 from ..safe_dtensor import DTensorRef
 from ..safe_pickle import TensorRef, same_value
 from ..storage import Location
-from .base import Format, Probe, Progress, Source
+from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, stream_slabs
 from .torch_save import TorchFile, check_record
 
 RANK_FILE = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d+)\.(pt|pth|bin)$")
@@ -310,6 +311,144 @@ class RanksSource(Source):
             part.close()
 
 
+class RanksSink(Sink):
+    """A per-rank folder for a job on ``layout.mesh`` (FSDP2's ``Shard(0)``; HSDP ``Replicate``,
+    ``Shard(0)`` on a 2-D mesh), as that job's ranks would write it with the guide's manual code:
+    ``<top>_rank_<R>.pt`` holding DTensors (each rank's box; buffers and 0-d tensors whole, as plain
+    tensors) for every top-level key that holds a sharded tensor, and ``<top>.pt`` (rank 0's, once)
+    for the others. An ``optim`` state keyed by parameter name goes back to
+    ``optimizer.state_dict()``'s indices (the names' order in its param_groups). Each rank's file is
+    built in turn, holding that rank's share in memory (the checkpoint / world size), and pickled by
+    torch with the mesh that rank would have (a fake process group: ``compat.fake_rank``)."""
+
+    format = "torch-ranks"
+
+    def __init__(self, location: Location, layout: Any):
+        super().__init__(location)
+        if not isinstance(layout, FsdpLayout):
+            raise FormatError("per-rank folders are written for FSDP2's Shard(0) layouts (--world-size, --mesh RxS)",
+                              hint="write DCP for tensor-parallel or --like layouts")
+        self.layout = layout
+        self._entries: list[TensorSpec | ObjectSpec] = []
+        self.bytes_per_rank: dict[int, int] = {}  # tensor bytes each rank's files hold
+
+    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+        self._entries = list(entries)
+        self.tmp.makedirs()
+
+    def _sharded(self, spec: TensorSpec) -> bool:
+        return bool(spec.shape) and spec.key not in self.layout.replicated
+
+    def _box(self, spec: TensorSpec, rank: int) -> Box:
+        if not self._sharded(spec):
+            return whole(spec.shape)
+        box = rank_box(spec.shape, self.layout.mesh, rank)
+        if box is None:  # an empty shard: no rows, at the end
+            return (spec.shape[0], *([0] * (len(spec.shape) - 1))), (0, *spec.shape[1:])
+        return box
+
+    def _ranked_tops(self) -> list[str]:
+        return sorted({str(s.path[0]) for s in self._entries if isinstance(s, TensorSpec) and self._sharded(s)})
+
+    def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
+        ranked = set(self._ranked_tops())
+        return [(spec, self._box(spec, r)) for r in range(self.layout.world_size) for spec in tensors
+                if str(spec.path[0]) in ranked or r == 0]
+
+    def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:  # (write() reads rank by rank)
+        raise NotImplementedError
+
+    def write(self, tensors: list[TensorSpec], reader_for: Any, done: Any) -> None:
+        from ..compat import fake_rank
+
+        mesh = self.layout.mesh
+        ranked = self._ranked_tops()
+        tops = list(dict.fromkeys(str(s.path[0]) for s in self._entries))
+        for rank in range(self.layout.world_size):
+            flat: dict[str, Any] = {}
+            paths: dict[str, Any] = {}
+            for spec in self._entries:
+                top = str(spec.path[0])
+                if top not in ranked and rank != 0:
+                    continue
+                paths[spec.key] = spec.path
+                if isinstance(spec, ObjectSpec):
+                    flat[spec.key] = spec.value
+                    continue
+                box = self._box(spec, rank)
+                local = torch.empty(box[1], dtype=spec.dtype)
+                read, budget = reader_for(spec)
+                for slab in stream_slabs(spec, budget, box):
+                    local[relative(slab, box)] = read(slab)
+                flat[spec.key] = _Shard(local) if self._sharded(spec) else local
+                nbytes = local.numel() * local.element_size()
+                self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + nbytes
+                done(nbytes, spec.key)
+            state = unflatten(flat, paths)
+            with fake_rank(rank, mesh.world_size):
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.tensor import DTensor, Replicate, Shard
+
+                dmesh = (init_device_mesh("cpu", (mesh.replicate, mesh.shard), mesh_dim_names=("replicate", "shard"))
+                         if mesh.replicate > 1 else init_device_mesh("cpu", (mesh.shard,)))  # (HSDP needs the names)
+                placements = [Replicate(), Shard(0)] if mesh.replicate > 1 else [Shard(0)]
+                shapes = {s.key: s.shape for s in self._entries if isinstance(s, TensorSpec)}
+
+                def wrap(value: Any, key: str) -> Any:
+                    if isinstance(value, _Shard):
+                        full = torch.Size(shapes[key])
+                        return DTensor.from_local(value.local, dmesh, placements, run_check=False, shape=full,
+                                                  stride=torch.empty(full, device="meta").stride())
+                    return value
+
+                for top in tops:
+                    if top not in state or (top not in ranked and rank != 0):
+                        continue
+                    tree = _wrap_tree(state[top], top, wrap)
+                    if top in ranked:
+                        tree = _by_index(tree)
+                    name = f"{top}_rank_{rank}.pt" if top in ranked else f"{top}.pt"
+                    with self.tmp.child(name).open_write() as f:
+                        torch.save(tree, f)
+
+    def complete(self) -> None:
+        pass
+
+
+class _Shard:
+    """A rank's local part of a sharded tensor, until it is made a DTensor."""
+
+    __slots__ = ("local",)
+
+    def __init__(self, local: torch.Tensor):
+        self.local = local
+
+
+def _wrap_tree(value: Any, key: str, wrap: Any) -> Any:
+    """``value`` with every :class:`_Shard` leaf made a DTensor by ``wrap(leaf, its flat key)``."""
+    if isinstance(value, dict):
+        return type(value)((k, _wrap_tree(v, f"{key}.{k}", wrap)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_wrap_tree(v, f"{key}.{i}", wrap) for i, v in enumerate(value)]
+    return wrap(value, key)
+
+
+def _by_index(tree: Any) -> Any:
+    """An optimizer state keyed by parameter name (as ckpttool reads one) back to the indices of
+    ``optimizer.state_dict()``: each name's position in the param_groups' lists."""
+    if not (isinstance(tree, Mapping) and set(tree) == {"state", "param_groups"} and isinstance(tree["param_groups"], list)):
+        return tree
+    names = [p for g in tree["param_groups"] if isinstance(g, Mapping) for p in g.get("params", [])]
+    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        return tree  # (already by index, or not a state ckpttool can renumber)
+    index = {n: i for i, n in enumerate(names)}
+    if not set(tree["state"]) <= set(index):
+        raise FormatError("the optimizer state names parameters its param_groups do not list",
+                          hint="it cannot be numbered as optimizer.state_dict() numbers them")
+    return {"state": {index[n]: v for n, v in tree["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in tree["param_groups"]]}
+
+
 class RanksFormat(Format):
     name = "torch-ranks"
     checksums = True  # the zip's CRC-32 of every storage record
@@ -321,9 +460,12 @@ class RanksFormat(Format):
     def open_source(self, loc: Location, verify: bool = True) -> RanksSource:
         return RanksSource(loc, verify=verify)
 
-    def make_sink(self, loc: Location, options: Any) -> Any:
-        raise FormatError("ckpttool reads per-rank torch.save folders but does not write them",
-                          hint="write DCP (reshard --world-size M), which plain torch loads on any world size")
+    sink_options = frozenset({"layout"})
+
+    def make_sink(self, loc: Location, options: SinkOptions) -> RanksSink:
+        if options.layout is None:
+            raise FormatError("a per-rank folder is written for a job's ranks", hint="ckpttool reshard SRC DST --world-size M --to torch-ranks")
+        return RanksSink(loc, options.layout)
 
     def check_integrity(self, source: RanksSource, report: Report, only: str | None, progress: Progress | None,
                         share: tuple[int, int] | None = None) -> None:

@@ -169,3 +169,50 @@ def test_a_flipped_bit_in_a_shard_is_caught(tmp_path):
     assert "model_rank_1.pt" in out and "CRC-32" in out
     out = run("convert", path, tmp_path / "out.pt", code=2)
     assert "model_rank_1.pt" in out and not os.path.exists(tmp_path / "out.pt")
+
+
+def load_like_the_guide(path: str, variant: str, mesh_shape: tuple[int, ...]) -> dict:
+    """On each rank of a new job: the fixture's model and AdamW under FSDP2 on ``mesh_shape``, loaded
+    with the guide's manual code (each rank torch.loads its own files, plain torch only); the full
+    state, gathered by plain torch."""
+    import sys
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sys.path.insert(0, FIXTURES)
+    from make_rank_folders import build_model, golden
+
+    rank = dist.get_rank()
+    dim, hidden = (8, 12) if variant in ("hsdp", "fsdp-tp") else (7, 10)
+    with torch.device("meta"):
+        model = build_model(dim, hidden)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard") if len(mesh_shape) == 2 else None)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model.load_state_dict(torch.load(f"{path}/model_rank_{rank}.pt", weights_only=False))
+    optimizer.load_state_dict(torch.load(f"{path}/optim_rank_{rank}.pt", weights_only=False))
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = golden({"model": msd, "optim": osd}) if rank == 0 else {}
+    if rank == 0:
+        out.update(golden({"metadata": torch.load(f"{path}/metadata.pt", weights_only=False)}))
+    return out
+
+
+@pytest.mark.parametrize("variant,world,mesh", [("guide", 3, None), ("uneven", 2, None), ("hsdp", 4, "2x2")])
+def test_reshard_to_a_per_rank_folder_that_a_new_job_loads_with_plain_torch(variant, world, mesh, tmp_path):
+    out = tmp_path / "ranks"
+    run("reshard", os.path.join(FOLDERS, variant), out, "--world-size", world, "--to", "torch-ranks",
+        *(["--mesh", mesh] if mesh else []))
+    assert sorted(os.listdir(out)) == sorted(["metadata.pt"] + [f"{p}_rank_{r}.pt" for p in ("model", "optim") for r in range(world)])
+    assert golden_of(str(out)) == EXPECTED[variant]  # ckpttool reads it back
+    saved = torch.load(out / "optim_rank_0.pt", weights_only=False)  # keyed as optimizer.state_dict() keys it
+    assert sorted(saved["state"]) == list(range(15)) and [i for g in saved["param_groups"] for i in g["params"]] == list(range(15))
+    shape = tuple(int(n) for n in mesh.split("x")) if mesh else (world,)
+    got = run_ranks(load_like_the_guide, world, str(out), variant, shape)[0]
+    assert got == EXPECTED[variant]
