@@ -45,6 +45,7 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
             "total_bytes": index.tensor_bytes,
             "entries": entries,
             "notes": source.all_notes(),
+            **({"parts": source.describe_parts()} if source.describe_parts() is not None else {}),
         }
 
 
@@ -90,6 +91,11 @@ def render_text(report: dict[str, Any]) -> str:
         return "\n".join(lines)
     lines.append(f"{report['format']} checkpoint {report['path']}")
     lines.append(f"files: {', '.join(report['files'])}")
+    for part in report.get("parts", ()):
+        if part.get("not_read"):
+            lines.append(f"part: {part['file']}: not read ({part['not_read']})")
+        else:
+            lines.append(f"part: {part['file']} ({part['format']}) -> {part['key'] or 'its own keys'}")
     lines.append(f"{report['tensors']} tensors, {report['objects']} objects, {report['total_bytes']} bytes of tensor data")
     width = max((len(e["key"]) for e in report["entries"]), default=10)
     for e in report["entries"]:

@@ -100,6 +100,11 @@ class Source(ABC):
         entry.check_coverage(self.location.url)
         return entry
 
+    def describe_parts(self) -> list[dict[str, Any]] | None:
+        """For a checkpoint made of parts in several formats (a trainer folder): each part's file,
+        format and top-level key, for inspect; None otherwise."""
+        return None
+
     def placement(self, key: str) -> str | None:
         """How a sharded tensor was laid out over its job's mesh, where the format records it."""
         return None

@@ -72,6 +72,7 @@ class TrainerSource(Source):
         self._owner: dict[str, tuple[Source, str]] = {}  # key -> (part, its key there)
         self._unreadable: list[tuple[str, str]] = []  # (file, why) of parts that could not be read
         self._objects: dict[str, Any] = {}
+        self._json_parts: list[tuple[str, str]] = []  # (top-level key, file) of JSON parts
         self._idx = Index()
         try:
             self._open_parts(verify)
@@ -167,6 +168,7 @@ class TrainerSource(Source):
         except (ValueError, RecursionError) as exc:
             self._unreadable.append((name, f"not valid JSON ({type(exc).__name__})"))
             return
+        self._json_parts.append((top, name))
         flat, paths = flatten({top: value})
         for key, v in flat.items():
             self._objects[key] = v
@@ -178,6 +180,17 @@ class TrainerSource(Source):
     def parts(self) -> list[tuple[str | None, Source]]:
         """(top-level key, or None where the part brings its own keys; its source) of each part read."""
         return list(self._parts)
+
+    def describe_parts(self) -> list[dict[str, Any]]:
+        """What inspect lists: each part's file, what it is (its format) and the key it is read under."""
+        out = []
+        for top, source in self._parts:
+            # a sharded model is the folder itself (its shards); a DCP part a directory; else one file
+            name = ", ".join([*source.aux_files(), *source.files()]) if source.location == self.location else source.location.name
+            out.append({"file": name, "format": source.format, "key": top})  # (key None: the part's own keys)
+        out += [{"file": name, "format": "json", "key": top} for top, name in self._json_parts]
+        out += [{"file": name, "format": None, "key": None, "not_read": why} for name, why in self._unreadable]
+        return out
 
     def json_keys(self) -> list[str]:
         """The keys read from JSON parts (``trainer_state.json``)."""

@@ -40,10 +40,14 @@ def test_inspect_lists_every_part_and_what_it_is(folder):
     assert report["format"] == "trainer"
     tops = {e["path"][0] for e in report["entries"]}
     assert tops == {k.split(".", 1)[0] for k in expected}
+    parts = {p["key"]: p for p in report["parts"] if p["key"]}  # each part: its file(s), format and key
+    assert set(parts) == tops and parts["optimizer"]["format"] == "torch" and parts["model"]["format"] == "safetensors"
+    assert all(os.path.exists(os.path.join(path, f)) for p in report["parts"] for f in p["file"].split(", "))
     notes = " ".join(report["notes"])
     if name.startswith("hf-trainer"):
         assert {"model", "optimizer", "scheduler", "rng_state", "trainer_state"} <= tops
         assert "training_args.bin" in notes and "TrainingArguments" in notes  # named, with why it is not read
+        assert [p["file"] for p in report["parts"] if p.get("not_read")] == ["training_args.bin"]
         assert "config.json" in notes and "generation_config.json" in notes  # not state: said so
     else:
         assert {"model", "optimizer", "random_states_0", "random_states_1"} <= tops
