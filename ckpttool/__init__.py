@@ -18,14 +18,14 @@ _WHERE = {
     "load": "checkpointer",
     "convert": "pipeline",
     "CkptError": "errors",
-    "verify_loaded": "verify",
+    "verify_loaded": "loaded",
 }
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, LoadResult, load
     from .errors import CkptError
     from .pipeline import convert
-    from .verify import verify_loaded
+    from .loaded import verify_loaded
 
 
 def __getattr__(name: str) -> Any:

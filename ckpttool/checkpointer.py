@@ -39,9 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 from . import dist, formats
 from .compat import local_shard_box
 from .errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
-from .formats.dcp import save as save_writer
-from .formats.dcp.online import dcp_writer, hash_records, metadata_row
-from .formats.dcp.transforms import check_compress
+from .formats import dcp as dcp_format
+from .formats.dcp import check_compress, dcp_writer, hash_records, metadata_row
 from .index import Index, TensorEntry, unflatten
 from .lease import Lease
 from .staging import Stager
@@ -175,7 +174,7 @@ class Checkpointer:
         state = training_state(model, optimizer, extra)
         final = self.root.child(step_name(step))
         tmp = self._prepare_step_dir(step, final)
-        own = save_writer.supports(state)  # else DCP's own writer, which needs the process group
+        own = dcp_format.supports(state)  # else DCP's own writer, which needs the process group
         if blocking:
             if own:
                 self._save_own_sync(state, step, tmp, final)
@@ -192,7 +191,7 @@ class Checkpointer:
             # a forward may change module buffers in place: copied at the call, found by the address
             # of what is copied (a DTensor's own data_ptr() is 0: its local tensor's)
             buffers = {local_shard_box(b)[0].data_ptr() for b in model.buffers()}
-            staged = self._stager.stage(state, dist.rank(), save_writer.stores, in_order=buffers, background=optimizer is not None)
+            staged = self._stager.stage(state, dist.rank(), dcp_format.stores, in_order=buffers, background=optimizer is not None)
             if optimizer is not None and optimizer not in self._fences:
                 # the snapshot is fenced before the next step may change what is being copied
                 self._fences[optimizer] = optimizer.register_step_pre_hook(lambda *_: self._stager.fence())
@@ -223,7 +222,7 @@ class Checkpointer:
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int) -> None:
         try:
-            save_writer.write_rank(tmp, rank, state, after_write=lambda: dist.pause_point("after-write"), compress=self.compress)
+            dcp_format.write_rank(tmp, rank, state, after_write=lambda: dist.pause_point("after-write"), compress=self.compress)
         except CkptError:
             raise
         except Exception as exc:  # a write the storage refused: one line naming the step
@@ -232,8 +231,8 @@ class Checkpointer:
     def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int) -> None:
         """Rank 0: wait for every rank's index in storage, write .metadata, then the commit record
         (last), publish the step and apply retention."""
-        indexes = save_writer.read_rank_indexes(tmp, world_size, self.commit_timeout)
-        manifest = save_writer.commit_metadata(tmp, indexes)
+        indexes = dcp_format.read_rank_indexes(tmp, world_size, self.commit_timeout)
+        manifest = dcp_format.commit_metadata(tmp, indexes)
         tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, {"manifest": manifest}))
         dist.pause_point("before-rename")
         self.root.commit_policy.publish(tmp, final)
@@ -468,8 +467,6 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     the manifest of a ckpttool step (:class:`ChecksumError` names the key, the file and the rank).
     Every rank raises the same error when any rank fails.
     """
-    from .formats.dcp import DcpSource
-    from .formats.dcp.load import load_into
     from .index import flatten
 
     loc = resolve(path, storage_options)
@@ -482,7 +479,7 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
         if not fmt.ranked:
             raise FormatError(f"load reads DCP checkpoints and per-rank torch.save folders; this is {fmt.name}",
                               where=loc.url, hint=f"convert it first: ckpttool convert {loc.url} DIR --to dcp")
-        opened = DcpSource(loc, verify=verify, rank=dist.rank()) if fmt.name == "dcp" else fmt.open_source(loc, verify)
+        opened = dcp_format.DcpSource(loc, verify=verify, rank=dist.rank()) if fmt.name == "dcp" else fmt.open_source(loc, verify)
         with opened as source:
             index = source.index()
             _check_fits(state, index, loc)
@@ -490,7 +487,7 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
             if extra_template:
                 state["extra"] = extra_template
             flat, paths = flatten(state)
-            load_into(source, flat)
+            dcp_format.load_into(source, flat)
             state = unflatten(flat, paths)
     except CkptError as exc:
         error = exc

@@ -21,23 +21,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .compat import Box, local_shard_box
+from .formats.dcp import HostShard
 from .index import flatten, unflatten
-
-
-@dataclass
-class HostShard:
-    """A rank's piece of one tensor, copied to the host for a background write."""
-
-    local: torch.Tensor  # the host copy of this rank's local shard (contiguous)
-    box: Box  # where it lies in the global tensor
-    shape: tuple[int, ...]  # the global tensor's shape
-    store: bool  # whether this rank writes it (the first holder of a replicated box)
 
 
 class Stager:

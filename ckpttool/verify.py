@@ -8,16 +8,15 @@ missing path, something that is no checkpoint, an unsafe ``.metadata``) raises.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import dist, formats
-from .compat import local_shard_box
+from .compare import bits_differ, unravel
 from .errors import CkptError, UnsafePickleError, UsageError
 from .formats.base import Progress, SlabBuffers, Source
-from .index import TensorEntry, dtype_size, flatten, strip_prefix
+from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import slabs, whole
 from .pipeline import DEFAULT_BUDGET, plan_entries
 from .report import Problem, Report
@@ -25,7 +24,7 @@ from .safe_pickle import same_value
 from .steps import is_training_root, list_root, step_name
 from .storage import Location, resolve
 
-__all__ = ["LoadedReport", "Mismatch", "Problem", "Report", "verify_against", "verify_loaded", "verify_path"]
+__all__ = ["Problem", "Report", "verify_against", "verify_path"]
 
 
 # --- integrity -----------------------------------------------------------------------------------
@@ -108,19 +107,6 @@ def _merged(mine: Report, parts: list[tuple[Report, list[tuple[int, Report]]]]) 
 # --- equality ------------------------------------------------------------------------------------
 
 
-def _bits_differ(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per element (flat, C order) whether ``x`` and ``y`` (same dtype and shape) differ in any bit:
-    each element compared as one integer (complex128: two int64s)."""
-    a, b = x.contiguous().reshape(-1), y.contiguous().reshape(-1)
-    if not a.numel():
-        return torch.zeros(0, dtype=torch.bool)
-    size = x.element_size()
-    if size == 16:
-        return (a.view(torch.int64).view(-1, 2) != b.view(torch.int64).view(-1, 2)).any(dim=1)
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    return a.view(view) != b.view(view)
-
-
 def verify_against(path: str | Location, other: str | Location, *, only: str | None = None, against_only: str | None = None,
                    rtol: float = 0.0, atol: float = 0.0, cast: bool = False, memory_budget: int = DEFAULT_BUDGET,
                    storage_options: dict[str, Any] | None = None, progress: Progress | None = None) -> Report:
@@ -197,7 +183,7 @@ def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype
         if a_dtype != b_dtype:  # OTHER is an export made with --dtype: cast PATH's values the same way
             x = x.to(b_dtype)
         if rtol == 0 and atol == 0:
-            bad = _bits_differ(x, y)
+            bad = bits_differ(x, y)
         else:
             xd, yd = x.double().reshape(-1), y.double().reshape(-1)
             diff = (xd - yd).abs()
@@ -213,7 +199,7 @@ def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype
             count += n
             if first is None:
                 flat = int(bad.nonzero()[0].item())
-                local = _unravel(flat, box[1])
+                local = unravel(flat, box[1])
                 first = [o + i for o, i in zip(box[0], local)]
                 first_vals = (x.reshape(-1)[flat].item(), y.reshape(-1)[flat].item())
     if count:
@@ -221,92 +207,3 @@ def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype
         if rtol or atol:
             detail += f"; max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}"
         report.add(detail, where, a_key)
-
-
-def _unravel(flat: int, sizes) -> list[int]:
-    out = []
-    for s in reversed(sizes):
-        out.append(flat % s if s else 0)
-        flat //= s if s else 1
-    return list(reversed(out))
-
-
-
-# --- live check after a load ---------------------------------------------------------------------
-
-
-@dataclass
-class Mismatch:
-    key: str
-    rank: int
-    first_index: list[int]
-    max_abs_diff: float
-    elements: int
-
-
-@dataclass
-class LoadedReport:
-    """What :func:`verify_loaded` found; the same object on every rank."""
-
-    path: str
-    tensors_checked: int = 0
-    bytes_checked: int = 0
-    mismatches: list[Mismatch] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-
-def verify_loaded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Location, *,
-                  storage_options: dict[str, Any] | None = None) -> LoadedReport:
-    """Compare this rank's shards of ``model`` (and ``optimizer``) with the checkpoint's bytes for
-    exactly the same boxes, reading only those boxes (no all-gather); every rank returns the same
-    report. Call it on every rank after a load."""
-    from .checkpointer import training_state  # torch's state_dict machinery: only this check needs it
-
-    loc = resolve(path, storage_options)
-    report = LoadedReport(loc.url)
-    rank = dist.rank()
-    state, _ = flatten(training_state(model, optimizer, None))
-    mine: list[Mismatch] = []
-    checked = [0, 0]
-    error: BaseException | None = None
-    try:
-        with formats.open_source(loc, "dcp", verify=False) as source:  # compares the bytes themselves
-            index = source.index()
-            for key, value in state.items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                local, box = local_shard_box(value)
-                if local.numel() == 0:
-                    continue
-                if key not in index:
-                    mine.append(Mismatch(key, rank, [], float("nan"), local.numel()))
-                    continue
-                stored = source.read_tensor(key, box)
-                local = local.detach().cpu()
-                if stored.dtype != local.dtype or tuple(stored.shape) != tuple(local.shape):
-                    mine.append(Mismatch(key, rank, [], float("nan"), local.numel()))
-                    continue
-                bad = _bits_differ(stored, local)
-                n = int(bad.sum().item())
-                if n:
-                    flat = int(bad.nonzero()[0].item())
-                    first = [o + i for o, i in zip(box[0], _unravel(flat, box[1]))]
-                    diff = (stored.double() - local.double()).abs()
-                    max_abs = float(diff[torch.isfinite(diff)].max().item()) if torch.isfinite(diff).any() else float("nan")
-                    mine.append(Mismatch(key, rank, first, max_abs, n))
-                checked[0] += 1
-                checked[1] += local.numel() * local.element_size()
-    except CkptError as exc:
-        error = exc
-    error = dist.first_error(error)
-    if error is not None:
-        raise error
-    for r, (found, counts) in enumerate(dist.all_gather((mine, checked))):
-        report.mismatches += found
-        report.tensors_checked += counts[0]
-        report.bytes_checked += counts[1]
-    report.mismatches.sort(key=lambda m: (m.key, m.rank))
-    return report

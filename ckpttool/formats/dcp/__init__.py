@@ -12,9 +12,13 @@ from ...report import Report
 from ...storage import Location
 from ..base import Format, Probe, Progress, SinkOptions
 from . import integrity
+from .load import load_into
 from .metadata import METADATA_FILE, data_file_name, read_metadata
+from .online import dcp_writer, hash_records, metadata_row
+from .save import HostShard, commit_metadata, read_rank_indexes, stores, supports, write_rank
 from .sink import DcpSink
 from .source import DcpSource
+from .transforms import check_compress
 
 
 class DcpFormat(Format):
@@ -46,4 +50,7 @@ class DcpFormat(Format):
 
 FORMAT = DcpFormat()
 
-__all__ = ["FORMAT", "METADATA_FILE", "DcpSink", "DcpSource", "data_file_name", "read_metadata"]
+# The public API of the format: what the training API (checkpointer.py) uses, and all it uses.
+__all__ = ["FORMAT", "METADATA_FILE", "DcpSink", "DcpSource", "HostShard", "check_compress", "commit_metadata", "data_file_name",
+           "dcp_writer", "hash_records", "load_into", "metadata_row", "read_metadata", "read_rank_indexes", "stores",
+           "supports", "write_rank"]

@@ -33,7 +33,6 @@ from ...compat import dcp_metadata, dump_metadata, local_shard_box
 from ...errors import CkptError, CorruptCheckpointError, StorageError
 from ...index import ObjPath, dtype_size, flatten
 from ...layout import Box, relative, slabs, tiles_exactly
-from ...staging import HostShard
 from ...storage import Location
 from ..base import tensor_buffer
 from ..torchzip import ArchiveWriter
@@ -43,6 +42,17 @@ from .transforms import record_stream, storage_info
 PARTIAL = ".ckpttool-rank-{rank}.json"
 MAX_PARTIAL_BYTES = 256 << 20
 SLAB = 64 << 20  # bytes of a tensor copied to the host at a time (GPU shards)
+
+
+@dataclass
+class HostShard:
+    """A rank's piece of one tensor, copied to the host for a background write (what an async
+    save's stager hands the writer in place of the tensor)."""
+
+    local: torch.Tensor  # the host copy of this rank's local shard (contiguous)
+    box: Box  # where it lies in the global tensor
+    shape: tuple[int, ...]  # the global tensor's shape
+    store: bool  # whether this rank writes it (the first holder of a replicated box)
 
 
 def partial_name(rank: int) -> str:
