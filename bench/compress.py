@@ -56,7 +56,7 @@ def single_case(name: str, src: str, work: str, budget: str) -> dict[str, Any]:
     if name == "raw_copy":
         r = raw_copy(dcp_files(src), out)
         return {"ok": True, "seconds": r["seconds"], "out_bytes": r["bytes"]}
-    from ckpttool.pipeline import convert
+    from ckpttool.commands import convert
 
     t0 = time.perf_counter()
     if name == "write_plain":

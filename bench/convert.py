@@ -138,7 +138,7 @@ def run_case(name: str, src: str, dst: str, pt: str, nbytes: int, budget: str) -
         import ckpttool.formats.dcp  # noqa: F401
         import ckpttool.formats.safetensors  # noqa: F401
         import ckpttool.formats.torch_save  # noqa: F401
-        import ckpttool.pipeline  # noqa: F401
+        import ckpttool.commands  # noqa: F401
 
         torch.set_num_threads(1)
         versions = {"torch": torch.__version__, "ckpttool": ckpttool.__version__}

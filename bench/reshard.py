@@ -7,7 +7,7 @@ cache dropped before it:
   raw copy             the checkpoint's DCP files read and written to one file + fsync, from a Python
                        process (``_common.raw_copy``): the limit for a tool that reads and writes
                        every byte once
-  ckpttool reshard M   ``ckpttool.pipeline.reshard(src, dst, world_size=M)`` (what ``ckpttool
+  ckpttool reshard M   ``ckpttool.commands.reshard(src, dst, world_size=M)`` (what ``ckpttool
                        reshard SRC DST --world-size M`` runs), one process, default budget 1 GiB
   online M             what one does without the tool: start M ranks, build the FSDP2 model and AdamW
                        on them, ``dcp.load`` (DCP reshards while reading) and ``set_state_dict``,
@@ -61,14 +61,14 @@ def single_case(name: str, src: str, dst: str, world: int, budget: str) -> dict[
         import torch  # noqa: F401 - imports are not the work
 
         import ckpttool.formats.dcp  # noqa: F401
-        import ckpttool.pipeline  # noqa: F401
+        import ckpttool.commands  # noqa: F401
     rss0 = reset_peak_rss()
     t0 = time.perf_counter()
     out: dict[str, Any] = {}
     if name == "raw_copy":
         out = raw_copy(dcp_files(src), dst)
     else:
-        from ckpttool.pipeline import reshard
+        from ckpttool.commands import reshard
 
         rep = reshard(src, dst, world_size=world, memory_budget=budget)
         out = {"bytes": rep.bytes, "tensors": rep.tensors, "bytes_per_rank": rep.bytes_per_rank}

@@ -16,7 +16,7 @@ _WHERE = {
     "Checkpointer": "checkpointer",
     "LoadResult": "checkpointer",
     "load": "checkpointer",
-    "convert": "pipeline",
+    "convert": "commands",
     "CkptError": "errors",
     "verify_loaded": "loaded",
 }
@@ -24,7 +24,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, LoadResult, load
     from .errors import CkptError
-    from .pipeline import convert
+    from .commands import convert
     from .loaded import verify_loaded
 
 

@@ -270,7 +270,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
       ckpttool convert runs/exp1/step-100 hf/ --to safetensors --only model --max-shard-size 5GB --nproc 4
     """
     from .parallel import workers
-    from .pipeline import convert as run_convert
+    from .commands import convert as run_convert
 
     _spread(ctx, nproc, dst, storage_options)
     progress = Progress("convert", not _quiet(ctx) and not as_json and _speaks())
@@ -369,7 +369,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
       torchrun --nnodes 4 --nproc_per_node 8 ... -m ckpttool reshard s3://b/step-100 s3://b/w1024 --world-size 1024
     """
     from .parallel import workers
-    from .pipeline import reshard as run_reshard
+    from .commands import reshard as run_reshard
 
     _spread(ctx, nproc, dst, storage_options)
     progress = Progress("reshard", not _quiet(ctx) and not as_json and _speaks())

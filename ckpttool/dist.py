@@ -121,6 +121,46 @@ def first_error(error: BaseException | None, group: Any = None) -> BaseException
     return None
 
 
+# Workers run the same sequence of collectives whatever fails where: every step that may fail on
+# some workers only is followed by one agreement (a failure anywhere is raised everywhere, marked
+# as agreed so that it is not agreed on again), and nothing else waits on the others.
+
+
+def agreed_error(error: BaseException | None) -> BaseException | None:
+    """Agree on the outcome of a step: the failure this worker raises (its own, or the first
+    failed worker's as a :class:`WorkerError` with its message and exit code), or None when every
+    worker succeeded."""
+    from .errors import CkptError, WorkerError
+
+    mine = None
+    if error is not None:
+        text = error.message() if isinstance(error, CkptError) else f"{type(error).__name__}: {error}"
+        mine = (text, getattr(error, "exit_code", 2) if isinstance(error, CkptError) else 2)
+    if not any_rank(mine is not None):  # the common case: one all-reduce, no objects
+        return None
+    failures = all_gather(mine)
+    if error is None:
+        r, (text, code) = next((r, f) for r, f in enumerate(failures) if f is not None)
+        error = WorkerError(f"worker {r} of {len(failures)} failed: {text}", code)
+    error._agreed = True  # type: ignore[attr-defined]
+    return error
+
+
+def agree(error: BaseException | None) -> None:
+    agreed = agreed_error(error)
+    if agreed is not None:
+        raise agreed
+
+
+def agree_on(fn: Any) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - agreed on, then raised on every worker
+        agree(exc)
+        raise
+    agree(None)
+
+
 def pause_point(name: str) -> None:
     """Crash tests stop a rank (or an offline command's worker) here (CKPTTOOL_PAUSE_AT=name) to
     kill it at a known moment, or slow it down (CKPTTOOL_DELAY_AT=name:seconds) to make a save

@@ -18,7 +18,7 @@ from .errors import CkptError, UnsafePickleError, UsageError
 from .formats.base import Progress, SlabBuffers, Source
 from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import slabs, whole
-from .pipeline import DEFAULT_BUDGET, plan_entries
+from .engine import DEFAULT_BUDGET, plan_entries
 from .report import Problem, Report
 from .safe_pickle import same_value
 from .steps import is_training_root, list_root, step_name

@@ -267,7 +267,7 @@ class Sink(ABC):
 
     def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
         """The (tensor, box) reads :meth:`write` will make, in order (None: the whole tensor); the
-        pipeline reads ahead along it. A sink that overrides :meth:`write` overrides this too."""
+        engine reads ahead along it. A sink that overrides :meth:`write` overrides this too."""
         return [(spec, None) for spec in tensors if self.writes(spec)]
 
     def write(self, tensors: list[TensorSpec], reader_for: Callable[[TensorSpec], tuple[ReadFn, int]],

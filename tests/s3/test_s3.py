@@ -13,7 +13,7 @@ import torch
 
 from ckpttool import convert
 from ckpttool.formats import open_source
-from ckpttool.pipeline import reshard
+from ckpttool.commands import reshard
 from ckpttool.verify import verify_against, verify_path
 
 from ..dist.harness import run_ranks

@@ -357,7 +357,7 @@ def test_a_reshard_checks_records_it_reads_in_parts_in_one_pass(tmp_path, monkey
     bytes read are about the data's, not twice; a flip anywhere in a record (its first or last
     part, or its header under a manifest) still fails the reshard, and nothing is written."""
     from ckpttool import storage
-    from ckpttool.pipeline import reshard
+    from ckpttool.commands import reshard
 
     src = make(tmp_path)
     read = []

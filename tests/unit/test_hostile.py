@@ -176,7 +176,7 @@ def test_fifo_is_refused_without_hanging(tmp_path):
 def test_twenty_thousand_chunks_verify_in_seconds(tmp_path):
     """verify, inspect and convert are linear in the number of chunks (was quadratic: 150 s+)."""
     from ckpttool.formats.dcp import DcpSink
-    from ckpttool.pipeline import plan_entries, run
+    from ckpttool.engine import plan_entries, run
 
     class Rows:
         world_size = 1
