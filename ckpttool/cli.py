@@ -181,6 +181,25 @@ storage_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, for scripts.")
 
 
+def write_options(command: Any) -> Any:
+    """The options of every command that writes a checkpoint (convert, reshard), in one place:
+    --compress, --memory-budget, --force, --nproc, --json, --storage-option; and the context."""
+    for option in reversed([
+        click.option("--compress", type=click.Choice(COMPRESSIONS),
+                     help="DCP output: store each record zstd-compressed, as torch's FileSystemWriter(_extensions=[ZStandard()]) "
+                          "does (plain torch reads it; needs ckpttool[zstd])."),
+        click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size,
+                     help="Most tensor data held in memory at once."),
+        click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root)."),
+        nproc_option, json_option, storage_option, click.pass_context,
+    ]):
+        command = option(command)
+    return command
+
+
+only_option = click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix (e.g. --only model).")
+
+
 def _emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, default=str))
 
@@ -233,19 +252,11 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
 @click.argument("src")
 @click.argument("dst")
 @click.option("--to", type=click.Choice(formats.output_names()), help="Output format (default: from DST's suffix).")
-@click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix (e.g. --only model).")
+@only_option
 @click.option("--dtype", type=click.Choice(CAST_DTYPES), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
 @click.option("--max-shard-size", metavar="SIZE", callback=_size,
               help=f"Write HF-sharded files of up to SIZE ({SIZE_HELP}): safetensors, or torch .bin with --to torch.")
-@click.option("--compress", type=click.Choice(COMPRESSIONS),
-              help="DCP output: store each record zstd-compressed, as torch's FileSystemWriter(_extensions=[ZStandard()]) does "
-                   "(plain torch reads it; needs ckpttool[zstd]).")
-@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
-@click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
-@nproc_option
-@json_option
-@storage_option
-@click.pass_context
+@write_options
 def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | None, dtype: str | None, max_shard_size: str | None,
             compress: str | None, memory_budget: str, force: bool, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Convert SRC to DST between DCP, torch.save and safetensors.
@@ -317,19 +328,11 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @click.option("--like", metavar="OTHER", help="Lay DST out exactly as the DCP checkpoint OTHER (every key's chunks, in the same "
                                               "ranks' files): save the new job's initial state once on its mesh, then reshard to it. "
                                               "Instead of --world-size.")
-@click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix.")
+@only_option
 @click.option("--to", "to", type=click.Choice(["dcp", "torch-ranks"]), default="dcp", show_default=True,
               help="Write DCP, or a per-rank torch.save folder (<key>_rank_<R>.pt of DTensors, as FSDP2's manual "
                    "sharded checkpointing writes them).")
-@click.option("--compress", type=click.Choice(COMPRESSIONS),
-              help="DCP output: store each record zstd-compressed, as torch's FileSystemWriter(_extensions=[ZStandard()]) does "
-                   "(plain torch reads it; needs ckpttool[zstd]).")
-@click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
-@click.option("--force", is_flag=True, help="Replace DST if it exists (never a DST that contains SRC, lies in it, or is a training root).")
-@nproc_option
-@json_option
-@storage_option
-@click.pass_context
+@write_options
 def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, tp_colwise: tuple[str, ...],
             tp_rowwise: tuple[str, ...], like: str | None, only: str | None, to: str,
             compress: str | None, memory_budget: str, force: bool, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:

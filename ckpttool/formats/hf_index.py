@@ -58,5 +58,34 @@ def shard_name(stem: str, suffix: str, i: int, count: int) -> str:
     return f"{stem}-{i + 1:05d}-of-{count:05d}{suffix}"
 
 
+class ShardedOutput:
+    """The HF-sharded side of a sink (mixed into the safetensors and torch sinks, before ``Sink``):
+    with ``max_shard_size``, tensors go in consecutive shard files of at most that many bytes
+    (``<STEM>-0000k-of-0000n<SUFFIX>``), which workers can write apart; planned at ``begin``."""
+
+    STEM = ""
+    SUFFIX = ""
+    max_shard_size: int | None = None
+
+    def plan_shards(self, tensors: Sequence[Any]) -> None:
+        """Group ``tensors`` (TensorSpecs, in write order) into the output's shard files."""
+        self._shards: list[list[Any]] = group(tensors, lambda spec: spec.nbytes, self.max_shard_size)
+        self._shard_of: dict[str, int] = {spec.key: i for i, shard in enumerate(self._shards) for spec in shard}
+
+    @property
+    def sharded(self) -> bool:
+        return self.max_shard_size is not None
+
+    @property
+    def splittable(self) -> bool:
+        return self.sharded
+
+    def writes(self, spec: Any) -> bool:
+        return self.share[1] == 1 or self.mine(self._shard_of[spec.key], len(self._shards))  # type: ignore[attr-defined]
+
+    def shard_file(self, i: int) -> str:
+        return shard_name(self.STEM, self.SUFFIX, i, len(self._shards))
+
+
 def index_bytes(total_size: int, weight_map: dict[str, str]) -> bytes:
     return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2).encode()

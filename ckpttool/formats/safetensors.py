@@ -23,7 +23,7 @@ from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, plausibl
 from ..layout import Box, relative, tiles_exactly, whole
 from ..report import Report
 from ..storage import Location, RangeReader
-from .hf_index import group, index_bytes, read_weight_map, shard_files, shard_name
+from .hf_index import ShardedOutput, index_bytes, read_weight_map, shard_files
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, read_c_order_box, split, stream_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -282,30 +282,19 @@ def _in_original_order(idx: Index, paths: dict[str, Any]) -> Index:
 # --- writing -------------------------------------------------------------------------------------
 
 
-class SafetensorsSink(Sink):
+class SafetensorsSink(ShardedOutput, Sink):
     """Write one file, or with ``max_shard_size`` an HF-sharded directory with its index."""
 
     format = "safetensors"
+    STEM, SUFFIX = "model", ".safetensors"
 
     def __init__(self, location: Location, max_shard_size: int | None = None):
         super().__init__(location)
         self.max_shard_size = max_shard_size
-        self._shards: list[list[TensorSpec]] = []
+        self.plan_shards([])
         self._metadata: dict[str, str] = {}
         self._open: tuple[int, Any] | None = None  # (shard index, open file)
-        self._file_of: dict[str, int] = {}
         self._started: set[int] = set()
-
-    @property
-    def sharded(self) -> bool:
-        return self.max_shard_size is not None
-
-    @property
-    def splittable(self) -> bool:
-        return self.sharded
-
-    def writes(self, spec: TensorSpec) -> bool:
-        return self.share[1] == 1 or self.mine(self._file_of[spec.key], len(self._shards))  # (shards are planned at begin)
 
     def order(self, specs: list[TensorSpec]) -> list[TensorSpec]:
         # Larger elements first: every tensor then starts at an offset aligned to its element size.
@@ -333,19 +322,13 @@ class SafetensorsSink(Sink):
             self._metadata[META_OBJECTS] = json.dumps({k: encoded[k] for k in kept})
         if any(tuple(p) != (k,) for k, p in paths.items()) or encoded:
             self._metadata[META_PATHS] = json.dumps(paths)
-        self._shards = group(tensors, lambda spec: spec.nbytes, self.max_shard_size)
-        for i, shard in enumerate(self._shards):
-            for spec in shard:
-                self._file_of[spec.key] = i
+        self.plan_shards(tensors)
         if self.sharded:
             self.tmp.makedirs()
         self.total_size = sum(s.nbytes for s in tensors)
 
-    def _shard_name(self, i: int) -> str:
-        return shard_name("model", ".safetensors", i, len(self._shards))
-
     def _shard_loc(self, i: int) -> Location:
-        return self.tmp.child(self._shard_name(i)) if self.sharded else self.tmp
+        return self.tmp.child(self.shard_file(i)) if self.sharded else self.tmp
 
     def _start_file(self, i: int) -> None:
         header: dict[str, Any] = {"__metadata__": self._metadata}
@@ -361,7 +344,7 @@ class SafetensorsSink(Sink):
         self._open = (i, f)
 
     def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
-        i = self._file_of[spec.key]
+        i = self._shard_of[spec.key]
         if self._open is None or self._open[0] != i:
             self._started.add(i)
             self._start_file(i)  # shards are written in order: the previous one is complete
@@ -376,7 +359,7 @@ class SafetensorsSink(Sink):
 
     def complete(self) -> None:
         if self.sharded:  # the index, written last, is what makes a sharded output complete
-            weight_map = {spec.key: self._shard_name(i) for i, shard in enumerate(self._shards) for spec in shard}
+            weight_map = {spec.key: self.shard_file(i) for i, shard in enumerate(self._shards) for spec in shard}
             self.tmp.child(INDEX_FILE).write_bytes(index_bytes(self.total_size, weight_map))
 
 

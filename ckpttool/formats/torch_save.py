@@ -25,7 +25,7 @@ from ..safe_dtensor import DTensorRef
 from ..safe_pickle import TensorRef
 from ..storage import Location
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, split, stream_tensor
-from .hf_index import group, index_bytes, read_weight_map, shard_files, shard_name
+from .hf_index import ShardedOutput, index_bytes, read_weight_map, shard_files
 from .torchzip import ArchiveWriter, StoredStorage, check_ref, read_archive, read_tensor_box, span_bytes
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -184,40 +184,28 @@ class TorchSaveSource(Source):
             p.close()
 
 
-class TorchSaveSink(Sink):
+class TorchSaveSink(ShardedOutput, Sink):
     """One file, or with ``max_shard_size`` an HF-sharded directory: ``pytorch_model-0000k-of-0000n.bin``
     files (each a ``torch.save`` of its tensors, the first also holding the non-tensor entries) and
     ``pytorch_model.bin.index.json``, written last."""
 
     format = "torch"
+    STEM, SUFFIX = "pytorch_model", ".bin"
 
     def __init__(self, location: Location, max_shard_size: int | None = None):
         super().__init__(location)
         self.max_shard_size = max_shard_size
         self._writer: ArchiveWriter | None = None
-        self._shards: list[list[TensorSpec]] = []
-        self._shard_of: dict[str, int] = {}
+        self.plan_shards([])
         self._open = -1  # the shard being written
         self._flat: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
         self._objects: dict[str, Any] = {}
         self._started: set[int] = set()
 
-    @property
-    def sharded(self) -> bool:
-        return self.max_shard_size is not None
-
-    @property
-    def splittable(self) -> bool:
-        return self.sharded
-
-    def writes(self, spec: TensorSpec) -> bool:
-        return self.share[1] == 1 or self.mine(self._shard_of[spec.key], len(self._shards))  # (shards are planned at begin)
-
     def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         tensors, objects = split(entries)
-        self._shards = group(tensors, lambda spec: spec.nbytes, self.max_shard_size)
-        self._shard_of = {spec.key: i for i, shard in enumerate(self._shards) for spec in shard}
+        self.plan_shards(tensors)
         for spec in entries:  # the pickled dict keeps the source's key order
             self._flat[spec.key] = spec.value if isinstance(spec, ObjectSpec) else None
             self._paths[spec.key] = tuple(spec.path)
@@ -227,13 +215,10 @@ class TorchSaveSink(Sink):
         else:
             self._start(0)
 
-    def _name(self, i: int) -> str:
-        return shard_name("pytorch_model", ".bin", i, len(self._shards))
-
     def _start(self, i: int) -> None:
         """Finish the shard being written (its pickle names what it holds) and open shard ``i``."""
         self._finish_open()
-        f: IO[bytes] = self.next_file(self.tmp.child(self._name(i)) if self.sharded else self.tmp)
+        f: IO[bytes] = self.next_file(self.tmp.child(self.shard_file(i)) if self.sharded else self.tmp)
         self._writer = self.enter(ArchiveWriter(f, name="archive"))
         self._open = i
         self._started.add(i)
@@ -268,7 +253,7 @@ class TorchSaveSink(Sink):
 
     def complete(self) -> None:
         if self.sharded:  # the index, written last, is what makes a sharded output complete
-            weight_map = {spec.key: self._name(i) for i, shard in enumerate(self._shards) for spec in shard}
+            weight_map = {spec.key: self.shard_file(i) for i, shard in enumerate(self._shards) for spec in shard}
             total = sum(spec.nbytes for shard in self._shards for spec in shard)
             self.tmp.child(INDEX_FILE).write_bytes(index_bytes(total, weight_map))
 
