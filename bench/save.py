@@ -90,6 +90,11 @@ SYNC_METHODS = ("dcp_save", "ckpt_sync")  # done when save() returns: their extr
 
 #: the timeline's name for the training thread's waits for a background copy (Stager.fence)
 FENCE = "fence: optimizer step waits for the copy (Stager.fence)"
+#: Checkpointer.on_phase's names -> the labels of this benchmark's timeline (its JSON and the page)
+PHASE_LABELS = {"state": "get_state_dict (training_state)", "stage": "stage copy into host buffers (Stager.stage)",
+                "fence": FENCE, "prepare": "prepare step dir (broadcast)", "write": "write this rank's part (write_rank)",
+                "commit": "commit (wait for indexes, .metadata, record, rename)", "sync save": "sync save (all)",
+                "wait": "wait()"}
 
 
 class Timeline:
@@ -118,6 +123,11 @@ class Timeline:
 
         return timed
 
+    def record(self, name: str, start: float, end: float) -> None:
+        """One phase that ended, in the calling thread (a Checkpointer's on_phase callback)."""
+        with self.lock:
+            self.events.append((name, start - self.t0, end - self.t0, threading.current_thread().name))
+
     def rows(self) -> list[list[Any]]:
         return [[n, round(s, 4), round(e, 4), round(e - s, 4), t] for n, s, e, t in sorted(self.events, key=lambda x: x[1])]
 
@@ -131,7 +141,6 @@ def rank_case(args) -> None:
     from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    import ckpttool.checkpointer as ckmod
     from ckpttool import Checkpointer
     from ckpttool.trainer.model import ModelConfig, build_fsdp_model, local_batch
     from _dist import make_mesh, state_nbytes
@@ -175,25 +184,16 @@ def rank_case(args) -> None:
     if method == "dcp_async":
         pg = dist.new_group(backend="gloo")  # set-up, as a job would do once
     if method.startswith("ckpt_"):
-        ck = Checkpointer(root, async_save=(method == "ckpt_async"))
-        # Where ckpttool's time goes: wrap its phases (main thread: blocking; writer thread: background).
-        ckmod.training_state = tl.wrap("get_state_dict (training_state)", ckmod.training_state)
-        ck._stager.stage = tl.wrap("stage copy into host buffers (Stager.stage)", ck._stager.stage)
-        ck._stager.fence = tl.wrap(FENCE, ck._stager.fence)  # the optimizer pre-step hook's wait for the copy
-        ck._prepare_step_dir = tl.wrap("prepare step dir (broadcast)", ck._prepare_step_dir)
-        ck._write_own = tl.wrap("write this rank's part (write_rank)", ck._write_own)
-        ck._commit_own = tl.wrap("commit (wait for indexes, .metadata, record, rename)", ck._commit_own)
-        ck._save_own_sync = tl.wrap("sync save (all)", ck._save_own_sync)
-        ck.wait = tl.wrap("wait()", ck.wait)
-        if method == "ckpt_async":
-            orig = ck._background
+        # Where ckpttool's time goes: its phases, as its on_phase seam reports them (main thread:
+        # blocking; writer thread: background); "done" is the moment the writer thread finished
+        # (rank 0: committed).
+        def on_phase(name: str, start: float, end: float) -> None:
+            if name == "done":
+                done_at.append(end)
+            else:
+                tl.record(PHASE_LABELS[name], start, end)
 
-            def committed(*a, **k):  # the moment the writer thread is done (rank 0: committed)
-                r = orig(*a, **k)
-                done_at.append(time.perf_counter())
-                return r
-
-            ck._background = committed
+        ck = Checkpointer(root, async_save=(method == "ckpt_async"), on_phase=on_phase)
 
     def dcp_dir(step: int) -> str:
         return os.path.join(root, f"dcp-step-{step}")
@@ -264,7 +264,7 @@ def rank_case(args) -> None:
 
     def running() -> bool:
         if method == "ckpt_async":
-            return ck._pending is not None and ck._pending.is_alive()
+            return ck.saving
         if method == "dcp_async":
             return not fut.done()
         return False  # sync: the save is done when save() returns

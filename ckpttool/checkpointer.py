@@ -20,10 +20,11 @@ import errno
 import logging
 import os
 import threading
+import time
 import weakref
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -48,6 +49,13 @@ from .steps import COMMIT_FILE, commit_record, list_root, parse_step, read_commi
 from .storage import Location, resolve
 
 log = logging.getLogger("ckpttool")
+T = TypeVar("T")
+
+#: the phases ``Checkpointer(on_phase=...)`` reports: getting the state dict, staging (the async
+#: copy into host buffers), the fence (an optimizer step waiting for that copy), preparing the
+#: step's directory, writing this rank's part, the commit (rank 0), a whole sync save, wait(),
+#: and "done" (start = end: the moment an async save's background thread finished)
+PHASES = ("state", "stage", "fence", "prepare", "write", "commit", "sync save", "wait", "done")
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class Checkpointer:
         lease_stale_after: float = 600.0,
         compress: str | None = None,
         on_commit: Callable[[int, str], None] | None = None,
+        on_phase: Callable[[str, float, float], None] | None = None,
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
@@ -98,6 +107,9 @@ class Checkpointer:
         self._stager = Stager(lambda: dist.pause_point("stage-copy"))  # host buffers of async saves, reused while shapes hold
         self._fences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its pre-step hook
         self.on_commit = on_commit  # rank 0, once a step is committed: on_commit(step, its URL) (a save's background thread for async saves)
+        # on_phase(name, start, end) after each phase of a save (time.perf_counter(), in the thread
+        # that ran it): where the time of a save goes, for benchmarks and logs (PHASES)
+        self.on_phase = on_phase
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -171,13 +183,13 @@ class Checkpointer:
         error = dist.first_error(error)
         if error is not None:
             raise error
-        state = training_state(model, optimizer, extra)
+        state = self._timed("state", training_state, model, optimizer, extra)
         final = self.root.child(step_name(step))
-        tmp = self._prepare_step_dir(step, final)
+        tmp = self._timed("prepare", self._prepare_step_dir, step, final)
         own = dcp_format.supports(state)  # else DCP's own writer, which needs the process group
         if blocking:
             if own:
-                self._save_own_sync(state, step, tmp, final)
+                self._timed("sync save", self._save_own_sync, state, step, tmp, final)
             else:
                 self._write_and_commit_dcp(state, step, tmp, final, group=None)
             return final.url
@@ -191,10 +203,11 @@ class Checkpointer:
             # a forward may change module buffers in place: copied at the call, found by the address
             # of what is copied (a DTensor's own data_ptr() is 0: its local tensor's)
             buffers = {local_shard_box(b)[0].data_ptr() for b in model.buffers()}
-            staged = self._stager.stage(state, dist.rank(), dcp_format.stores, in_order=buffers, background=optimizer is not None)
+            staged = self._timed("stage", self._stager.stage, state, dist.rank(), dcp_format.stores, in_order=buffers,
+                                 background=optimizer is not None)
             if optimizer is not None and optimizer not in self._fences:
                 # the snapshot is fenced before the next step may change what is being copied
-                self._fences[optimizer] = optimizer.register_step_pre_hook(lambda *_: self._stager.fence())
+                self._fences[optimizer] = optimizer.register_step_pre_hook(lambda *_: self._timed("fence", self._stager.fence))
         else:
             staged = self._staged = _stage(state, self._staged)
         dist.pause_point("after-stage")
@@ -208,17 +221,37 @@ class Checkpointer:
         try:
             if own:
                 self._stager.wait()  # the copies are in host memory (CUDA: issued on a side stream)
-                self._write_own(staged, tmp, rank)
+                self._timed("write", self._write_own, staged, tmp, rank)
                 if rank == 0:
-                    self._commit_own(step, tmp, final, world_size)
+                    self._timed("commit", self._commit_own, step, tmp, final, world_size)
             else:
                 self._write_and_commit_dcp(staged, step, tmp, final, group=self._group)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
             self._pending_error = exc
+        finally:
+            now = time.perf_counter()
+            self._phase("done", now, now)  # the background save is over (rank 0: committed, or failed)
 
     def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
-        dist.agreed(lambda: self._write_own(state, tmp, dist.rank()))
-        dist.agreed(lambda: self._commit_own(step, tmp, final, dist.world_size()), rank0_only=True)
+        dist.agreed(lambda: self._timed("write", self._write_own, state, tmp, dist.rank()))
+        dist.agreed(lambda: self._timed("commit", self._commit_own, step, tmp, final, dist.world_size()), rank0_only=True)
+
+    def _timed(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, reported to ``on_phase`` as phase ``name`` (when set)."""
+        if self.on_phase is None:
+            return fn(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._phase(name, start, time.perf_counter())
+
+    def _phase(self, name: str, start: float, end: float) -> None:
+        if self.on_phase is not None:
+            try:
+                self.on_phase(name, start, end)
+            except Exception:  # noqa: BLE001 - a caller's callback must not fail a save
+                log.exception("on_phase callback failed for phase %s", name)
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int) -> None:
         try:
@@ -259,10 +292,21 @@ class Checkpointer:
         error, self._pending_error = self._pending_error, None
         return error
 
+    @property
+    def saving(self) -> bool:
+        """Whether this rank's async save is still being written (its background thread runs)."""
+        return self._pending is not None and self._pending.is_alive()
+
+    @property
+    def staging(self) -> Stager:
+        """The host buffers of this Checkpointer's async saves (``.buffers``) and whether a
+        background copy is in flight (``.copying``): read them, do not change them."""
+        return self._stager
+
     def wait(self) -> None:
         """Block until this rank's pending background save is done (on rank 0: committed); raise
         its error if it failed."""
-        error = self._join_pending()
+        error = self._timed("wait", self._join_pending)
         if error is not None:
             raise error
 
@@ -357,7 +401,7 @@ class Checkpointer:
         :class:`MismatchError` when the checkpoint does not fit the model, and with ``verify`` (the
         default) :class:`ChecksumError` when a record read does not match its checksum.
         """
-        self._stager.fence()  # a pending async save's copy reads the tensors this load overwrites
+        self._timed("fence", self._stager.fence)  # a pending async save's copy reads the tensors this load overwrites
         self._check_root()
         listing = list_root(self.root)
         committed = listing.committed

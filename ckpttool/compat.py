@@ -53,7 +53,7 @@ def local_shard_box(value: torch.Tensor) -> tuple[torch.Tensor, Box]:
 
 
 @functools.cache
-def _storage_info_class() -> type:
+def storage_info_class() -> type:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo
@@ -61,14 +61,14 @@ def _storage_info_class() -> type:
 @functools.cache
 def has_record_transforms() -> bool:
     """Whether this torch's DCP reads and writes per-record transforms (zstd): torch >= 2.7."""
-    return "transform_descriptors" in {f.name for f in dataclasses.fields(_storage_info_class())}
+    return "transform_descriptors" in {f.name for f in dataclasses.fields(storage_info_class())}
 
 
 def storage_info(file: str, offset: int, length: int, transforms: list[str] | None = None) -> Any:
     """DCP's storage entry of one record; the transform field only when set (torch's own
     ``__getstate__`` leaves it out of the pickle when it is None; compression is refused before
     anything is written where torch has no such field: ``transforms.check_compress``)."""
-    cls = _storage_info_class()
+    cls = storage_info_class()
     if not transforms:
         return cls(file, offset, length)
     return cls(file, offset, length, transform_descriptors=list(transforms))

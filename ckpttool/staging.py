@@ -131,6 +131,12 @@ class Stager:
             self.buffers[key] = buf
         return buf
 
+    @property
+    def copying(self) -> bool:
+        """Whether a background copy is running (the next optimizer step, a load, the next save or
+        ``wait`` waits for it)."""
+        return self._copier is not None and self._copier.is_alive()
+
     def fence(self) -> None:
         """Order what comes next after the copies in flight (an optimizer pre-step hook, and
         anything else of ckpttool's that changes the state in place): on CUDA the training stream

@@ -237,3 +237,25 @@ def test_on_commit_is_told_each_committed_step_and_cannot_undo_one(tmp_path, cap
     with caplog.at_level(logging.ERROR, logger="ckpttool"):
         ckpt.save(3, model)
     assert ckpt.steps() == [1, 2, 3] and "on_commit callback failed for step 3" in caplog.text
+
+
+def test_on_phase_reports_where_a_save_goes(tmp_path):
+    """The public seam benchmarks time saves through: each phase once per call, in order, with
+    its thread; an async save's background phases and its end ("done") in the writer thread."""
+    import threading
+
+    from ckpttool.checkpointer import PHASES
+
+    seen = []
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(tmp_path / "run", on_phase=lambda name, s, e: seen.append((name, e >= s, threading.current_thread().name)))
+    ckpt.save(1, model, optimizer)
+    assert [n for n, _, _ in seen] == ["state", "prepare", "write", "commit", "sync save"] and all(ok for _, ok, _ in seen)
+    seen.clear()
+    ckpt.save(2, model, optimizer, blocking=False)
+    ckpt.wait()
+    names = [n for n, _, _ in seen]
+    assert names[:3] == ["state", "prepare", "stage"] and {"write", "commit", "done", "wait"} <= set(names)
+    assert {t for n, _, t in seen if n in ("write", "commit", "done")} == {"ckpttool-save-2"}
+    assert set(names) <= set(PHASES) and ckpt.saving is False

@@ -32,7 +32,7 @@ def moved(name: str, use: str) -> str:
 
 
 def test_storage_info_is_a_dataclass_with_path_offset_length():
-    cls = compat._storage_info_class()
+    cls = compat.storage_info_class()
     fields = [f.name for f in dataclasses.fields(cls)]
     assert fields[:3] == ["relative_path", "offset", "length"], moved(
         "torch.distributed.checkpoint.filesystem._StorageInfo", "each record's entry in the .metadata ckpttool writes")
@@ -102,25 +102,25 @@ def test_the_torch_save_format_names_still_resolve():
         "torch.save's pickle", "reading .pt files (the allow-list names _rebuild_tensor_v2)")
 
 
-def test_dtensor_chunk_list_dunder():
-    """Rank 1 of 2 (a fake process group: no peers needed) holds rows 2..3 of a 4x3 Shard(0) tensor."""
+def test_dtensor_chunk_list_dunder_and_the_fake_process_group():
+    """Rank 1 of 2 (torch's fake process group, as reshard --to torch-ranks uses it: no peers
+    needed) holds rows 2..3 of a 4x3 Shard(0) tensor."""
     import torch.distributed as tdist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     assert hasattr(DTensor, "__create_chunk_list__"), moved("DTensor.__create_chunk_list__", "each shard's box")
     local, box = compat.local_shard_box(torch.zeros(2, 3))
     assert box == ((0, 0), (2, 3)) and local.shape == (2, 3)
-    tdist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
+    with compat.fake_rank(1, 2):
+        assert tdist.get_rank() == 1 and tdist.get_world_size() == 2, moved(
+            "torch.testing._internal.distributed.fake_pg.FakeStore", "reshard --to torch-ranks")
         mesh = init_device_mesh("cpu", (2,))
         shard = torch.arange(6.0).reshape(2, 3)
         value = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=(4, 3), stride=(3, 1))
         local, box = compat.local_shard_box(value)
         assert box == ((2, 0), (2, 3)) and torch.equal(local, shard), moved("DTensor.__create_chunk_list__", "each shard's box")
-    finally:
-        tdist.destroy_process_group()
+    assert not tdist.is_initialized()
 
 
 def test_ckpttool_writes_the_metadata_every_release_reads(tmp_path, monkeypatch):

@@ -76,11 +76,11 @@ def held_copy(monkeypatch):
 def test_host_buffers_are_reused_and_the_snapshot_is_exact_when_training_goes_on_at_once(tmp_path):
     with _async_run(tmp_path) as (root, model, optimizer, ckpt):
         expected1 = _snapshot_and_save(ckpt, 1, model, optimizer)
-        first = {k: b.data_ptr() for k, b in ckpt._stager.buffers.items()}
+        first = {k: b.data_ptr() for k, b in ckpt.staging.buffers.items()}
         _step(model, optimizer)  # at once: forward (BatchNorm statistics), backward, step
         _step(model, optimizer)
         expected2 = _snapshot_and_save(ckpt, 2, model, optimizer)
-        second = {k: b.data_ptr() for k, b in ckpt._stager.buffers.items()}
+        second = {k: b.data_ptr() for k, b in ckpt.staging.buffers.items()}
         _step(model, optimizer)
     assert first == second and len(first) >= 8  # the same host memory, every tensor
     _assert_same(_loaded(root, 1), expected1)
@@ -98,7 +98,7 @@ def test_cuda_staging_is_pinned_host_memory_never_a_second_device_copy(tmp_path)
         ckpt.save(1, model, optimizer)
         during = torch.cuda.memory_allocated()
         assert during - before < state_bytes // 2  # no copy of the state on the device
-        assert all(b.is_pinned() and b.device.type == "cpu" for b in ckpt._stager.buffers.values())
+        assert all(b.is_pinned() and b.device.type == "cpu" for b in ckpt.staging.buffers.values())
         _step(model, optimizer, "cuda")  # the pre-step fence orders the step after the copies
     _assert_same(_loaded(root, 1, "cuda"), expected)
 
@@ -110,17 +110,16 @@ def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, 
     real_fence = Stager.fence
 
     def fence(self):
-        if self._copier is not None:
+        if self.copying:
             held_copy.set()  # only a fence with a copy in flight gets here: the step's pre-hook
         real_fence(self)
 
     monkeypatch.setattr(Stager, "fence", fence)
     with _async_run(tmp_path) as (root, model, optimizer, ckpt):
         expected = _snapshot_and_save(ckpt, 1, model, optimizer)
-        copier = ckpt._stager._copier
-        assert copier is not None and copier.is_alive()  # save() did not wait for the copy
+        assert ckpt.staging.copying  # save() did not wait for the copy
         _step(model, optimizer)  # at once: the step must wait for the copy
-        assert not copier.is_alive()
+        assert not ckpt.staging.copying
     _assert_same(_loaded(root, 1), expected)
 
 
@@ -163,7 +162,7 @@ def test_dtensor_buffers_are_copied_at_the_call(tmp_path, one_rank_mesh, held_co
     with Checkpointer(str(tmp_path / "run"), async_save=True) as ckpt:
         seen = model.seen.to_local().clone()
         ckpt.save(1, model, optimizer)
-        assert ckpt._stager._copier.is_alive()  # the parameters' copy is held back
+        assert ckpt.staging.copying  # the parameters' copy is held back
         model(torch.ones(4, 8))  # a forward before the next step: the buffer changes in place
         assert not torch.equal(model.seen.to_local(), seen)
         held_copy.set()
