@@ -11,7 +11,7 @@ nested dict, and memory holds one slab at a time.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import torch
@@ -278,6 +278,33 @@ def check_record(part: TorchFile, ref: TensorRef, key: str, report: Report, chec
         report.add("tensor extends past its storage record", part.location.url, key)
 
 
+def check_tensor_records(index: Index, report: Report, only: str | None, progress: Progress | None,
+                         records: Callable[[str, TensorEntry], list[tuple[TorchFile, TensorRef]]],
+                         before: Callable[[str, TensorEntry], None] | None = None) -> None:
+    """verify's pass over the tensors of torch.save archives (one file, or a per-rank folder's):
+    ``before(key, entry)`` first (a folder checks the shards' tiling), then :func:`check_record` for
+    each (archive, tensor) ``records(key, entry)`` names; objects are counted (their pickles were
+    read, through the allow-list, when the source was opened)."""
+    buf = new_block()
+    checked: set[tuple[str, str]] = set()
+    keys = index.under(only)
+    total = sum(index[k].nbytes for k in keys if isinstance(index[k], TensorEntry))
+    done = 0
+    for key in keys:
+        entry = index[key]
+        if not isinstance(entry, TensorEntry):
+            report.objects_checked += 1
+            continue
+        if before is not None:
+            before(key, entry)
+        for part, ref in records(key, entry):
+            check_record(part, ref, key, report, checked, buf)
+        report.checked_tensor(entry.nbytes)
+        done += entry.nbytes
+        if progress:
+            progress(done, total, key)
+
+
 class TorchSaveFormat(Format):
     name = "torch"
     checksums = True  # the zip's CRC-32 of every storage record
@@ -308,22 +335,8 @@ class TorchSaveFormat(Format):
     def check_integrity(self, source: TorchSaveSource, report: Report, only: str | None, progress: Progress | None) -> None:
         """The zip's CRC-32 of every storage record the entries use, each tensor inside its record,
         and for a sharded directory the index agreeing with the files."""
-        buf = new_block()
-        checked: set[str] = set()
         index = source.index()
-        keys = index.under(only)
-        total = sum(index[k].nbytes for k in keys if isinstance(index[k], TensorEntry))
-        done = 0
-        for key in keys:
-            entry = index[key]
-            if not isinstance(entry, TensorEntry):
-                report.objects_checked += 1
-                continue
-            check_record(source.part(key), entry.chunks[0].location, key, report, checked, buf)
-            report.checked_tensor(entry.nbytes)
-            done += entry.nbytes
-            if progress:
-                progress(done, total, key)
+        check_tensor_records(index, report, only, progress, lambda key, entry: [(source.part(key), entry.chunks[0].location)])
         name = _index_name(source.location.listdir()) if source.location.isdir() else None
         if name is not None:
             index_loc = source.location.child(name)
