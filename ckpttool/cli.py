@@ -280,28 +280,39 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
       ckpttool convert full.pt restored-dcp/
       ckpttool convert runs/exp1/step-100 hf/ --to safetensors --only model --max-shard-size 5GB --nproc 4
     """
-    from .parallel import workers
     from .commands import convert as run_convert
 
     _spread(ctx, nproc, dst, storage_options)
-    progress = Progress("convert", not _quiet(ctx) and not as_json and _speaks())
-    try:
-        with workers() as many:
-            report = run_convert(src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size, compress=compress,
-                                 memory_budget=memory_budget, force=force, storage_options=_storage_options(storage_options),
-                                 progress=progress, parallel=many)
-    finally:
-        progress.close()
-    if not _speaks():
-        return
-    if as_json:
-        _emit_json(report.__dict__)
+    report = _write(ctx, "convert", as_json, lambda progress, many: run_convert(
+        src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size, compress=compress, memory_budget=memory_budget,
+        force=force, storage_options=_storage_options(storage_options), progress=progress, parallel=many))
+    if report is None:
         return
     click.echo(f"wrote {report.dst} ({report.dst_format}): {report.tensors} tensors, {_human(report.bytes)}, {report.objects} objects")
     if report.dropped:
         click.echo(f"dropped {len(report.dropped)} non-tensor entries that {report.dst_format} cannot hold: {', '.join(report.dropped)}", err=True)
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
+
+
+def _write(ctx: click.Context, what: str, as_json: bool, run: Any) -> Any:
+    """Run a command that writes a checkpoint (``run(progress, parallel)``) with its progress line
+    and its workers; returns the report to render as text, or None once it is printed as JSON (or
+    when this worker is not the one that speaks)."""
+    from .parallel import workers
+
+    progress = Progress(what, not _quiet(ctx) and not as_json and _speaks())
+    try:
+        with workers() as many:
+            report = run(progress, many)
+    finally:
+        progress.close()
+    if not _speaks():
+        return None
+    if as_json:
+        _emit_json(report.__dict__)
+        return None
+    return report
 
 
 def _suffix_help() -> str:
@@ -371,23 +382,14 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
       ckpttool reshard ckpt-dir-of-rank-files ranks-w3 --world-size 3 --to torch-ranks
       torchrun --nnodes 4 --nproc_per_node 8 ... -m ckpttool reshard s3://b/step-100 s3://b/w1024 --world-size 1024
     """
-    from .parallel import workers
     from .commands import reshard as run_reshard
 
     _spread(ctx, nproc, dst, storage_options)
-    progress = Progress("reshard", not _quiet(ctx) and not as_json and _speaks())
-    try:
-        with workers() as many:
-            report = run_reshard(src, dst, world_size=world_size, mesh=mesh, tp_colwise=tp_colwise, tp_rowwise=tp_rowwise,
-                                 like=like, only=only, parallel=many, compress=compress, to=to,
-                                 memory_budget=memory_budget, force=force, storage_options=_storage_options(storage_options),
-                                 progress=progress)
-    finally:
-        progress.close()
-    if not _speaks():
-        return
-    if as_json:
-        _emit_json(report.__dict__)
+    report = _write(ctx, "reshard", as_json, lambda progress, many: run_reshard(
+        src, dst, world_size=world_size, mesh=mesh, tp_colwise=tp_colwise, tp_rowwise=tp_rowwise, like=like, only=only,
+        parallel=many, compress=compress, to=to, memory_budget=memory_budget, force=force,
+        storage_options=_storage_options(storage_options), progress=progress))
+    if report is None:
         return
     click.echo(f"wrote {report.dst}: {report.tensors} tensors, {_human(report.bytes)} for {report.world_size} ranks "
                f"({'' if report.mesh.startswith('like ') else 'mesh '}{report.mesh}; source had {report.source_world_size})")
