@@ -175,7 +175,10 @@ class _Backend(ABC):
         return False
 
 
-class _LocalDisk(_Backend):
+class LocalDisk(_Backend):
+    """The local filesystem through os: positioned reads into caller buffers, fsync before a commit
+    (public for tests that slow or fail its writes)."""
+
     commit = RenameCommit()
     batch_reads = False
 
@@ -311,7 +314,7 @@ def _sync_file_range() -> Any:
     return fn
 
 
-_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
+SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
 WRITEBACK_WINDOW = 64 << 20
 
@@ -332,13 +335,13 @@ class _WritebackFile(io.FileIO):
 
     def write(self, data: Any) -> int:
         n = super().write(data)
-        if _SYNC_FILE_RANGE is not None and n:
+        if SYNC_FILE_RANGE is not None and n:
             end = self.tell()
             if end - self._started >= WRITEBACK_WINDOW:
                 fd = self.fileno()
                 if self._started > self._waited:
-                    _SYNC_FILE_RANGE(fd, self._waited, self._started - self._waited, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
-                _SYNC_FILE_RANGE(fd, self._started, end - self._started, _WRITE)
+                    SYNC_FILE_RANGE(fd, self._waited, self._started - self._waited, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
+                SYNC_FILE_RANGE(fd, self._started, end - self._started, _WRITE)
                 self._waited, self._started = self._started, end
         return n
 
@@ -779,7 +782,7 @@ class BytesReader:
         pass
 
 
-_LOCAL = _LocalDisk()
+_LOCAL = LocalDisk()
 
 
 def resolve(url: str | os.PathLike | Location, storage_options: dict[str, Any] | None = None) -> Location:

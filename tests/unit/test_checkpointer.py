@@ -184,9 +184,9 @@ def test_rank_0_never_reads_a_half_written_rank_index(tmp_path, monkeypatch):
     from contextlib import contextmanager
 
     from ckpttool.formats.dcp import save as save_mod
-    from ckpttool.storage import _LocalDisk, resolve
+    from ckpttool.storage import LocalDisk, resolve
 
-    real_open_write = _LocalDisk.open_write
+    real_open_write = LocalDisk.open_write
 
     class _Slow:
         def __init__(self, f):
@@ -206,7 +206,7 @@ def test_rank_0_never_reads_a_half_written_rank_index(tmp_path, monkeypatch):
         with real_open_write(self, path) as f:
             yield _Slow(f)
 
-    monkeypatch.setattr(_LocalDisk, "open_write", slow_open_write)
+    monkeypatch.setattr(LocalDisk, "open_write", slow_open_write)
     step = resolve(str(tmp_path / "step"))
     step.makedirs()
     index = save_mod.RankIndex(rank=0, file="__0_0.distcp", objects={"step": [0, 10]}, records=[[0, 10, "x"]])
