@@ -285,8 +285,8 @@ class _AllowListUnpickler(pickle.Unpickler):
             f"refused to unpickle global '{module}.{name}': the file holds a {name} value, which is not plain "
             "checkpoint data (tensors, DTensors, numbers, strings, containers, numpy arrays)",
             where=self._source,
-            hint="nothing from the file was run; if you trust the file, read it with "
-            "torch.load(path, weights_only=False) and save the value as plain data",
+            hint="nothing from the file was run; if you trust the file, plain torch reads it (torch.load "
+            "with weights_only=False): save the value as plain data",
         )
 
 

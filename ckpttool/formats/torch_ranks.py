@@ -79,6 +79,7 @@ class RanksSource(Source):
         self._verify = verify
         self._files: dict[str, TorchFile] = {}
         self._placements: dict[str, str] = {}  # key -> how its DTensor was laid out (for inspect)
+        self._tiled: set[str] = set()  # keys whose boxes were checked to tile the tensor
         try:
             self._index = self._read()
         except BaseException:
@@ -286,9 +287,16 @@ class RanksSource(Source):
         """The open archive of one file of the folder."""
         return self._files[name]
 
+    def checked_entry(self, key: str) -> TensorEntry:
+        """The entry of ``key`` once its boxes are known to tile it (a gap would be uninitialised
+        memory in an output or a load); checked once, not at every slab."""
+        if key not in self._tiled:
+            super().checked_entry(key)
+            self._tiled.add(key)
+        return self.entry(key, TensorEntry)
+
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        entry = self.entry(key, TensorEntry)
-        entry.check_coverage(self.location.url)  # a gap would be uninitialised memory in the output
+        entry = self.checked_entry(key)
         box = box if box is not None else whole(entry.shape)
         if out is None:
             out = torch.empty(box[1], dtype=entry.dtype)
