@@ -111,7 +111,11 @@ class RanksSource(Source):
             if m and m["name"] not in trees and self.location.child(name).isfile():
                 part = self._open(name)
                 obj = part.archive.obj
-                trees[m["name"]] = (obj if isinstance(obj, Mapping) else {"value": obj}, {}, name)
+                obj = obj if isinstance(obj, Mapping) else {"value": obj}
+                if any(isinstance(v, DTensorRef) for v in flatten(obj, is_tensor=_is_ref)[0].values()):
+                    raise FormatError("holds DTensors but is no <prefix>_rank_<R>.pt file: which rank saved it cannot be told",
+                                      where=part.location.url, hint="name it for its rank, or move it out of the folder")
+                trees[m["name"]] = (obj, {}, name)
         self._map_optimizers(trees)
         idx = Index()
         for top, (obj, chunks, _) in trees.items():

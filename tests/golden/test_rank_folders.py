@@ -216,3 +216,11 @@ def test_reshard_to_a_per_rank_folder_that_a_new_job_loads_with_plain_torch(vari
     shape = tuple(int(n) for n in mesh.split("x")) if mesh else (world,)
     got = run_ranks(load_like_the_guide, world, str(out), variant, shape)[0]
     assert got == EXPECTED[variant]
+
+
+def test_a_stray_file_of_dtensors_is_refused_by_name(tmp_path):
+    path = tmp_path / "guide"
+    shutil.copytree(os.path.join(FOLDERS, "guide"), path)
+    shutil.copy(path / "model_rank_0.pt", path / "ema.pt")  # one rank's DTensors, under no rank's name
+    out = run("inspect", path, code=2)
+    assert "ema.pt" in out and "holds DTensors" in out
