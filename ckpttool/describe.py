@@ -26,7 +26,7 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
                 entries.append({
                     "key": key, "kind": "tensor", "shape": list(entry.shape), "dtype": str(entry.dtype).removeprefix("torch."),
                     "bytes": entry.nbytes, "chunks": len(entry.chunks), "files": files, "path": path,
-                    **({"placement": source.placement(key)} if source.placement(key) else {}),
+                    **({"placement": placed} if (placed := source.placement(key)) else {}),
                 })
             else:
                 value = source.read_object(key)
@@ -45,7 +45,7 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
             "total_bytes": index.tensor_bytes,
             "entries": entries,
             "notes": source.all_notes(),
-            **({"parts": source.describe_parts()} if source.describe_parts() is not None else {}),
+            **({"parts": parts} if (parts := source.describe_parts()) is not None else {}),
         }
 
 

@@ -89,15 +89,18 @@ class Source(ABC):
     def __init__(self, location: Location):
         self.location = location
         self.notes: list[str] = []  # what a reader should know (values it read from one rank, files it did not read)
+        self._tiled: set[str] = set()  # keys whose chunks were checked to tile the tensor
 
     @abstractmethod
     def index(self) -> Index: ...
 
     def checked_entry(self, key: str) -> TensorEntry:
         """The entry of tensor ``key``, once checked to be safe to read: its chunks tile its shape
-        (no gap to leave uninitialised)."""
+        (no gap to leave uninitialised). Checked once per key, not at every slab read."""
         entry = self.entry(key, TensorEntry)
-        entry.check_coverage(self.location.url)
+        if key not in self._tiled:
+            entry.check_coverage(self.location.url)
+            self._tiled.add(key)
         return entry
 
     def describe_parts(self) -> list[dict[str, Any]] | None:

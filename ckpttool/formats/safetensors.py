@@ -175,7 +175,6 @@ class SafetensorsSource(Source):
             raise CorruptCheckpointError(f"cannot decode ckpttool's __metadata__ ({type(exc).__name__}: {exc})",
                                          where=where) from None
         idx = Index()
-        self._checked: set[str] = set()
         sharded = [SHARDING_INFO in f.metadata for f in self.parts]
         if any(sharded) and not location.isdir():
             raise FormatError(f"this file is one rank's part of a distributed checkpoint ({SHARDING_INFO}: written by torch's "
@@ -216,10 +215,7 @@ class SafetensorsSource(Source):
         return self.parts[entry.chunks[chunk_index].location[0]].loc.name
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        entry = self.entry(key, TensorEntry)
-        if key not in self._checked:  # the ranks' shards must tile the tensor: no gap read as memory
-            entry.check_coverage(self.location.url)
-            self._checked.add(key)
+        entry = self.checked_entry(key)  # the ranks' shards must tile the tensor: no gap read as memory
         box = box if box is not None else whole(entry.shape)
         if len(entry.chunks) == 1 and not any(entry.chunks[0].offsets):
             i, begin, _ = entry.chunks[0].location

@@ -79,7 +79,6 @@ class RanksSource(Source):
         self._verify = verify
         self._files: dict[str, TorchFile] = {}
         self._placements: dict[str, str] = {}  # key -> how its DTensor was laid out (for inspect)
-        self._tiled: set[str] = set()  # keys whose boxes were checked to tile the tensor
         try:
             self._index = self._read()
         except BaseException:
@@ -290,14 +289,6 @@ class RanksSource(Source):
     def part(self, name: str) -> TorchFile:
         """The open archive of one file of the folder."""
         return self._files[name]
-
-    def checked_entry(self, key: str) -> TensorEntry:
-        """The entry of ``key`` once its boxes are known to tile it (a gap would be uninitialised
-        memory in an output or a load); checked once, not at every slab."""
-        if key not in self._tiled:
-            super().checked_entry(key)
-            self._tiled.add(key)
-        return self.entry(key, TensorEntry)
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         entry = self.checked_entry(key)
