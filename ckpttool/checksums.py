@@ -14,6 +14,15 @@ import xxhash
 ALGORITHM = "xxh3_64"
 BLOCK = 8 << 20  # bytes read at a time
 
+#: The manifest hashes a record's tensor data in blocks of this many bytes (from the data's first
+#: byte), so a load that needs part of a record reads and checks only the blocks its box touches,
+#: and an incremental save can tell unchanged data from its blocks' hashes. 128 KiB: a box's edges
+#: cost at most two blocks of reading beyond what it needs (a tenth of a 2.5 MiB piece; shards of
+#: the benchmarks' models are 0.7-12 MiB), while the manifest stays at 16 hex digits per block
+#: (128 KB per GB of data) and xxh3's per-call cost stays under 1% of hashing the block.
+HASH_BLOCK = 128 << 10
+DIGEST_CHARS = 16  # hex digits of one xxh3_64 digest
+
 
 def new_hasher() -> Any:
     return xxhash.xxh3_64()
@@ -46,6 +55,49 @@ def scan(reader: Any, offset: int, length: int, buf: memoryview, crc_span: tuple
             crc = zlib.crc32(block[a - start:b - start], crc)
         done += n
     return crc
+
+
+def block_count(nbytes: int, block: int = HASH_BLOCK) -> int:
+    return -(-nbytes // block)
+
+
+def hex64(value: int) -> str:
+    return f"{value:016x}"
+
+
+class BlockHasher:
+    """The manifest's digests of consecutive ``HASH_BLOCK``-byte blocks of a byte stream fed in
+    pieces of any size; :meth:`finish` returns them concatenated (16 hex digits per block)."""
+
+    __slots__ = ("_digests", "_partial", "_fill")
+
+    def __init__(self) -> None:
+        self._digests: list[str] = []
+        self._partial: Any = None
+        self._fill = 0
+
+    def update(self, view: memoryview) -> None:
+        at, n = 0, len(view)
+        while at < n:
+            if self._fill == 0 and n - at >= HASH_BLOCK:  # a whole block in hand: one call
+                self._digests.append(hex64(xxhash.xxh3_64_intdigest(view[at:at + HASH_BLOCK])))
+                at += HASH_BLOCK
+                continue
+            if self._partial is None:
+                self._partial = new_hasher()
+            take = min(HASH_BLOCK - self._fill, n - at)
+            self._partial.update(view[at:at + take])
+            self._fill += take
+            at += take
+            if self._fill == HASH_BLOCK:
+                self._digests.append(self._partial.hexdigest())
+                self._partial, self._fill = None, 0
+
+    def finish(self) -> str:
+        if self._fill:
+            self._digests.append(self._partial.hexdigest())
+            self._partial, self._fill = None, 0
+        return "".join(self._digests)
 
 
 def hash_bytes(data: bytes) -> str:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .checksums import ALGORITHM, new_hasher
+from .checksums import ALGORITHM, DIGEST_CHARS, block_count, new_hasher
 from .errors import CkptError, CorruptCheckpointError
 from .storage import Location
 
@@ -134,14 +134,35 @@ def read_commit_record(step_dir: Location) -> dict | None:
 
 
 def _manifest_ok(manifest: Any) -> bool:
-    def row_ok(row: Any) -> bool:
-        return (isinstance(row, list) and len(row) == 3 and all(isinstance(x, int) and x >= 0 for x in row[:2])
-                and isinstance(row[2], str))
+    """The manifest's shape: rows ``[offset, length, digest]``, a tensor record's with a fourth
+    element ``{"data": [start, bytes], "rest": digest, "blocks": digests}`` whose data lies inside
+    the record and whose block digests are as many as ``block`` bytes of data make."""
+    if not isinstance(manifest, dict):
+        return False
+    block = manifest.get("block")
+    if block is not None and not (isinstance(block, int) and block > 0):
+        return False
 
-    records = manifest.get("records", {}) if isinstance(manifest, dict) else None
-    files = manifest.get("files", {}) if isinstance(manifest, dict) else None
+    def counts(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    def blocks_ok(row: list[Any]) -> bool:
+        extra = row[3]
+        if block is None or not isinstance(extra, dict) or set(extra) != {"data", "rest", "blocks"}:
+            return False
+        data, rest, digests = extra["data"], extra["rest"], extra["blocks"]
+        return (isinstance(data, list) and len(data) == 2 and all(map(counts, data)) and data[0] + data[1] <= row[1]
+                and isinstance(rest, str) and isinstance(digests, str)
+                and len(digests) == DIGEST_CHARS * block_count(data[1], block))
+
+    def row_ok(row: Any) -> bool:
+        return (isinstance(row, list) and len(row) in (3, 4) and all(map(counts, row[:2])) and isinstance(row[2], str)
+                and (len(row) == 3 or blocks_ok(row)))
+
+    records = manifest.get("records", {})
+    files = manifest.get("files", {})
     return (isinstance(records, dict) and all(isinstance(rows, list) and all(map(row_ok, rows)) for rows in records.values())
-            and isinstance(files, dict) and all(row_ok([0, *v]) if isinstance(v, list) else False for v in files.values()))
+            and isinstance(files, dict) and all(isinstance(v, list) and len(v) == 2 and row_ok([0, *v]) for v in files.values()))
 
 
 def retention_victims(committed: list[int], keep_last: int | None, keep_every: int | None = None) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ...checksums import hash_range, new_block, new_hasher, scan
+from ...checksums import DIGEST_CHARS, HASH_BLOCK, block_count, hash_range, new_block, new_hasher, scan
 from ...errors import ChecksumError
 from ...index import Chunk, TensorEntry, dtype_size
 from ...layout import Box, relative
@@ -42,8 +42,8 @@ class RecordSource(Protocol):
     def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk) -> tuple[Any, Any]: ...
     def transformed(self, info: Any) -> bool: ...
 
-#: (file, offset) -> (length, hex digest), from a step's manifest
-Manifest = dict[tuple[str, int], tuple[int, str]]
+#: (file, offset) -> (length, hex digest, the row's block digests or None), from a step's manifest
+Manifest = dict[tuple[str, int], tuple[int, str, Any]]
 
 
 class _Stream:
@@ -78,9 +78,12 @@ class RecordChecks:
         self.in_parts = False  # set by check_in_parts: see the module's docstring
         self._scratch = SlabBuffers(1)
         self._block: memoryview | None = None
+        self.block = HASH_BLOCK
+        self._rest_ok: set[tuple[str, int]] = set()  # records whose bytes around the data were checked
         if manifest:
-            self.rows = {(name, off): (length, digest) for name, rows in manifest.get("records", {}).items()
-                         for off, length, digest in rows}
+            self.block = manifest.get("block") or HASH_BLOCK
+            self.rows = {(name, off): (length, digest, extra[0] if extra else None)
+                         for name, rows in manifest.get("records", {}).items() for off, length, digest, *extra in rows}
             expected = manifest.get("files", {}).get(METADATA_FILE)
             if expected is not None and list(expected) != [source.metadata_size, source.metadata_digest]:
                 raise ChecksumError(f".metadata does not match the manifest written at commit{self.on}",
@@ -172,7 +175,10 @@ class RecordChecks:
         reader = source.record(info, key)[0]
         packed = source.transformed(info)
         item = dtype_size(ref.dtype)
-        if self.straight(key, entry, chunk, part, dst):  # the common case: a rank loads the very shard it saved
+        straight = self.straight(key, entry, chunk, part, dst)
+        if not straight and self.read_blocks(key, entry, chunk, part, dst):
+            return  # only the blocks the part touches were read, and each of them checked
+        if straight:  # the common case: a rank loads the very shard it saved
             data = tensor_buffer(dst)
             reader.readinto(storage.offset, data)
         else:
@@ -196,6 +202,94 @@ class RecordChecks:
             h.update(reader.read(end, info.offset + info.length - end))
             self._compare_digest(key, info, h.hexdigest())
         self._done.add((info.relative_path, info.offset))
+
+    def read_blocks(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> bool:
+        """When the manifest has block digests for ``chunk``'s record (a plain C-order record written
+        by ckpttool): read only the blocks of its data that ``part`` touches (the part's bytes straight
+        into ``dst`` when they are one range and ``dst`` is contiguous CPU memory of the dtype, else the
+        blocks into a scratch buffer), check each block and, once per record, the bytes around the data
+        (headers, pickle), then put ``part`` into ``dst``. Returns whether it did; the record is not
+        marked checked (its other blocks were not read)."""
+        source, info = self.source, chunk.location
+        row = self.rows.get((info.relative_path, info.offset)) if self.rows is not None else None
+        if row is None or row[2] is None or source.transformed(info) or not chunk.sizes:
+            return False
+        ref, storage = source.tensor_record(key, entry, chunk)
+        url = source.file(info.relative_path).url
+        check_ref(ref, storage, f"{url} (key {key!r}, chunk at {list(chunk.offsets)})")
+        item = dtype_size(ref.dtype)
+        data_start, nbytes = row[2]["data"]
+        digests: str = row[2]["blocks"]
+        block = self.block
+        if (row[0] != info.length or info.offset + data_start != storage.offset or nbytes != storage.nbytes
+                or not ref.is_contiguous() or ref.storage_offset != 0 or nbytes != math.prod(chunk.sizes) * item
+                or len(digests) != DIGEST_CHARS * block_count(nbytes, block)):
+            raise ChecksumError(f"record of {key!r} at byte {info.offset} is not laid out as the manifest written at "
+                                f"commit says{self.on}", where=url, hint="the file or its .metadata changed after the save")
+        reader = source.record(info, key)[0]
+        self._check_rest(key, info, reader, storage, row[2]["rest"])
+        rel = relative(part, (chunk.offsets, chunk.sizes))
+        strides = [math.prod(chunk.sizes[i + 1:]) for i in range(len(chunk.sizes))]
+        first = sum(sl.start * st for sl, st in zip(rel, strides))
+        last = sum((sl.stop - 1) * st for sl, st in zip(rel, strides))
+        lo, hi = first * item, (last + 1) * item
+        blo, bhi = lo // block * block, min(-(-hi // block) * block, nbytes)
+        base = storage.offset
+        if hi - lo == dst.numel() * item and _plain(ref, storage, dst, math.prod(chunk.sizes)):
+            # one byte range: read it into dst, and only the rest of its first and last blocks beside it
+            head, body, tail = bytearray(lo - blo), tensor_buffer(dst), bytearray(bhi - hi)
+            reader.readinto(base + blo, memoryview(head))
+            reader.readinto(base + lo, body)
+            reader.readinto(base + hi, memoryview(tail))
+            pieces = [(blo, memoryview(head)), (lo, body), (hi, memoryview(tail))]
+            self._check_blocks(key, chunk, url, pieces, blo, bhi, digests)
+            return True
+        raw = self._scratch.view((bhi - blo,), torch.uint8, 0)
+        data = tensor_buffer(raw)
+        reader.readinto(base + blo, data)
+        self._check_blocks(key, chunk, url, [(blo, data)], blo, bhi, digests)
+        whole = raw[: (bhi - blo) // item * item].view(ref.dtype)
+        dst.copy_(whole.as_strided(part[1], strides, (lo - blo) // item))
+        return True
+
+    def _check_rest(self, key: str, info: Any, reader: Any, storage: Any, expected: str) -> None:
+        """The manifest's digest of a record's bytes around its data (zip headers, pickle), once."""
+        name = (info.relative_path, info.offset)
+        if name in self._rest_ok:
+            return
+        h = new_hasher()
+        h.update(reader.read(info.offset, storage.offset - info.offset))
+        end = storage.offset + storage.nbytes
+        h.update(reader.read(end, info.offset + info.length - end))
+        if h.hexdigest() != expected:
+            raise ChecksumError(f"the headers of the record of {key!r} at byte {info.offset} do not match the manifest's "
+                                f"checksum{self.on}", where=self.source.file(info.relative_path).url,
+                                hint="the bytes changed after the save committed; restore the file or use another step")
+        self._rest_ok.add(name)
+
+    def _check_blocks(self, key: str, chunk: Chunk, url: str, pieces: list[tuple[int, memoryview]], lo: int, hi: int,
+                      digests: str) -> None:
+        """Check the blocks covering data bytes ``[lo, hi)`` (block-aligned, or the data's end),
+        whose bytes are ``pieces``: (data offset, bytes) back to back."""
+        block = self.block
+        at = 0  # index into pieces
+        for k in range(lo // block, -(-hi // block)):
+            a, b = k * block, min((k + 1) * block, hi)
+            h = new_hasher()
+            while a < b:
+                start, view = pieces[at]
+                end = start + len(view)
+                if a >= end:
+                    at += 1
+                    continue
+                take = min(b, end)
+                h.update(view[a - start:take - start])
+                a = take
+            if h.hexdigest() != digests[k * DIGEST_CHARS:(k + 1) * DIGEST_CHARS]:
+                raise ChecksumError(f"tensor data of {key!r} (chunk at {list(chunk.offsets)}), block {k} (data bytes "
+                                    f"{k * block}-{min((k + 1) * block, hi)}), does not match the manifest's checksum{self.on}",
+                                    where=url,
+                                    hint="the bytes changed after the save committed; restore the file or use another step")
 
     def check_object(self, key: str, info: Any) -> None:
         """The manifest's hash of an object's record (its pickle's CRC-32 is checked as it is read)."""

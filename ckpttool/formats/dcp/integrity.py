@@ -128,7 +128,7 @@ def _load_manifest(source: DcpSource, report: Report) -> Manifest | None:
     if expected is not None and list(expected) != [source.metadata_size, source.metadata_digest]:
         report.add(".metadata does not match the manifest written at commit", source.location.child(METADATA_FILE).url,
                    hint="it changed after the save committed; the step cannot be trusted")
-    return {(name, off): (length, digest) for name, rows in manifest.get("records", {}).items() for off, length, digest in rows}
+    return {(name, off): (length, digest) for name, rows in manifest.get("records", {}).items() for off, length, digest, *_ in rows}
 
 
 def _manifest_row(manifest: Manifest | None, info: Any, url: str, key: str, report: Report) -> tuple[int, str] | None:

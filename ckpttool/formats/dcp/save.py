@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...checksums import ALGORITHM, hash_bytes, new_hasher
+from ...checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, new_hasher
 from ...compat import dcp_metadata, dump_metadata, local_shard_box
 from ...errors import CkptError, CorruptCheckpointError, StorageError
 from ...index import ObjPath, dtype_size, flatten
@@ -40,6 +41,7 @@ from .metadata import METADATA_FILE, data_file_name
 from .transforms import record_stream, storage_info
 
 PARTIAL = ".ckpttool-rank-{rank}.json"
+_HEAD_MAX = 64 << 10  # bytes of a record kept until its tensor data begins (a zip entry's header: ~100)
 MAX_PARTIAL_BYTES = 256 << 20
 SLAB = 64 << 20  # bytes of a tensor copied to the host at a time (GPU shards)
 
@@ -96,7 +98,10 @@ def supports(state: dict[str, Any]) -> bool:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only, non-seekable stream over ``out`` that hashes each record as it is written.
+    """A write-only, non-seekable stream over ``out`` that hashes each record as it is written:
+    the whole record, and for a tensor record declared with :meth:`data`, its tensor data in
+    ``HASH_BLOCK`` blocks plus the record's other bytes (headers, pickle, zip directory) apart, so
+    a reader can check any block it reads on its own (see ``checks.py``).
 
     Non-seekable on purpose: zipfile then writes sizes and CRCs in data descriptors after the data
     (as torch's own writer does) instead of seeking back into bytes already hashed.
@@ -106,6 +111,11 @@ class _HashingWriter(io.RawIOBase):
         self._out = out
         self._pos = 0
         self._hasher: Any = None
+        self._start = 0
+        self._data: tuple[int, int] | None = None  # (absolute start, length) of the record's tensor data
+        self._blocks: BlockHasher | None = None
+        self._rest: Any = None
+        self._head = bytearray()
 
     def writable(self) -> bool:
         return True
@@ -121,15 +131,56 @@ class _HashingWriter(io.RawIOBase):
         self._out.write(view)
         if self._hasher is not None:
             self._hasher.update(view)
+            if self._data is not None:
+                self._split(view)
+            elif len(self._head) < _HEAD_MAX:  # a record's header, kept for the rest's digest should data follow
+                self._head += view
         self._pos += view.nbytes
         return view.nbytes
 
+    def _split(self, view: memoryview) -> None:
+        """Feed the data bytes of ``view`` (written at ``self._pos``) to the block hasher, the rest to the rest's."""
+        lo, hi = self._data[0] - self._pos, self._data[0] + self._data[1] - self._pos
+        a, b = max(0, lo), min(view.nbytes, hi)
+        if a >= b:
+            self._rest.update(view)
+            return
+        if a > 0:
+            self._rest.update(view[:a])
+        self._blocks.update(view[a:b])
+        if b < view.nbytes:
+            self._rest.update(view[b:])
+
     def begin(self) -> None:
         self._hasher = new_hasher()
+        self._start = self._pos
+        self._data = self._blocks = self._rest = None
+        self._head = bytearray()
+
+    def data(self, nbytes: int) -> None:
+        """The next ``nbytes`` written are the record's tensor data: hash them in blocks."""
+        if len(self._head) != self._pos - self._start:
+            raise AssertionError("a record's header outgrew what the writer keeps")  # pragma: no cover - a writer bug
+        self._rest = new_hasher()
+        self._rest.update(self._head)
+        self._head = bytearray()
+        self._data = (self._pos, nbytes)
+        self._blocks = BlockHasher()
 
     def digest(self) -> str:
         digest, self._hasher = self._hasher.hexdigest(), None
         return digest
+
+    def row(self, start: int, length: int) -> list[Any]:
+        """The record's manifest row, ended: ``[offset, length, digest]``, and for a tensor record
+        with blocks ``{"data": [start in the record, bytes], "rest": digest, "blocks": digests}``."""
+        data, blocks, rest = self._data, self._blocks, self._rest
+        row: list[Any] = [start, length, self.digest()]
+        if data is not None:
+            row.append({"data": [data[0] - start, data[1]], "rest": rest.hexdigest(), "blocks": blocks.finish()})
+        self._data = self._blocks = self._rest = None
+        self._head = bytearray()
+        return row
 
 
 @dataclass
@@ -172,7 +223,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                     with record_stream(out, compress) as rec:
                         rec.write(buf.getbuffer())
                     index.objects[key] = [start, out.tell() - start]
-                    index.records.append([start, out.tell() - start, out.digest()])
+                    index.records.append(out.row(start, out.tell() - start))
         if rank == 0:
             index.paths = {k: list(p) for k, p in paths.items()}
         if after_write is not None:
@@ -219,6 +270,8 @@ def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[i
     start = out.tell()
     with record_stream(out, index.compress) as rec, ArchiveWriter(rec) as writer:
         placeholder, stream = writer.new_tensor(local.dtype, box[1])
+        if index.compress is None:  # (a compressed record is checked whole: its data is not a byte range of the file)
+            out.data(math.prod(box[1]) * dtype_size(local.dtype))
         with stream:
             for slab in slabs(box[1], dtype_size(local.dtype), SLAB):
                 part = local[relative(slab, ((0,) * len(box[1]), box[1]))]
@@ -226,7 +279,7 @@ def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[i
         writer.finish(placeholder)
     length = out.tell() - start
     entry["chunks"].append([list(box[0]), list(box[1]), start, length])
-    index.records.append([start, length, out.digest()])
+    index.records.append(out.row(start, length))
 
 
 def read_rank_indexes(step_dir: Location, world_size: int, timeout: float) -> list[RankIndex]:
@@ -305,5 +358,5 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
     step_dir.child(METADATA_FILE).write_bytes(raw)
     for index in indexes:
         step_dir.child(partial_name(index.rank)).remove()
-    return {"algorithm": ALGORITHM, "records": {i.file: i.records for i in indexes},
+    return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "records": {i.file: i.records for i in indexes},
             "files": {METADATA_FILE: [len(raw), hash_bytes(raw)]}}
