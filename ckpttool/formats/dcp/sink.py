@@ -33,6 +33,29 @@ from .metadata import METADATA_FILE, data_file_name
 from .transforms import check_compress, record_stream, storage_info
 
 
+class _Appending(io.RawIOBase):
+    """``f`` written front to back only: zipfile then puts each entry's sizes and CRC-32 in a data
+    descriptor after its data (as torch's own writer does) instead of seeking back to patch the
+    entry's header, and each such seek flushed the output's buffer (30 030 seeks in a 1 GB reshard
+    to 4 ranks)."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def write(self, b: Any) -> int:
+        n = self._f.write(b)
+        return len(memoryview(b).cast("B")) if n is None else n
+
+
 class DcpSink(Sink):
     """``layout`` says which rank's file stores which box of each tensor (default: everything
     whole in rank 0's file); objects go to rank 0's file. Files are written one rank after the
@@ -111,7 +134,7 @@ class DcpSink(Sink):
 
     def _add_chunk(self, f: IO[bytes], records: list, spec: TensorSpec, box: Box, read: ReadFn, budget: int) -> None:
         start = f.tell()
-        with record_stream(f, self.compress) as out, ArchiveWriter(out) as writer:
+        with record_stream(_Appending(f), self.compress) as out, ArchiveWriter(out) as writer:
             placeholder, stream = writer.new_tensor(spec.dtype, box[1])
             with stream:
                 stream_tensor(stream.write, spec, read, budget, box)
