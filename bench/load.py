@@ -53,6 +53,12 @@ from _dist import (  # noqa: E402
 )
 
 SCRIPT = os.path.abspath(__file__)
+
+
+def proc_io(field_name: str) -> int:
+    """A counter of ``/proc/self/io`` (``rchar``: bytes this process's read calls returned)."""
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field_name + ":"))
 SAVED_ON = "2"
 
 
@@ -114,10 +120,12 @@ def rank_case(args) -> None:
         recool(phase)
         dist.barrier()
         rss0 = reset_peak_rss()
+        read0 = proc_io("rchar")
         t0 = time.perf_counter()
         res = ck.load(model, optimizer)
         dist.barrier()
         load_s = time.perf_counter() - t0
+        load_read = proc_io("rchar") - read0
         load_hwm = proc_status("VmHWM") or 0
 
         verify_dropped = recool(phase)  # the load just read every byte: drop it again, so verify reads cold too
@@ -133,7 +141,7 @@ def rank_case(args) -> None:
             "ok": bool(report.ok), "mismatches": len(report.mismatches), "tensors_checked": report.tensors_checked,
             "load_s": load_s, "dcp_s": dcp_s, "nocheck_s": nocheck_s,
             "verify_s": verify_s, "verify_cache_dropped": verify_dropped, "rss_before_load_kib": rss0, "load_hwm_kib": load_hwm,
-            "rss_before_verify_kib": rss1, "verify_hwm_kib": verify_hwm, "step": res.step,
+            "rss_before_verify_kib": rss1, "verify_hwm_kib": verify_hwm, "step": res.step, "load_read_bytes": load_read,
         }
     finish_rank(args, {"ok": ok, "phases": phases, "build_s": build_s, "rank_state_bytes": rank_bytes, "torch": torch.__version__})
 
@@ -169,6 +177,9 @@ def measure(name: str, mesh: str, root: str, cfg: dict[str, int], caches: list[s
             "rank_verify_added_kib": max(x["verify_hwm_kib"] - x["rss_before_verify_kib"] for x in ph),
             "rank_peak_kib": max(max(x["load_hwm_kib"], x["verify_hwm_kib"]) for x in ph),
             "tree_peak_kib": run.peak_kib, "process_wall_s": run.wall_s, "tensors_checked": ph[0]["tensors_checked"],
+            # every byte the ranks' read calls returned during the checked load (rchar: page cache or disk),
+            # against the bytes of state they hold: what a rank needs
+            "read_bytes": sum(x["load_read_bytes"] for x in ph), "needed_bytes": sum(r["rank_state_bytes"] for r in ranks),
         }
     return out
 
@@ -196,13 +207,18 @@ def derive(results: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
                "x_nocheck": c["load_s"] / c["nocheck_s"],
                "rank_peak_mib": c["rank_peak_kib"] / 1024, "load_added_mib": c["rank_load_added_kib"] / 1024,
                "verify_added_mib": c["rank_verify_added_kib"] / 1024, "rank_state_mib": c["rank_state_bytes"] / MiB,
-               "tree_peak_mib": c["tree_peak_kib"] / 1024, "ranks": mesh_world(mesh)}
+               "tree_peak_mib": c["tree_peak_kib"] / 1024, "ranks": mesh_world(mesh),
+               "read_x_needed": c["read_bytes"] / c["needed_bytes"] if c.get("read_bytes") is not None else None}
         rows.append(row)
         tag = f"{mesh_label(mesh)} from {mesh_label(src)}, {cache}"
         if row["x_matched"] is not None:
             checks.append({"target": "resharding load <= 1.1x the same-size load", "case": tag,
                            "value": f"{c['load_s']:.2f} s vs {matched['load_s']:.2f} s = {row['x_matched']:.2f}x",
                            "pass": row["x_matched"] <= 1.1})
+        if row["read_x_needed"] is not None:
+            checks.append({"target": "bytes a load reads <= 1.1x the bytes its ranks need", "case": tag,
+                           "value": f"{c['read_bytes'] / MiB:.0f} MiB for {c['needed_bytes'] / MiB:.0f} MiB = {row['read_x_needed']:.2f}x",
+                           "pass": row["read_x_needed"] <= 1.1})
         checks.append({"target": "load with its checks <= 1.1x plain dcp.load", "case": tag,
                        "value": f"{c['load_s']:.2f} s vs {c['dcp_s']:.2f} s = {row['x_dcp']:.2f}x "
                                 f"(unchecked {c['nocheck_s']:.2f} s)", "pass": row["x_dcp"] <= 1.1})
@@ -216,7 +232,7 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
     """The results table."""
     head = ["load on", "saved on", "cache", "load s", "GB/s", "dcp.load s", "× dcp.load", "unchecked s", "× unchecked",
             "× same layout", f"× load on {SAVED_ON}", "verify_loaded s",
-            "verify / load", "peak RSS/rank MiB", "added by load MiB/rank (rank state)", "added by verify MiB", "tree peak anon+shmem MiB"]
+            "verify / load", "read / needed", "peak RSS/rank MiB", "added by load MiB/rank (rank state)", "added by verify MiB", "tree peak anon+shmem MiB"]
     lines = []
     for r in rows:
         if r.get("failed"):
@@ -224,7 +240,7 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
             continue
         lines.append([mesh_label(r["mesh"]), mesh_label(r["src"]), r["cache"], f(r["load_s"]), f(r["gbps"]), f(r["dcp_s"]),
                       f(r["x_dcp"]), f(r["nocheck_s"]), f(r["x_nocheck"]), f(r["x_matched"]),
-                      f(r["x_same2"]), f(r["verify_s"]), f(r["verify_x_load"]), f(r["rank_peak_mib"], ".0f"),
+                      f(r["x_same2"]), f(r["verify_s"]), f(r["verify_x_load"]), f(r["read_x_needed"]), f(r["rank_peak_mib"], ".0f"),
                       f"+{r['load_added_mib']:.0f} ({r['rank_state_mib']:.0f})", f"+{r['verify_added_mib']:.0f}", f(r["tree_peak_mib"], ".0f")])
     return table(head, lines, markdown, left=(0, 1, 2))
 
