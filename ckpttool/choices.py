@@ -9,6 +9,9 @@ from .errors import UsageError
 #: ``--dtype`` casts floating-point tensors to one of these
 CAST_DTYPES = ("float32", "bfloat16", "float16")
 
+#: ``--memory-budget``'s default: the most tensor data an offline command holds in memory at once
+DEFAULT_BUDGET = 1 << 30
+
 #: ``--compress`` stores each DCP record compressed, as torch's ``_extensions=[ZStandard()]`` does
 COMPRESSIONS = ("zstd",)
 

@@ -28,9 +28,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from .dtypes import LEGACY_STORAGE
+
+if TYPE_CHECKING:
+    import torch
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -136,28 +139,19 @@ def rebuild_tensor_v3() -> Any:
     return torch._utils._rebuild_tensor_v3
 
 
-#: The legacy typed-storage class names ``torch.save`` writes into its pickle, per dtype. A fixed
-#: part of the format (torch.load of a 1.x file reads the same names), kept here rather than read
-#: from torch's private ``torch.storage._dtype_to_storage_type_map``.
-LEGACY_STORAGE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "DoubleStorage",
-    torch.float32: "FloatStorage",
-    torch.float16: "HalfStorage",
-    torch.int64: "LongStorage",
-    torch.int32: "IntStorage",
-    torch.int16: "ShortStorage",
-    torch.int8: "CharStorage",
-    torch.uint8: "ByteStorage",
-    torch.bool: "BoolStorage",
-    torch.bfloat16: "BFloat16Storage",
-    torch.complex128: "ComplexDoubleStorage",
-    torch.complex64: "ComplexFloatStorage",
-    torch.qint8: "QInt8Storage",
-    torch.qint32: "QInt32Storage",
-    torch.quint8: "QUInt8Storage",
-    torch.quint4x2: "QUInt4x2Storage",
-    torch.quint2x4: "QUInt2x4Storage",
-}
+def __getattr__(name: str) -> Any:
+    """``LEGACY_STORAGE_NAMES``: the legacy typed-storage class names ``torch.save`` writes into its
+    pickle, per torch dtype (``dtypes.LEGACY_STORAGE`` keyed by torch's dtypes; made on first use,
+    so importing this module does not import torch). A fixed part of the format (torch.load of a
+    1.x file reads the same names), kept here rather than read from torch's private
+    ``torch.storage._dtype_to_storage_type_map``."""
+    if name == "LEGACY_STORAGE_NAMES":
+        import torch
+
+        table = {getattr(torch, dtype): storage for dtype, storage in LEGACY_STORAGE.items()}
+        globals()[name] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- DCP's TensorProperties across releases ------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 
 from .formats import detect, open_source
 from .index import TensorEntry
+from .safe_torch import values_as_read
 from .steps import is_training_root, list_root, read_commit_record, step_name
 from .storage import Location, resolve
 
@@ -24,7 +25,7 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
             if isinstance(entry, TensorEntry):
                 files = sorted({source.chunk_file(entry, i) for i in range(len(entry.chunks))})
                 entries.append({
-                    "key": key, "kind": "tensor", "shape": list(entry.shape), "dtype": str(entry.dtype).removeprefix("torch."),
+                    "key": key, "kind": "tensor", "shape": list(entry.shape), "dtype": entry.element_type.name,
                     "bytes": entry.nbytes, "chunks": len(entry.chunks), "files": files, "path": path,
                     **({"placement": placed} if (placed := source.placement(key)) else {}),
                 })
@@ -67,11 +68,14 @@ def describe_root(loc: Location) -> dict[str, Any]:
 
 
 def inspect_path(path: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What ``ckpttool inspect`` shows. Imports no torch for a safetensors or DCP checkpoint
+    (values holding torch's objects are shown from their stand-ins, which print the same)."""
     loc = resolve(path, storage_options)
     if loc.isdir() and is_training_root(loc) and not loc.child(".metadata").exists():
         return describe_root(loc)
     detect(loc)  # raises a clear error for anything that is not a checkpoint
-    return describe_checkpoint(loc)
+    with values_as_read():
+        return describe_checkpoint(loc)
 
 
 def render_text(report: dict[str, Any]) -> str:

@@ -2,30 +2,41 @@
 
 With no initialised process group the process is rank 0 of a world of 1, so the same library code
 serves a training job, a single-process tool and a test. Barriers carry a name for error messages.
+torch.distributed is imported by the first call that finds a group (a process that never imported
+it has none): a single-process tool that asks ``rank()`` does not import torch.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
 
+def _dist() -> Any:
+    import torch.distributed
+
+    return torch.distributed
+
+
 def active(group: Any = None) -> bool:
-    return dist.is_available() and dist.is_initialized()
+    if "torch.distributed" not in sys.modules:  # no process group without it
+        return False
+    return _dist().is_available() and _dist().is_initialized()
 
 
 def rank(group: Any = None) -> int:
-    return dist.get_rank(group) if active() else 0
+    return _dist().get_rank(group) if active() else 0
 
 
 def world_size(group: Any = None) -> int:
-    return dist.get_world_size(group) if active() else 1
+    return _dist().get_world_size(group) if active() else 1
 
 
 def barrier(name: str, group: Any = None) -> None:  # noqa: D417
@@ -33,7 +44,7 @@ def barrier(name: str, group: Any = None) -> None:  # noqa: D417
     if not active():
         return
     try:
-        dist.barrier(group=group)
+        _dist().barrier(group=group)
     except RuntimeError as exc:
         raise RuntimeError(f"barrier {name!r} failed: {exc}") from exc
 
@@ -43,7 +54,7 @@ def broadcast(obj: T, src: int = 0, group: Any = None) -> T:
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    _dist().broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -51,7 +62,7 @@ def all_gather(obj: T, group: Any = None) -> list[T]:
     if not active():
         return [obj]
     out: list[Any] = [None] * world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    _dist().all_gather_object(out, obj, group=group)
     return out
 
 
@@ -61,7 +72,7 @@ def gather(obj: T, dst: int = 0, group: Any = None) -> list[T] | None:
     if not active():
         return [obj]
     out: list[Any] | None = [None] * world_size(group) if rank(group) == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
+    _dist().gather_object(obj, out, dst=dst, group=group)
     return out
 
 
@@ -91,9 +102,11 @@ def any_rank(flag: bool, group: Any = None) -> bool:
     process (see :func:`first_error` for why it must)."""
     if not active():
         return flag
+    import torch
+
     tensor = _FLAGS.setdefault(id(group), torch.zeros(1, dtype=torch.int64))
     tensor.fill_(1 if flag else 0)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    _dist().all_reduce(tensor, op=_dist().ReduceOp.MAX, group=group)
     return bool(tensor.item())
 
 

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from . import dist
+from .choices import DEFAULT_BUDGET
 from .errors import StorageError, UsageError
 from .formats.base import ObjectSpec, Progress, ReadAhead, ReadFn, Sink, SlabBuffers, Source, TensorSpec, stream_slabs
 from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import Box
 from .storage import describe_os_error
-
-DEFAULT_BUDGET = 1 << 30
 
 
 def _castable(entry: TensorEntry) -> bool:

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .errors import CorruptCheckpointError, FormatError
+from .dtypes import DType, dtype_of, dtype_size
+from .errors import CorruptCheckpointError
 from .layout import Box, intersect, tiles_exactly
+
+if TYPE_CHECKING:
+    import torch
 
 PathItem = str | int
 ObjPath = tuple[PathItem, ...]
@@ -42,12 +45,23 @@ class Chunk:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """A tensor: global shape, dtype and the chunks that store it."""
+    """A tensor: global shape, element type and the chunks that store it.
+
+    Made with a torch dtype or a :class:`~ckpttool.dtypes.DType`; ``element_type`` is the DType
+    (what describing and checking need, without torch), ``dtype`` torch's (importing torch).
+    """
 
     key: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    element_type: DType
     chunks: tuple[Chunk, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "element_type", dtype_of(self.element_type))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.element_type.torch
 
     @property
     def numel(self) -> int:
@@ -55,7 +69,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * dtype_size(self.dtype)
+        return self.numel * dtype_size(self.element_type)
 
     @cached_property
     def _row_bands(self) -> tuple[list[int], list[list[Chunk]]] | None:
@@ -182,33 +196,12 @@ def plausible_shape(shape: Any) -> bool:
             and math.prod(d for d in shape if d) <= MAX_NUMEL)
 
 
-#: element dtypes whose values are plain bytes (no quantizer state): the only ones read or written
-PLAIN_DTYPES = frozenset(
-    getattr(torch, name) for name in (
-        "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32", "bool",
-        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-    ) if isinstance(getattr(torch, name, None), torch.dtype)
-)
-_DTYPE_SIZES: dict[torch.dtype, int] = {}
-
-
-def dtype_size(dtype: torch.dtype) -> int:
-    """Bytes per element (bool is one byte, as every format stores it); :class:`FormatError` for
-    a dtype whose elements are not plain bytes (quantized tensors, for example)."""
-    size = _DTYPE_SIZES.get(dtype)
-    if size is None:
-        if dtype not in PLAIN_DTYPES:
-            raise FormatError(f"dtype {dtype} is not supported", hint="ckpttool reads plain (non-quantized) tensors")
-        size = _DTYPE_SIZES[dtype] = torch.empty((), dtype=dtype).element_size()
-    return size
-
-
 # --- key flattening, mirroring DCP's traversal so our keys equal plain torch's -------------------
 
 
 def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
+    torch = sys.modules.get("torch")  # (no value is a tensor in a process that never imported torch)
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _is_leaf(value: Any, is_tensor=_is_tensor) -> bool:

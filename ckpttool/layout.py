@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -268,8 +269,10 @@ def stored_replicated(shape: Sequence[int], chunks: Sequence[Box], source: Mesh)
 # --- covering and slabs --------------------------------------------------------------------------
 
 
-#: the most grid cells :func:`tiles_exactly` builds (int32 each); real layouts have about one per chunk
+#: the most grid cells :func:`tiles_exactly` builds (a byte each); real layouts have about one per chunk
 MAX_GRID_CELLS = 1 << 22
+#: a cell's count, one more box on it: 0 -> 1 -> 2, and 2 stays (two is all the check needs to know)
+_COVER_ONCE_MORE = bytes([1, 2, *([2] * 254)])
 
 
 def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
@@ -280,10 +283,8 @@ def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     covers a block of cells, so counting covers per cell checks both properties in time linear in
     the cells and the boxes (a sharded layout has about one cell per chunk; 20,000 chunks take
     well under a second). A layout whose grid would exceed :data:`MAX_GRID_CELLS` is reported as
-    one ckpttool cannot check.
+    one ckpttool cannot check. The first overlap, else the first gap, in C order is named.
     """
-    import torch  # layout maths is pure; torch is only the counting array here
-
     shape = tuple(shape)
     for box in boxes:
         if len(box[0]) != len(shape) or len(box[1]) != len(shape):
@@ -300,12 +301,19 @@ def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     cells = math.prod(len(c) - 1 for c in cuts)
     if cells > MAX_GRID_CELLS:
         return f"the {len(nonempty)} chunks do not form a grid of at most {MAX_GRID_CELLS} cells; ckpttool cannot check this layout"
-    grid = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
+    dims = [len(c) - 1 for c in cuts]
+    grid = bytearray(cells)  # C order; a cell's count saturates at 2
+    strides = [math.prod(dims[d + 1:]) for d in range(len(dims))]
     for b in nonempty:
-        grid[tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, o + n)) for c, o, n in zip(cuts, b[0], b[1]))] += 1
-    for bad, what in ((grid > 1, "overlap"), (grid == 0, "gap")):
-        if bool(bad.any()):
-            cell = [int(i) for i in bad.nonzero()[0]]
+        block = [(bisect.bisect_left(c, o), bisect.bisect_left(c, o + n)) for c, o, n in zip(cuts, b[0], b[1])]
+        lo, hi = block[-1]
+        for outer in itertools.product(*(range(a, z) for a, z in block[:-1])):
+            start = sum(i * st for i, st in zip(outer, strides)) + lo
+            grid[start:start + hi - lo] = grid[start:start + hi - lo].translate(_COVER_ONCE_MORE)
+    for count, what in ((2, "overlap"), (0, "gap")):
+        flat = grid.find(count)
+        if flat >= 0:
+            cell = [flat // st % n for st, n in zip(strides, dims)]
             corner = tuple(c[i] for c, i in zip(cuts, cell))
             if what == "gap":
                 return f"chunks leave a gap: element {list(corner)} is in no chunk"

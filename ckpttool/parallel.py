@@ -45,10 +45,13 @@ def launched() -> bool:
 @contextmanager
 def workers() -> Iterator[bool]:
     """Join the workers' gloo group for one command (yields whether there are several workers)."""
+    if not launched():  # one process: no group (and torch is not imported for one)
+        yield False
+        return
     import torch.distributed as dist
 
-    if not launched() or dist.is_initialized():
-        yield launched()
+    if dist.is_initialized():
+        yield True
         return
     global joined
     timeout = timedelta(seconds=float(os.environ.get(ENV_TIMEOUT, 24 * 3600)))

@@ -4,8 +4,12 @@ a range of a storage record. Pure data (the allow-listed unpickler makes them; f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from .dtypes import DType, dtype_of
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -13,19 +17,27 @@ class StorageRef:
     """A persistent-id reference to ``data/<key>`` in a torch zip archive."""
 
     key: str
-    dtype: torch.dtype | None  # None for UntypedStorage (dtype comes from _rebuild_tensor_v3)
+    element_type: DType | None  # None for UntypedStorage (dtype comes from _rebuild_tensor_v3)
     numel: int
 
 
 @dataclass(frozen=True)
 class TensorRef:
-    """A tensor described by a ``torch.save`` pickle, not yet read."""
+    """A tensor described by a ``torch.save`` pickle, not yet read: ``element_type`` is its dtype
+    without torch, ``dtype`` torch's (importing torch)."""
 
     storage: StorageRef
-    dtype: torch.dtype
+    element_type: DType
     storage_offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "element_type", dtype_of(self.element_type))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.element_type.torch
 
     def is_contiguous(self) -> bool:
         expected = 1

@@ -16,13 +16,15 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from .dtypes import DType
 from .errors import UnsafePickleError
 from .index import plausible_shape
 from .refs import TensorRef
+
+if TYPE_CHECKING:
+    import torch
 
 #: the most dimensions a device mesh may have (torch's meshes have a handful)
 MAX_MESH_DIMS = 8
@@ -51,11 +53,15 @@ class DTensorRef:
 
     local: TensorRef
     shape: tuple[int, ...]  # global
-    dtype: torch.dtype
+    element_type: DType
     mesh_shape: tuple[int, ...]
     coordinate: tuple[int, ...] | None  # the saving rank's place in the mesh (None: unknown)
     rank: int | None  # the saving rank, as the mesh recorded it
     placements: tuple[Placement, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.element_type.torch
 
     def box(self, coordinate: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (offsets, sizes) of the part of the global tensor the rank at ``coordinate`` holds:
@@ -185,7 +191,7 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> DT
     field is checked against the others (the local shape against the box its placements give)."""
     if func is not _WRAPPER or new_type is not _DTENSOR:
         raise UnsafePickleError("refused torch._tensor._rebuild_from_type_v2 of anything but a DTensor")
-    if not (isinstance(args, tuple) and len(args) >= 3 and args[0] is _DTENSOR and isinstance(args[1], torch.dtype)):
+    if not (isinstance(args, tuple) and len(args) >= 3 and args[0] is _DTENSOR and isinstance(args[1], DType)):
         raise UnsafePickleError(f"refused {_WHAT} whose arguments are not (DTensor, dtype, size, ...)")
     dtype, shape = args[1], _ints(args[2], "size")
     if isinstance(state, tuple) and len(state) == 2 and all(part is None or isinstance(part, dict) for part in state):
@@ -200,8 +206,8 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> DT
         meta = _record(meta, "TensorMeta")
         if len(meta.args) < 3 or _ints(meta.args[0], "global shape") != shape or meta.args[2] != dtype:
             raise UnsafePickleError(f"refused {_WHAT} whose spec gives another global shape or dtype than the tensor")
-    if not plausible_shape(list(shape)) or local.dtype != dtype:
-        raise UnsafePickleError(f"refused {_WHAT} of shape {list(shape)} whose local tensor is {local.dtype}, not {dtype}")
+    if not plausible_shape(list(shape)) or local.element_type != dtype:
+        raise UnsafePickleError(f"refused {_WHAT} of shape {list(shape)} whose local tensor is {local.element_type}, not {dtype}")
     mesh = _record(spec.state.get("mesh"), "DeviceMesh")
     mesh_shape = _mesh_shape(mesh)
     placements = spec.state.get("placements")

@@ -9,23 +9,25 @@ and the global, before anything from the pickle has been called.
 
 Tensors in ``torch.save`` pickles are not materialised: they come back as :class:`TensorRef`
 (dtype, shape, stride, storage key) so callers read their bytes by range, under a memory budget.
+torch's small values (dtypes, ``torch.Size``, layouts, devices) are read without importing torch
+(``safe_torch.py``); a value holding one gets torch's own object back.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import io
 import operator
 import pathlib
 import pickle
 import struct
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from . import safe_dtensor, safe_numpy
-from .compat import LEGACY_STORAGE_NAMES, tensor_properties_reader
+from . import safe_dtensor, safe_numpy, safe_torch
+from .dtypes import STORAGE_DTYPES, DType
 from .refs import StorageRef, TensorRef
 from .errors import CorruptCheckpointError, UnsafePickleError
 
@@ -60,13 +62,6 @@ def _empty_bytes(*args: Any) -> bytes:
     if args:
         raise UnsafePickleError("refused bytes() with arguments: a checkpoint's data is stored, not built by a call")
     return b""
-
-
-def _get_layout(name: str) -> torch.layout:
-    value = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(value, torch.layout):
-        raise UnsafePickleError(f"unknown tensor layout {name!r}")
-    return value
 
 
 def _bytearray(source: Any = b"", *args: Any) -> bytearray:
@@ -166,16 +161,15 @@ def _checked(cls: type, *types: type) -> Any:
 
 
 class _TorchVersion:
-    """``torch.__version__`` (a ``str`` subclass), which training code stores in its extra state:
-    pickle builds it with NEWOBJ(cls, text); this stand-in's ``__new__`` returns the real
-    ``TorchVersion`` of a short string, and nothing else."""
+    """``torch.__version__`` (a ``str`` subclass), which training code stores in its extra state,
+    for a pickle read into torch's own objects: pickle builds it with NEWOBJ(cls, text); this
+    stand-in's ``__new__`` returns the real ``TorchVersion`` of a short string, and nothing else
+    (read without torch: ``safe_torch.TorchVersion``)."""
 
     def __new__(cls, *args: Any) -> Any:
-        if len(args) != 1 or type(args[0]) is not str or len(args[0]) > 64:
-            raise UnsafePickleError("refused a TorchVersion that is not one short string")
         from torch.torch_version import TorchVersion
 
-        return TorchVersion(args[0])
+        return TorchVersion(safe_torch.TorchVersion(*args))
 
 
 _TZ = (datetime.timezone,)
@@ -191,7 +185,6 @@ _VALUES = {
     ("datetime", "time"): _checked(datetime.time, bytes, int, *_TZ),
     ("datetime", "timedelta"): _checked(datetime.timedelta, int, float),
     ("datetime", "timezone"): _checked(datetime.timezone, datetime.timedelta, str),
-    ("torch.torch_version", "TorchVersion"): _TorchVersion,
 }
 
 #: the plain value types a checkpoint may hold besides containers, scalars and tensors (docs/security.md)
@@ -224,8 +217,6 @@ def _finish(value: Any) -> Any:
 
 _COMMON = {
     **_VALUES,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): pathlib.PurePosixPath,
     ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
@@ -238,27 +229,36 @@ _COMMON = {
     ("builtins", "slice"): slice,
     ("builtins", "bytearray"): _bytearray,
     ("builtins", "bytes"): _empty_bytes,
-    ("torch", "device"): torch.device,
     ("_codecs", "encode"): _latin1_encode,
 }
 
 
-def _torch_global(module: str, name: str) -> Any | None:
-    """dtypes, layouts and memory formats are module attributes of ``torch``; admit only those."""
-    if module != "torch":
-        return None
-    value = getattr(torch, name, None)
-    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-        return value
-    return None
+@functools.cache
+def _torch_callables() -> dict[tuple[str, str], Any]:
+    """torch's own objects for the torch callables a pickle may name (safe_torch.GLOBALS has their
+    stand-ins): for a pickle read into torch's objects (``.metadata`` for torch's DCP classes)."""
+    import torch
+
+    return {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): safe_torch.real_layout,
+        ("torch", "device"): torch.device,
+        ("torch.torch_version", "TorchVersion"): _TorchVersion,
+    }
 
 
 class _AllowListUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, source: str, extra: dict[tuple[str, str], Any] | None = None):
+    """``real_torch``: torch's own objects for the torch values a pickle names (importing torch),
+    else the stand-ins of safe_torch.py (``standins`` says whether it handed one out)."""
+
+    def __init__(self, data: bytes, source: str, extra: Mapping[tuple[str, str], Any] | None = None, real_torch: bool = False):
         super().__init__(io.BytesIO(data))
         self._source = source
         self._extra = extra or {}
+        self._real = real_torch
         self.placeholders = False  # a value was read as a stand-in that _finish replaces
+        self.standins = False  # a torch value was read as a stand-in (safe_torch.to_torch replaces it)
+        self.devices = False  # ... a device among them (whose type only torch checks)
 
     def find_class(self, module: str, name: str) -> Any:
         # Protocol-2 pickles (torch.save's default) spell builtins as Python 2 did
@@ -274,12 +274,21 @@ class _AllowListUnpickler(pickle.Unpickler):
         if key in safe_dtensor.GLOBALS:
             self.placeholders = True  # records that end up outside a DTensor are refused at the end
             return safe_dtensor.GLOBALS[key]
+        if key in safe_torch.GLOBALS:
+            if self._real:
+                return _torch_callables()[key]
+            self.standins = True
+            self.devices |= key == ("torch", "device")
+            return safe_torch.GLOBALS[key]
         if key == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            from .compat import tensor_properties_reader
+
             return tensor_properties_reader()  # the 5 fields of torch <= 2.14 or the 6 of 2.15
         if key in _DCP_CLASSES:
             return super().find_class(module, name)
-        value = _torch_global(module, name)
+        value = safe_torch.torch_global(name, self._real) if module == "torch" else None
         if value is not None:
+            self.standins |= not self._real
             return value
         raise UnsafePickleError(
             f"refused to unpickle global '{module}.{name}': the file holds a {name} value, which is not plain "
@@ -343,10 +352,14 @@ def _unpickle(unpickler: pickle.Unpickler, data: bytes, source: str, what: str, 
     return value
 
 
-def load_dcp_metadata(data: bytes, source: str) -> Any:
-    """Unpickle a DCP ``.metadata`` file, admitting only DCP's own metadata classes."""
-    return _unpickle(_AllowListUnpickler(data, source), data, source, "DCP metadata",
-                     "the .metadata file is damaged; restore it or use another step")
+def load_dcp_metadata(data: bytes, source: str, records: Mapping[tuple[str, str], Any] | None = None) -> Any:
+    """Unpickle a DCP ``.metadata`` file, admitting only DCP's own metadata classes: torch's
+    (importing torch), or with ``records`` (a stand-in for each of them, ``formats/dcp/records.py``)
+    those, with torch's values as safe_torch's stand-ins."""
+    if records is not None and set(records) != _DCP_CLASSES:
+        raise ValueError("records must stand for exactly DCP's metadata classes")
+    unpickler = _AllowListUnpickler(data, source, records, real_torch=records is None)
+    return _unpickle(unpickler, data, source, "DCP metadata", "the .metadata file is damaged; restore it or use another step")
 
 
 # --- torch.save pickles --------------------------------------------------------------------------
@@ -355,7 +368,7 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
 def _tensor_ref(storage: Any, dtype: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
     """A TensorRef whose fields have the types they claim (ints are ints, the dtype a dtype);
     whether they fit the bytes present is checked against the record (torchzip.check_ref)."""
-    if not isinstance(storage, StorageRef) or not isinstance(dtype, torch.dtype):
+    if not isinstance(storage, StorageRef) or not isinstance(dtype, DType):
         raise TypeError(f"a tensor rebuilt from {type(storage).__name__} with dtype {dtype!r}")
     shape = tuple(operator.index(x) for x in size)
     strides = tuple(operator.index(x) for x in stride)
@@ -363,7 +376,7 @@ def _tensor_ref(storage: Any, dtype: Any, storage_offset: Any, size: Any, stride
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    return _tensor_ref(storage, getattr(storage, "dtype", None), storage_offset, size, stride)
+    return _tensor_ref(storage, getattr(storage, "element_type", None), storage_offset, size, stride)
 
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
@@ -379,20 +392,16 @@ def _rebuild_parameter_with_state(data, requires_grad, hooks, state):
 
 
 class _StorageType:
-    def __init__(self, dtype: torch.dtype | None):
+    def __init__(self, dtype: DType | None):
         self.dtype = dtype
 
 
 def _storage_class(module: str, name: str) -> _StorageType | None:
     if (module, name) in (("torch", "UntypedStorage"), ("torch.storage", "UntypedStorage")):
         return _StorageType(None)
-    if module == "torch" and name in _LEGACY_STORAGE_DTYPES:
-        return _StorageType(_LEGACY_STORAGE_DTYPES[name])
+    if module == "torch" and name in STORAGE_DTYPES:  # the legacy typed-storage names torch.save still writes
+        return _StorageType(STORAGE_DTYPES[name])
     return None
-
-
-# 'FloatStorage' -> torch.float32, ... (the legacy typed-storage names torch.save still writes)
-_LEGACY_STORAGE_DTYPES = {name: dtype for dtype, name in LEGACY_STORAGE_NAMES.items()}
 
 
 class _TorchSaveUnpickler(_AllowListUnpickler):
@@ -422,9 +431,14 @@ _TORCH_REBUILDERS = {
 def load_torch_pickle(data: bytes, source: str) -> Any:
     """Unpickle a ``torch.save`` ``data.pkl``: containers and scalars as themselves, tensors as
     :class:`TensorRef`. Admits what ``torch.load(weights_only=True)`` admits for plain state dicts.
-    Used for ``torch.save`` files and for DCP's object records (each a ``torch.save`` archive)."""
-    return _unpickle(_TorchSaveUnpickler(data, source, _TORCH_REBUILDERS), data, source, "the pickle",
-                     "the file is damaged or not written by torch.save")
+    Used for ``torch.save`` files and for DCP's object records (each a ``torch.save`` archive).
+    Imports torch only when a value holds one of torch's objects (a dtype, a device), and not then
+    within ``safe_torch.values_as_read()`` (but for a device)."""
+    unpickler = _TorchSaveUnpickler(data, source, _TORCH_REBUILDERS)
+    value = _unpickle(unpickler, data, source, "the pickle", "the file is damaged or not written by torch.save")
+    if unpickler.standins and (unpickler.devices or not safe_torch.keeps_standins()):
+        value = safe_torch.to_torch(value, source)
+    return value
 
 
 def same_value(a: Any, b: Any) -> bool:

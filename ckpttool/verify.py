@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from . import dist, formats
-from .compare import bits_differ, unravel
+from .choices import DEFAULT_BUDGET
 from .errors import CkptError, UnsafePickleError, UsageError
 from .formats.base import Progress, SlabBuffers, Source
 from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import slabs, whole
-from .engine import DEFAULT_BUDGET, plan_entries
 from .report import Problem, Report
+from .safe_torch import values_as_read
 from .safe_pickle import same_value
 from .steps import is_training_root, list_root, step_name
 from .storage import Location, resolve
@@ -36,7 +34,14 @@ def verify_path(path: str | Location, *, only: str | None = None, storage_option
 
     With ``parallel``, every process of the torch.distributed group runs this together and the
     checks of a DCP checkpoint are split between them (the entries of each in runs of about equal
-    bytes); every worker returns the report one process would (other formats: worker 0 checks)."""
+    bytes); every worker returns the report one process would (other formats: worker 0 checks).
+    Imports no torch for a safetensors or DCP checkpoint (values are only checked to decode)."""
+    with values_as_read():
+        return _verify_path(path, only, storage_options, progress, parallel)
+
+
+def _verify_path(path: str | Location, only: str | None, storage_options: dict[str, Any] | None, progress: Progress | None,
+                 parallel: bool) -> Report:
     loc = resolve(path, storage_options)
     if loc.isdir() and is_training_root(loc) and not loc.child(".metadata").exists():
         report = Report(loc.url, "integrity")
@@ -46,7 +51,7 @@ def verify_path(path: str | Location, *, only: str | None = None, storage_option
         for step, what in listing.damaged.items():
             report.add(what, loc.child(step_name(step)).url, hint="load never takes this step; it cannot be trusted")
         for step in listing.committed:
-            report.merge(verify_path(loc.child(step_name(step)), only=only, progress=progress, parallel=parallel))
+            report.merge(_verify_path(loc.child(step_name(step)), only, None, progress, parallel))
         if not listing.committed and not listing.damaged:
             report.note("no committed steps")
         return report
@@ -115,6 +120,8 @@ def verify_against(path: str | Location, other: str | Location, *, only: str | N
     that side, prefix dropped (an HF export's flat keys against the ``model`` of a DCP step, either
     way round). A difference is reported under both files (and keys), a missing key under the
     file that has it."""
+    from .engine import plan_entries
+
     a_loc, b_loc = resolve(path, storage_options), resolve(other, storage_options)
     report = Report(a_loc.url, "equality")
     with formats.open_source(a_loc) as a, formats.open_source(b_loc) as b:
@@ -171,6 +178,10 @@ def verify_against(path: str | Location, other: str | Location, *, only: str | N
 
 
 def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype, b_dtype, rtol, atol, budget, report, where):
+    import torch
+
+    from .compare import bits_differ, unravel
+
     item = max(dtype_size(a_dtype), dtype_size(b_dtype))
     first = None
     max_abs = 0.0

@@ -18,17 +18,17 @@ from contextlib import ExitStack
 from dataclasses import dataclass, fields
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
-import torch
-
 from ..errors import CkptError, FormatError
 from ..index import Entry, Index, ObjectEntry, ObjPath, TensorEntry, dtype_size
 from ..layout import Box, Layout, slabs, whole
 from ..storage import Location
 
 if TYPE_CHECKING:
+    import torch
+
     from ..report import Report
 
-ReadFn = Callable[[Box], torch.Tensor]
+ReadFn = Callable[[Box], "torch.Tensor"]
 #: progress(done_bytes, total_bytes, key) — the CLI renders it; nothing below the CLI prints.
 Progress = Callable[[int, int, str], None]
 
@@ -365,13 +365,16 @@ class SlabBuffers:
     """
 
     def __init__(self, count: int):
-        self._bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(count)]
+        self._bufs: list[torch.Tensor | None] = [None] * count  # made at the first view (torch imported then)
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype, which: int) -> torch.Tensor:
+        import torch
+
         n = math.prod(shape) * dtype_size(dtype)
-        if self._bufs[which].numel() < n:
-            self._bufs[which] = torch.empty(n, dtype=torch.uint8)
-        return self._bufs[which][:n].view(dtype).view(shape)
+        buf = self._bufs[which]
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[which] = torch.empty(n, dtype=torch.uint8)
+        return buf[:n].view(dtype).view(shape)
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:
@@ -393,6 +396,8 @@ def read_c_order_box(reader, offset: int, shape: tuple[int, ...], dtype: torch.d
     A box spanning whole rows is one read straight into the destination; otherwise the rows it
     touches are read and the inner slice copied (so a region costs the rows, not the tensor).
     """
+    import torch
+
     if out is None:
         out = torch.empty(box[1], dtype=dtype)
     if not shape:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from ..dtypes import PLAIN, DType, dtype_of
 from ..errors import CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, plausible_shape
 from ..layout import Box, relative, tiles_exactly, whole
@@ -25,6 +24,9 @@ from ..report import Report
 from ..storage import Location, RangeReader
 from .hf_index import ShardedOutput, index_bytes, read_weight_map, shard_files
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, read_c_order_box, split, stream_tensor
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 #: torch's HuggingFaceStorageWriter(save_distributed=True): each rank's file holds its shards, and
@@ -34,24 +36,26 @@ META_OBJECTS = "ckpttool.objects"
 META_PATHS = "ckpttool.paths"
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "C64": torch.complex64,
-}
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
-                     ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
-    if hasattr(torch, _attr):
-        DTYPES[_name] = getattr(torch, _attr)
-NAMES = {v: k for k, v in DTYPES.items()}
+#: safetensors' dtype codes -> the element types they name
+CODES: dict[str, DType] = {code: PLAIN[name] for code, name in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"), ("I32", "int32"),
+    ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"), ("C64", "complex64"), ("U16", "uint16"),
+    ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+)}
+CODE_OF: dict[DType, str] = {v: k for k, v in CODES.items()}
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (code -> torch dtype) and ``NAMES`` (torch dtype -> code): :data:`CODES` in
+    torch's dtypes, made on first use (importing torch)."""
+    if name in ("DTYPES", "NAMES"):
+        import torch
+
+        dtypes = {code: getattr(torch, dt.name) for code, dt in CODES.items() if hasattr(torch, dt.name)}
+        globals().update(DTYPES=dtypes, NAMES={v: k for k, v in dtypes.items()})
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- typed JSON for objects (tuples stay tuples, floats stay exact) ------------------------------
@@ -112,10 +116,10 @@ class _File:
             raise CorruptCheckpointError("header's __metadata__ is not a map of strings", where=loc.url)
         self.data_start = 8 + n
         self.data_size = size - self.data_start
-        self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        self.tensors: dict[str, tuple[DType, tuple[int, ...], int, int]] = {}
         for key, info in header.items():
             try:
-                dtype = DTYPES[info["dtype"]]
+                dtype = CODES[info["dtype"]]
                 shape = tuple(info["shape"])
                 begin, end = info["data_offsets"]
             except (KeyError, TypeError, ValueError):
@@ -184,7 +188,7 @@ class SafetensorsSource(Source):
             raise CorruptCheckpointError(f"some files carry {SHARDING_INFO} and some do not", where=location.url,
                                          hint="the directory mixes a sharded checkpoint with other files")
         chunks: dict[str, list[Chunk]] = {}
-        dtypes: dict[str, torch.dtype] = {}
+        dtypes: dict[str, DType] = {}
         for i, f in enumerate(self.parts):
             offsets = _sharding_info(f) if all(sharded) and sharded else {}
             for key, (dtype, shape, begin, end) in f.tensors.items():
@@ -215,6 +219,8 @@ class SafetensorsSource(Source):
         return self.parts[entry.chunks[chunk_index].location[0]].loc.name
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        import torch
+
         entry = self.checked_entry(key)  # the ranks' shards must tile the tensor: no gap read as memory
         box = box if box is not None else whole(entry.shape)
         if len(entry.chunks) == 1 and not any(entry.chunks[0].offsets):
@@ -299,7 +305,7 @@ class SafetensorsSink(ShardedOutput, Sink):
     def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         tensors, objects = split(entries)
         for spec in tensors:  # everything is checked before the first byte is written
-            if spec.dtype not in NAMES:
+            if dtype_of(spec.dtype) not in CODE_OF:
                 raise FormatError(f"safetensors cannot hold dtype {spec.dtype} (key {spec.key!r})",
                                   hint="convert to dcp or torch, or cast it with --dtype")
         tensors = self.order(tensors)
@@ -330,7 +336,7 @@ class SafetensorsSink(ShardedOutput, Sink):
         header: dict[str, Any] = {"__metadata__": self._metadata}
         offset = 0
         for spec in self._shards[i]:
-            header[spec.key] = {"dtype": NAMES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.key] = {"dtype": CODE_OF[dtype_of(spec.dtype)], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * ((-len(raw)) % 8)

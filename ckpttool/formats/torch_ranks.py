@@ -19,9 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CkptError, CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, flatten
@@ -33,6 +31,9 @@ from ..safe_pickle import TensorRef, same_value
 from ..storage import Location
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, stream_slabs
 from .torch_save import TorchFile, check_tensor_records
+
+if TYPE_CHECKING:
+    import torch
 
 RANK_FILE = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d+)\.(pt|pth|bin)$")
 SIDE_FILE = re.compile(r"^(?P<name>[^.].*)\.(pt|pth|bin)$")
@@ -121,10 +122,10 @@ class RanksSource(Source):
             flat, paths = flatten({top: obj}, is_tensor=_is_ref)
             for key, value in flat.items():
                 if isinstance(value, DTensorRef):
-                    idx.add(TensorEntry(key, value.shape, value.dtype, chunks[id(value)]), paths[key])
+                    idx.add(TensorEntry(key, value.shape, value.element_type, chunks[id(value)]), paths[key])
                 elif isinstance(value, TensorRef):
                     where = chunks.get(id(value), trees[top][2])
-                    idx.add(TensorEntry(key, value.shape, value.dtype, (Chunk((0,) * len(value.shape), value.shape, (where, value)),)),
+                    idx.add(TensorEntry(key, value.shape, value.element_type, (Chunk((0,) * len(value.shape), value.shape, (where, value)),)),
                             paths[key])
                 else:
                     idx.add(ObjectEntry(key, value), paths[key])
@@ -176,8 +177,8 @@ class RanksSource(Source):
             elif isinstance(value, TensorRef):
                 for rank, flat in enumerate(trees):
                     other = flat[key]
-                    if not isinstance(other, TensorRef) or other.shape != value.shape or other.dtype != value.dtype:
-                        raise CorruptCheckpointError(f"key {where!r} is a {value.dtype} tensor of shape {list(value.shape)} on rank 0 "
+                    if not isinstance(other, TensorRef) or other.shape != value.shape or other.element_type != value.element_type:
+                        raise CorruptCheckpointError(f"key {where!r} is a {value.element_type} tensor of shape {list(value.shape)} on rank 0 "
                                                      f"but not on rank {rank}", where=parts[rank].location.url)
                 chunks[id(value)] = parts[0].location.name
             elif any(not same_value(value, flat[key]) for flat in trees[1:]):
@@ -197,9 +198,9 @@ class RanksSource(Source):
             where = f"{part.location.url} (key {key!r})"
             if not isinstance(ref, DTensorRef):
                 raise CorruptCheckpointError(f"is a DTensor on rank 0 but a {type(ref).__name__} here", where=where)
-            if (ref.shape, ref.dtype, ref.mesh_shape, ref.placements) != (base.shape, base.dtype, base.mesh_shape, base.placements):
-                raise CorruptCheckpointError(f"DTensor of shape {list(ref.shape)} {ref.dtype} placed {[str(p) for p in ref.placements]} on a "
-                                             f"{list(ref.mesh_shape)} mesh; rank 0's is {list(base.shape)} {base.dtype} placed "
+            if (ref.shape, ref.element_type, ref.mesh_shape, ref.placements) != (base.shape, base.element_type, base.mesh_shape, base.placements):
+                raise CorruptCheckpointError(f"DTensor of shape {list(ref.shape)} {ref.element_type} placed {[str(p) for p in ref.placements]} on a "
+                                             f"{list(ref.mesh_shape)} mesh; rank 0's is {list(base.shape)} {base.element_type} placed "
                                              f"{[str(p) for p in base.placements]} on {list(base.mesh_shape)}", where=where,
                                              hint="the ranks' files come from different saves")
             size = math.prod(ref.mesh_shape)
@@ -291,6 +292,8 @@ class RanksSource(Source):
         return self._files[name]
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        import torch
+
         entry = self.checked_entry(key)
         box = box if box is not None else whole(entry.shape)
         if out is None:
@@ -362,6 +365,8 @@ class RanksSink(Sink):
         raise NotImplementedError
 
     def write(self, tensors: list[TensorSpec], reader_for: Any, done: Any) -> None:
+        import torch
+
         from ..compat import fake_rank
 
         mesh = self.layout.mesh

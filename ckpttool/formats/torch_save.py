@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import IO, Any
-
-import torch
+from typing import IO, TYPE_CHECKING, Any
 
 from ..checksums import new_block, scan
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError, NotACheckpointError
@@ -27,6 +25,9 @@ from ..storage import Location
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, split, stream_tensor
 from .hf_index import ShardedOutput, index_bytes, read_weight_map, shard_files
 from .torchzip import ArchiveWriter, StoredStorage, check_ref, read_archive, read_tensor_box, span_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 ZIP_MAGIC = b"PK\x03\x04"
 #: a DCP data file (``__<rank>_<i>.distcp``): a run of torch.save records, not one torch file
@@ -135,7 +136,7 @@ class TorchSaveSource(Source):
                                       hint=f"open the folder that holds every rank's file: {loc.parent.url}")
                 if isinstance(value, TensorRef):
                     check_ref(value, part.storage_of(value, key), f"{loc.url} (key {key!r})")
-                    idx.add(TensorEntry(key, value.shape, value.dtype, (Chunk(tuple(0 for _ in value.shape), value.shape, value),)), paths[key])
+                    idx.add(TensorEntry(key, value.shape, value.element_type, (Chunk(tuple(0 for _ in value.shape), value.shape, value),)), paths[key])
                 else:
                     idx.add(ObjectEntry(key, value), paths[key])
         return idx
@@ -274,7 +275,7 @@ def check_record(part: TorchFile, ref: TensorRef, key: str, report: Report, chec
         if crc != storage.crc32:
             report.add(f"data of {storage.name} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
                        part.location.url, key, hint="the file changed after it was written; restore it")
-    if ref.storage_offset * dtype_size(ref.dtype) + span_bytes(ref) > storage.nbytes:
+    if ref.storage_offset * dtype_size(ref.element_type) + span_bytes(ref) > storage.nbytes:
         report.add("tensor extends past its storage record", part.location.url, key)
 
 

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpointError, FormatError, NotACheckpointError, UnsafePickleError
 from ..index import Index, ObjectEntry, TensorEntry
@@ -41,6 +39,9 @@ from ..layout import Box
 from ..report import Report
 from ..storage import Location
 from .base import Format, Probe, Progress, Source
+
+if TYPE_CHECKING:
+    import torch
 
 #: single files: name -> top-level key
 _FILES = {"optimizer.pt": "optimizer", "optimizer.bin": "optimizer", "scheduler.pt": "scheduler", "scheduler.bin": "scheduler",
@@ -148,7 +149,7 @@ class TrainerSource(Source):
                 raise CorruptCheckpointError(f"{name} holds key {new_key!r}, which another part holds too", where=self.location.url)
             entry = index[key]
             if isinstance(entry, TensorEntry):
-                self._idx.add(TensorEntry(new_key, entry.shape, entry.dtype, entry.chunks), new_path)
+                self._idx.add(TensorEntry(new_key, entry.shape, entry.element_type, entry.chunks), new_path)
             else:
                 self._idx.add(ObjectEntry(new_key, None), new_path)
             self._owner[new_key] = (source, key)

@@ -14,6 +14,7 @@ PROBE = r"""
 import json, sys
 import torch, ckpttool
 import ckpttool.formats.dcp, ckpttool.formats.torch_save, ckpttool.formats.safetensors  # imports are not the convert
+import ckpttool.formats.dcp.sink, ckpttool.formats.dcp.source  # (formats.dcp imports its writer on first use)
 from ckpttool import convert
 
 def status(field):

@@ -7,18 +7,37 @@ online through torch's own reader and writer with our rules (online.py).
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ...errors import NotACheckpointError
 from ...report import Report
 from ...storage import Location
 from ..base import Format, Probe, Progress, SinkOptions
 from . import integrity
-from .load import load_into
 from .metadata import METADATA_FILE, data_file_name, read_metadata
-from .online import dcp_writer, hash_records, metadata_row
-from .save import HostShard, commit_metadata, read_rank_indexes, stores, supports, write_rank
-from .sink import DcpSink
 from .source import DcpSource
 from .transforms import check_compress
+
+if TYPE_CHECKING:
+    from .load import load_into
+    from .online import dcp_writer, hash_records, metadata_row
+    from .save import HostShard, commit_metadata, read_rank_indexes, stores, supports, write_rank
+    from .sink import DcpSink
+
+#: the names of the writing and loading modules (they import torch): imported on first use, so
+#: reading a checkpoint offline (inspect, verify) does not import torch
+_LAZY = {"load_into": "load", "dcp_writer": "online", "hash_records": "online", "metadata_row": "online",
+         **{name: "save" for name in ("HostShard", "commit_metadata", "read_rank_indexes", "stores", "supports", "write_rank")},
+         "DcpSink": "sink"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DcpFormat(Format):
@@ -41,6 +60,8 @@ class DcpFormat(Format):
         return DcpSource(loc, verify=verify)
 
     def make_sink(self, loc: Location, options: SinkOptions) -> DcpSink:
+        from .sink import DcpSink
+
         return DcpSink(loc, layout=options.layout, compress=options.compress)
 
     def check_integrity(self, source: DcpSource, report: Report, only: str | None, progress: Progress | None,

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...checksums import DIGEST_CHARS, HASH_BLOCK, block_count, hash_range, new_block, new_hasher, scan
 from ...errors import ChecksumError
@@ -26,6 +24,9 @@ from ...layout import Box, relative
 from ..base import SlabBuffers, tensor_buffer
 from ..torchzip import check_ref
 from .metadata import METADATA_FILE
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RecordSource(Protocol):
@@ -169,6 +170,8 @@ class RecordChecks:
     def read_chunk(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> None:
         """Read the whole record of ``chunk`` once, check it, and copy ``part`` of it into ``dst``:
         straight into ``dst`` when :meth:`straight`, else through a scratch buffer of the record."""
+        import torch
+
         source, info = self.source, chunk.location
         ref, storage = source.tensor_record(key, entry, chunk)
         check_ref(ref, storage, f"{source.file(info.relative_path).url} (key {key!r}, chunk at {list(chunk.offsets)})")
@@ -210,6 +213,8 @@ class RecordChecks:
         blocks into a scratch buffer), check each block and, once per record, the bytes around the data
         (headers, pickle), then put ``part`` into ``dst``. Returns whether it did; the record is not
         marked checked (its other blocks were not read)."""
+        import torch
+
         source, info = self.source, chunk.location
         row = self.rows.get((info.relative_path, info.offset)) if self.rows is not None else None
         if row is None or row[2] is None or source.transformed(info) or not chunk.sizes:

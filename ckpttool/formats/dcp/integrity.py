@@ -172,12 +172,13 @@ def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, ma
     try:
         arch = source.archive(info, key)
         ref = arch.obj
-        if not hasattr(ref, "shape") or tuple(ref.shape) != tuple(chunk.sizes) or ref.dtype != entry.dtype:
-            report.add(f"record at byte {info.offset} holds {getattr(ref, 'dtype', type(ref).__name__)}"
-                       f"{list(getattr(ref, 'shape', []))}, .metadata says {entry.dtype}{list(chunk.sizes)}", url, key)
+        if not hasattr(ref, "shape") or tuple(ref.shape) != tuple(chunk.sizes) or getattr(ref, "element_type", None) != entry.element_type:
+            report.add(f"record at byte {info.offset} holds {getattr(ref, 'element_type', type(ref).__name__)}"
+                       f"{list(getattr(ref, 'shape', []))}, .metadata says {entry.element_type}{list(chunk.sizes)}", url, key)
             return
         storage = arch.storages.get(ref.storage.key)
-        need = (ref.storage_offset + math.prod(ref.shape)) * dtype_size(ref.dtype) if ref.shape else dtype_size(ref.dtype)
+        item = dtype_size(ref.element_type)
+        need = (ref.storage_offset + math.prod(ref.shape)) * item if ref.shape else item
         if storage is None or storage.nbytes < need:
             report.add("record's data is shorter than its tensor", url, key)
             return

@@ -8,15 +8,17 @@ each a run of ``torch.save`` archives, one per chunk or object.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.distributed.checkpoint.metadata import Metadata
-
+from ...dtypes import DType
 from ...errors import CorruptCheckpointError, NotACheckpointError, NotFoundError
 from ...index import plausible_shape
 from ...safe_pickle import load_dcp_metadata
 from ...storage import Location
+from . import metadata_types
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
@@ -41,14 +43,23 @@ def writer_world_size(file_names: list[str]) -> int:
 
 
 def read_metadata(loc: Location) -> Metadata:
-    """``.metadata`` of a DCP directory, unpickled through the allow-list."""
+    """``.metadata`` of a DCP directory, unpickled through the allow-list into torch's classes."""
     return parse_metadata(read_metadata_bytes(loc), loc)
 
 
-def parse_metadata(data: bytes, loc: Location) -> Metadata:
+def parse_metadata(data: bytes, loc: Location, plain: bool = False) -> Any:
+    """``.metadata`` unpickled through the allow-list into torch's classes, or with ``plain`` into
+    ours (``metadata_types.py``: no torch imported), and checked to be DCP metadata."""
     md_loc = loc.child(METADATA_FILE)
-    metadata = load_dcp_metadata(data, md_loc.url)
-    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict) \
+    if plain:
+        metadata = load_dcp_metadata(data, md_loc.url, metadata_types.CLASSES)
+        expected: type = metadata_types.Metadata
+    else:
+        from torch.distributed.checkpoint.metadata import Metadata
+
+        metadata = load_dcp_metadata(data, md_loc.url)
+        expected = Metadata
+    if not isinstance(metadata, expected) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict) \
             or not isinstance(getattr(metadata, "storage_data", None), dict) \
             or not isinstance(getattr(metadata, "planner_data", None), (dict, type(None))):
         raise CorruptCheckpointError("the .metadata file does not hold DCP metadata", where=md_loc.url,
@@ -105,11 +116,12 @@ def _ints_or_none(x: Any) -> bool:
 
 
 def check_tensor_metadata(key: str, md: Any, where: str) -> None:
-    """Types and ranks of one entry, so a damaged .metadata is a clear error, not a crash later."""
+    """Types and ranks of one entry (read by ``parse_metadata(plain=True)``), so a damaged
+    .metadata is a clear error, not a crash later."""
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
     size = getattr(md, "size", None)
     chunks = getattr(md, "chunks", None)
-    ok = isinstance(dtype, torch.dtype) and plausible_shape(size) and isinstance(chunks, (tuple, list))
+    ok = isinstance(dtype, DType) and plausible_shape(size) and isinstance(chunks, (tuple, list))
     if ok:
         for c in chunks:
             offs, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
