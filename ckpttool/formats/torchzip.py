@@ -17,11 +17,9 @@ import zipfile
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import torch
-
-from ..compat import LEGACY_STORAGE_NAMES, rebuild_tensor_v2, rebuild_tensor_v3
+from ..dtypes import LEGACY_STORAGE, dtype_of, torch_dtype
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError
 from ..index import dtype_size, plausible_shape
 from ..safe_dtensor import DTensorRef
@@ -29,11 +27,16 @@ from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
 from ..storage import RangeReader
 from .base import read_c_order_box, tensor_buffer
 
+if TYPE_CHECKING:
+    import torch
+
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. extra length (30 bytes)
 _SMALL_ARCHIVE = 1 << 20  # read archives up to this size in one request
 REMOTE_RECORD = 16 << 20  # on an object store, DCP records up to this size are fetched whole (one request)
 REMOTE_SPAN = 32 << 20  # ... together with the records that follow them in the file, up to this many bytes
 _TAIL = 64 * 1024  # the zip directory of a torch archive is a few hundred bytes per record
+_SMALL_LOCAL = 16 * 1024  # the same two, for a file on a local disk
+_TAIL_LOCAL = 8 * 1024
 ALIGN = 64  # torch aligns storage records to 64 bytes so they can be mmap'ed
 
 
@@ -59,7 +62,7 @@ class Archive:
 class _Window(io.RawIOBase):
     """A read-only, seekable view of ``[start, start+length)`` of a file, for ``zipfile``."""
 
-    def __init__(self, reader: RangeReader, start: int, length: int, prefetched: bytes | None = None):
+    def __init__(self, reader: RangeReader, start: int, length: int, prefetched: bytes | None = None, tail: int = _TAIL):
         self._r = reader
         self._start = start
         self._len = length
@@ -67,6 +70,7 @@ class _Window(io.RawIOBase):
         self._buf = prefetched
         self._tail: bytes | None = None
         self._head: bytes | None = None
+        self._span = tail
 
     def seekable(self) -> bool:
         return True
@@ -88,16 +92,16 @@ class _Window(io.RawIOBase):
             return b""
         if self._buf is not None:
             data = self._buf[self._pos : end]
-        elif end <= _TAIL and self._len > 2 * _TAIL:
+        elif end <= self._span and self._len > 2 * self._span:
             # torch writes data.pkl and the small records first: fetch the head once as well
             if self._head is None:
-                self._head = self._r.read(self._start, _TAIL)
+                self._head = self._r.read(self._start, self._span)
             data = self._head[self._pos : end]
-        elif self._pos >= self._len - _TAIL:
+        elif self._pos >= self._len - self._span:
             # zipfile reads the end record and the directory in many small reads: fetch the tail
             # once (one request on an object store instead of dozens; a syscall less locally)
             if self._tail is None:
-                self._tail = self._r.read(self._start + max(0, self._len - _TAIL), min(_TAIL, self._len))
+                self._tail = self._r.read(self._start + max(0, self._len - self._span), min(self._span, self._len))
             base = self._len - len(self._tail)
             data = self._tail[self._pos - base : end - base]
         else:
@@ -117,10 +121,15 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
     if length is None:
         length = reader.size() - start
     reader.check_range(start, length)
-    prefetched = reader.read(start, length) if length <= max(_SMALL_ARCHIVE, whole_up_to) else None
+    # On a local disk a read costs a syscall, not a round trip: read the few KiB zipfile needs, so a
+    # load that wants part of a record does not read the rest of it (or 128 KiB around it) anyway.
+    loc = getattr(reader, "loc", None)
+    local = loc is not None and not loc.batch_reads
+    small, tail = (_SMALL_LOCAL, _TAIL_LOCAL) if local else (_SMALL_ARCHIVE, _TAIL)
+    prefetched = reader.read(start, length) if length <= max(small, whole_up_to) else None
     if prefetched is not None and whole_up_to and not reader.holds(start, length):  # (a held span of records: kept)
         reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
-    window = _Window(reader, start, length, prefetched)
+    window = _Window(reader, start, length, prefetched, tail)
     try:
         pkl, byteorder, storages = _parse_zip(window, start, length, where)
     except CkptError:
@@ -166,8 +175,10 @@ def _parse_zip(window: _Window, start: int, length: int, where: str) -> tuple[by
 def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage, box, where: str,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``box`` of the tensor ``ref`` describes, reading only the rows it touches (into ``out``)."""
+    import torch
+
     check_ref(ref, storage, where)
-    item = dtype_size(ref.dtype)
+    item = dtype_size(ref.element_type)
     if ref.is_contiguous():
         return read_c_order_box(reader, storage.offset + ref.storage_offset * item, ref.shape, ref.dtype, box, out)
     # Rare: a strided tensor (saved from a view). Read its whole storage, then view it.
@@ -190,7 +201,7 @@ def check_ref(ref: TensorRef, storage: StoredStorage, where: str) -> None:
         raise CorruptCheckpointError(
             f"tensor has a negative or inconsistent size, stride or offset (shape {list(ref.shape)}, "
             f"stride {list(ref.stride)}, storage offset {ref.storage_offset})", where=where)
-    item = dtype_size(ref.dtype)
+    item = dtype_size(ref.element_type)
     numel = math.prod(ref.shape)
     if numel == 0:
         return
@@ -207,7 +218,7 @@ def span_bytes(ref: TensorRef) -> int:
     """Bytes from a tensor's first element to its last, as its strides lay them out."""
     if any(s == 0 for s in ref.shape):
         return 0
-    return (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))) * dtype_size(ref.dtype)
+    return (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))) * dtype_size(ref.element_type)
 
 
 def load_object_record(reader: RangeReader, start: int, length: int, where: str) -> Any:
@@ -265,25 +276,32 @@ class _ArchivePickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _Placeholder):
+            import torch
+
+            from ..compat import rebuild_tensor_v2, rebuild_tensor_v3
+
             numel = math.prod(obj.shape)
             stride = _contiguous_stride(obj.shape)
-            if obj.dtype in LEGACY_STORAGE_NAMES:
-                storage = _StorageToken(obj.key, obj.dtype, numel)
+            name = dtype_of(obj.dtype).name
+            if name in LEGACY_STORAGE:
+                storage = _StorageToken(obj.key, LEGACY_STORAGE[name], numel)
                 return rebuild_tensor_v2(), (storage, 0, torch.Size(obj.shape), stride, False, OrderedDict())
             storage = _StorageToken(obj.key, None, numel * dtype_size(obj.dtype))
-            return rebuild_tensor_v3(), (storage, 0, torch.Size(obj.shape), stride, False, OrderedDict(), obj.dtype)
+            return rebuild_tensor_v3(), (storage, 0, torch.Size(obj.shape), stride, False, OrderedDict(), torch_dtype(obj.dtype))
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageToken):
-            storage_type = torch.UntypedStorage if obj.dtype is None else getattr(torch, LEGACY_STORAGE_NAMES[obj.dtype])
+            import torch
+
+            storage_type = torch.UntypedStorage if obj.storage is None else getattr(torch, obj.storage)
             return ("storage", storage_type, obj.key, "cpu", obj.numel)
         return None
 
 
 class _StorageToken:
-    def __init__(self, key: str, dtype: torch.dtype | None, numel: int):
-        self.key, self.dtype, self.numel = key, dtype, numel  # dtype None: untyped, numel in bytes
+    def __init__(self, key: str, storage: str | None, numel: int):
+        self.key, self.storage, self.numel = key, storage, numel  # storage class None: untyped, numel in bytes
 
 
 class ArchiveWriter:

@@ -83,7 +83,8 @@ def test_a_load_needing_one_block_reads_about_that_block(saved):
     local, where, read = load_box(step, 5, ROWS)  # one row: one block of the record's 256
     assert torch.equal(local, full[where])
     assert local.numel() * 4 == HASH_BLOCK
-    assert HASH_BLOCK <= read <= 3 * HASH_BLOCK, f"read {read} bytes for one block of a {ROWS * HASH_BLOCK}-byte record"
+    # the block, and a few KiB to parse the record and check the bytes around its data
+    assert HASH_BLOCK <= read <= HASH_BLOCK + (48 << 10), f"read {read} bytes for one block of a {ROWS * HASH_BLOCK}-byte record"
 
 
 @pytest.mark.parametrize("rank,world", [(3, 7), (1, 2)])
@@ -92,7 +93,7 @@ def test_a_partial_load_reads_its_rows_and_at_most_a_block_more_at_each_end(save
     local, where, read = load_box(step, rank, world)
     assert torch.equal(local, full[where])
     need = local.numel() * 4
-    assert need <= read <= need + 3 * HASH_BLOCK
+    assert need <= read <= need + 2 * HASH_BLOCK + (48 << 10)
 
 
 def test_a_column_shard_is_read_through_the_blocks_it_spans(saved):

@@ -9,10 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict
-from typing import Any
-
-import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from typing import TYPE_CHECKING, Any
 
 from ...checksums import hash_bytes
 from ...errors import CorruptCheckpointError, FormatError, NotFoundError
@@ -22,22 +19,29 @@ from ...storage import Location, RangeReader
 from ...steps import COMMIT_FILE, read_commit_record
 from ..base import Source
 from ..torchzip import REMOTE_RECORD, REMOTE_SPAN, Archive, load_object_record, read_archive, read_tensor_box
-from .checks import RecordChecks
 from .transforms import ARCHIVE_SLACK, MAX_OBJECT_BYTES, MAX_ZSTD_RATIO, DecodedRecord, check_descriptors
 from .metadata import METADATA_FILE, check_tensor_metadata, parse_metadata, read_metadata_bytes, storage_index, writer_world_size
+from .metadata_types import BytesStorageMetadata, TensorStorageMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+    from .checks import RecordChecks
 
 
 class DcpSource(Source):
     """With ``verify`` (the default) every record is checked before its first use: torch's CRC-32
     and, for a ckpttool step, the manifest of its commit record (a damaged record refuses the
-    step). ``rank`` names the reader in the errors of a distributed load."""
+    step). ``rank`` names the reader in the errors of a distributed load. ``.metadata`` is read
+    into plain classes (``metadata_types.py``): opening, ``index()``, reading objects and checking
+    records import no torch."""
 
     format = "dcp"
 
     def __init__(self, location: Location, verify: bool = True, rank: int | None = None):
         super().__init__(location)
         raw = read_metadata_bytes(location)
-        self.metadata = parse_metadata(raw, location)
+        self.metadata = parse_metadata(raw, location, plain=True)
         self.metadata_size = len(raw)
         self.metadata_digest = hash_bytes(raw)  # the manifest of a ckpttool step covers .metadata too
         self._storage = storage_index(self.metadata, location)
@@ -50,8 +54,10 @@ class DcpSource(Source):
         self._checked: set[str] = set()
         self.checks: RecordChecks | None = None
         if verify:
+            from . import checks  # (only a checking reader needs it; verify opens without)
+
             record = read_commit_record(location)
-            self.checks = RecordChecks(self, (record or {}).get("manifest"), rank)
+            self.checks = checks.RecordChecks(self, (record or {}).get("manifest"), rank)
 
     def index(self) -> Index:
         if self._index is not None:
@@ -68,7 +74,7 @@ class DcpSource(Source):
             if isinstance(md, TensorStorageMetadata):
                 check_tensor_metadata(key, md, md_url)
                 chunks = []
-                item = dtype_size(md.properties.dtype)
+                item = dtype_size(md.properties.dtype)  # (a DType: checked above)
                 for c in md.chunks:
                     offs, sizes = tuple(c.offsets), tuple(c.sizes)
                     info = self._storage.get((key, offs))
@@ -160,7 +166,7 @@ class DcpSource(Source):
         """(file, offset) of every tensor record -> the bytes of its chunk, built once (a lookup per
         decoded record, not a walk over the tensor's chunks)."""
         if self._chunk_sizes is None:
-            self._chunk_sizes = {(c.location.relative_path, c.location.offset): math.prod(c.sizes) * dtype_size(e.dtype)
+            self._chunk_sizes = {(c.location.relative_path, c.location.offset): math.prod(c.sizes) * dtype_size(e.element_type)
                                  for e in self.index().tensors() for c in e.chunks}
         return self._chunk_sizes
 
@@ -208,10 +214,10 @@ class DcpSource(Source):
         arch = self.archive(chunk.location, key)
         ref = arch.obj
         where = f"{self.file(chunk.location.relative_path).url} (key {key!r})"
-        if tuple(getattr(ref, "shape", ())) != chunk.sizes or getattr(ref, "dtype", None) != entry.dtype:
+        if tuple(getattr(ref, "shape", ())) != chunk.sizes or getattr(ref, "element_type", None) != entry.element_type:
             raise CorruptCheckpointError(
-                f"record of {key!r} at {chunk.offsets} holds {getattr(ref, 'dtype', '?')}{list(getattr(ref, 'shape', []))}, "
-                f".metadata says {entry.dtype}{list(chunk.sizes)}",
+                f"record of {key!r} at {chunk.offsets} holds {getattr(ref, 'element_type', '?')}{list(getattr(ref, 'shape', []))}, "
+                f".metadata says {entry.element_type}{list(chunk.sizes)}",
                 where=where,
             )
         storage = arch.storages.get(ref.storage.key)
@@ -232,6 +238,8 @@ class DcpSource(Source):
         return entry
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        import torch
+
         entry = self.checked_entry(key)
         box = box if box is not None else whole(entry.shape)
         if out is None:
@@ -242,6 +250,8 @@ class DcpSource(Source):
                 if self.checks.straight(key, entry, chunk, part, dst):
                     self.checks.read_chunk(key, entry, chunk, part, dst)  # one pass: read into dst, checked there
                     continue
+                if part != (chunk.offsets, chunk.sizes) and self.checks.read_blocks(key, entry, chunk, part, dst):
+                    continue  # only the manifest blocks the part touches: read and checked
                 if self.checks.read_part(key, entry, chunk, part, dst):  # the next part: checked as it goes by
                     continue
                 self.checks.scan_chunk(key, entry, chunk)  # another part of the record: check it all first
