@@ -35,8 +35,8 @@ _SMALL_ARCHIVE = 1 << 20  # read archives up to this size in one request
 REMOTE_RECORD = 16 << 20  # on an object store, DCP records up to this size are fetched whole (one request)
 REMOTE_SPAN = 32 << 20  # ... together with the records that follow them in the file, up to this many bytes
 _TAIL = 64 * 1024  # the zip directory of a torch archive is a few hundred bytes per record
-_SMALL_LOCAL = 16 * 1024  # the same two, for a file on a local disk
-_TAIL_LOCAL = 8 * 1024
+_SMALL_LOCAL = 8 * 1024  # the same two, for a file on a local disk
+_TAIL_LOCAL = 4 * 1024
 ALIGN = 64  # torch aligns storage records to 64 bytes so they can be mmap'ed
 
 
