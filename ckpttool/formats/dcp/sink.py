@@ -11,6 +11,7 @@ import io
 import math
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import IO, Any
 
 import torch
@@ -31,6 +32,9 @@ from ..base import ObjectSpec, ReadFn, Sink, TensorSpec, split, stream_tensor
 from ..torchzip import ArchiveWriter
 from .metadata import METADATA_FILE, data_file_name
 from .transforms import check_compress, record_stream, storage_info
+
+
+OPEN_FILES = 64  # target ranks' files a worker writes at the same time
 
 
 class _Appending(io.RawIOBase):
@@ -105,24 +109,40 @@ class DcpSink(Sink):
     def _ranks(self) -> list[int]:
         return [rank for rank in range(self.layout.world_size) if self.mine(rank, self.layout.world_size)]
 
+    def _groups(self) -> list[list[int]]:
+        """This worker's target ranks in groups whose files are open at the same time."""
+        ranks = self._ranks()
+        return [ranks[i:i + OPEN_FILES] for i in range(0, len(ranks), OPEN_FILES)]
+
     def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
-        return [(spec, box) for rank in self._ranks() for spec in tensors
+        return [(spec, box) for group in self._groups() for spec in tensors for rank in group
                 for box in self.layout.boxes_of(rank, spec.key, spec.shape)]
 
     def write(self, tensors: list[TensorSpec], reader_for: Callable[[TensorSpec], tuple[ReadFn, int]],
               done: Callable[[int, str], None]) -> None:
-        for rank in self._ranks():  # the order read_order lists
-            f = self.next_file(self.tmp.child(data_file_name(rank)))  # every rank gets its file, even an empty one
-            records = self._records.setdefault(rank, [])
-            if rank == 0:
-                for spec in self._objects:
-                    self._add_object(f, records, spec)
-                self._objects = []
+        """Tensor by tensor, each target rank's boxes of it into that rank's file (a group of files
+        open at once): the source is read once, front to back. Written one file after the other,
+        a reshard read the source once per target file, each pass stopping inside records, and the
+        kernel's read-ahead past each stop was evicted before the next pass came back for it: a
+        32 GB reshard 2 -> 3 read 40.7-42.1 GB from the disk for 32.9 GB asked. Each file still
+        gets its records in tensor order, so the output's bytes do not change."""
+        for group in self._groups():  # the order read_order lists
+            files = self._files.enter_context(ExitStack())
+            out: dict[int, IO[bytes]] = {}
+            for rank in group:  # every rank gets its file, even an empty one
+                out[rank] = files.enter_context(self.tmp.child(data_file_name(rank)).open_write())
+                records = self._records.setdefault(rank, [])
+                if rank == 0:
+                    for spec in self._objects:
+                        self._add_object(out[rank], records, spec)
+                    self._objects = []
             for spec in tensors:
-                for box in self.layout.boxes_of(rank, spec.key, spec.shape):
-                    read, budget = reader_for(spec)
-                    self._add_chunk(f, records, spec, box, read, budget)
-                    done(math.prod(box[1]) * dtype_size(spec.dtype), spec.key)
+                for rank in group:
+                    for box in self.layout.boxes_of(rank, spec.key, spec.shape):
+                        read, budget = reader_for(spec)
+                        self._add_chunk(out[rank], self._records[rank], spec, box, read, budget)
+                        done(math.prod(box[1]) * dtype_size(spec.dtype), spec.key)
+            files.close()
 
     def _add_object(self, f: IO[bytes], records: list, spec: ObjectSpec) -> None:
         start = f.tell()
