@@ -154,7 +154,8 @@ class ChildRun:
 
 
 def run_child(argv: list[str], result_file: str, log_file: str, env: dict[str, str] | None = None,
-              poll_s: float = 0.05, timeout_s: float | None = None) -> ChildRun:
+              poll_s: float = 0.05, timeout_s: float | None = None,
+              on_poll: Callable[[float, int, int], None] | None = None) -> ChildRun:
     """Run ``argv`` as a fresh process; measure its wall time and the peak memory of its process tree.
 
     Two measurements of the peak: ``wait4``'s ``ru_maxrss`` (exact, but the peak RSS of the largest
@@ -166,7 +167,8 @@ def run_child(argv: list[str], result_file: str, log_file: str, env: dict[str, s
     The child runs in a session (and process group) of its own: on ``timeout_s``, and whenever this
     function leaves while members of that group are still alive (an exception, a launcher that
     left ranks behind), the whole group is killed with SIGKILL, not only the direct child. The
-    child is expected to write a JSON object to ``result_file``.
+    child is expected to write a JSON object to ``result_file``. ``on_poll(seconds, tree_kib, pid)``,
+    when given, is called from the polling thread after each poll (an RSS timeline: bench/large.py).
     """
     if os.path.exists(result_file):
         os.remove(result_file)
@@ -193,7 +195,10 @@ def run_child(argv: list[str], result_file: str, log_file: str, env: dict[str, s
         def poll() -> None:
             while not done.is_set():
                 try:
-                    peak[0] = max(peak[0], tree_rss_kib(proc.pid))
+                    kib = tree_rss_kib(proc.pid)
+                    peak[0] = max(peak[0], kib)
+                    if on_poll is not None:
+                        on_poll(time.perf_counter() - t0, kib, proc.pid)
                 except Exception:  # noqa: BLE001 - a process vanishing mid-walk: keep polling
                     pass
                 done.wait(poll_s)
