@@ -1,7 +1,8 @@
 """Storage backends: the few primitives each provides (stat, list, ranged reads into a caller's
 buffer, streamed writes, remove, rename), the local disk through ``os`` (positioned reads straight
 into tensor memory, write-back as a file grows, fsync before a commit) and everything else through
-fsspec (parallel ranged reads). ``storage.location.Location`` builds everything else on them."""
+fsspec (parallel ranged reads; on S3, uploads whose parts go up in the background: upload.py).
+``storage.location.Location`` builds everything else on them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import IO, Any
 import fsspec
 
 from .commit import CommitPolicy, InPlaceCommit, RenameCommit
+from .upload import MultipartWriter, Uploads
 
 class Backend(ABC):
     """The primitives a storage backend provides; :class:`Location` builds on them."""
@@ -272,11 +274,16 @@ class NoBucket(Exception):
     """An object store's bucket (or container) that does not exist."""
 
 
-#: remote reads of at least two parts are split into ranged requests of this size (each request
-#: costs a round trip, and on the test server about 0.2 s whatever its size: bench/s3.py) ...
+#: remote transfers are split into parts of this size: reads of at least two parts into ranged
+#: requests (each request costs a round trip, and on the test server about 0.2 s whatever its
+#: size: bench/s3.py), S3 uploads into the parts of a multipart upload (storage/upload.py) ...
 PART_BYTES = 16 << 20
-#: ... this many in flight at once (bounded: each part is held in memory until copied out)
+#: ... this many in flight at once (bounded: each part is held in memory until copied out, or
+#: until uploaded; see storage.upload.Uploads for every upload's memory together)
 PARALLEL_PARTS = 4
+#: the window of parts in flight, the upload threads and the memory for parts being filled that
+#: every S3 upload of this process shares
+UPLOADS = Uploads(PART_BYTES, PARALLEL_PARTS * PART_BYTES)
 
 
 class Fsspec(Backend):
@@ -356,13 +363,22 @@ class Fsspec(Backend):
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
-        f = self.fs.open(path, "wb")
+        f = self._open_upload(path)
         try:
             yield f
         except BaseException:
             discard_upload(f)
             raise
         f.close()  # completes the upload: only now does the object exist
+
+    def _open_upload(self, path: str) -> Any:
+        """S3: a :class:`MultipartWriter`, whose parts upload while the caller produces the next
+        (s3fs's own file uploads each part inside ``write()``); elsewhere the filesystem's file.
+        An S3 store that wants parts of one fixed size (``fixed_upload_size``, R2) keeps s3fs's."""
+        s3fs = sys.modules.get("s3fs")  # an S3FileSystem exists only once s3fs was imported
+        if s3fs is not None and isinstance(self.fs, s3fs.S3FileSystem) and not getattr(self.fs, "fixed_upload_size", False):
+            return MultipartWriter(self.fs, path, UPLOADS)
+        return self.fs.open(path, "wb")
 
     def makedirs(self, path: str) -> None:
         split = getattr(self.fs, "split_path", None)  # object stores (s3fs, gcsfs, adlfs): bucket first

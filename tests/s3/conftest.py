@@ -79,6 +79,7 @@ def s3_server(tmp_path_factory):
             os.environ[k] = v
     proc.terminate()
     proc.wait(10)
+    log.close()
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +89,7 @@ def s3_server_with_auth(tmp_path_factory):
     yield S3(port, log)
     proc.terminate()
     proc.wait(10)
+    log.close()
 
 
 @pytest.fixture

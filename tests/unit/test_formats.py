@@ -297,7 +297,7 @@ def test_large_reads_through_a_chained_fsspec_url(tmp_path, monkeypatch):
 
     from ckpttool import storage
 
-    monkeypatch.setattr(storage, "PART_BYTES", 4096)  # the 64 KiB tensor is 16 parts
+    monkeypatch.setattr(storage.backends, "PART_BYTES", 4096)  # the 64 KiB tensor is 16 parts
     a = torch.arange(16384, dtype=torch.float32)
     torch.save({"a": a}, tmp_path / "a.pt")
     fs = fsspec.filesystem("memory")

@@ -34,7 +34,8 @@ from .metadata import METADATA_FILE, data_file_name
 from .transforms import check_compress, record_stream, storage_info
 
 
-OPEN_FILES = 64  # target ranks' files a worker writes at the same time
+OPEN_FILES = 64  # target ranks' files a worker writes at the same time (a local disk)
+OPEN_UPLOADS = 16  # ... and to an object store, where each open file holds a part of >= 5 MiB in memory
 
 
 class _Appending(io.RawIOBase):
@@ -112,7 +113,8 @@ class DcpSink(Sink):
     def _groups(self) -> list[list[int]]:
         """This worker's target ranks in groups whose files are open at the same time."""
         ranks = self._ranks()
-        return [ranks[i:i + OPEN_FILES] for i in range(0, len(ranks), OPEN_FILES)]
+        n = OPEN_FILES if self.location.local_path is not None else OPEN_UPLOADS
+        return [ranks[i:i + n] for i in range(0, len(ranks), n)]
 
     def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
         return [(spec, box) for group in self._groups() for spec in tensors for rank in group
