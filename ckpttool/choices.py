@@ -34,3 +34,12 @@ def parse_size(text: str | int, what: str = "size") -> int:
     if value < 1:
         raise UsageError(f"{what} must be positive, got {text!r}")
     return value
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 KiB``, ... ``2.0 TiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

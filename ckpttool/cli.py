@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from . import formats
-from .choices import CAST_DTYPES, COMPRESSIONS, parse_size
+from .choices import CAST_DTYPES, COMPRESSIONS, human_bytes, parse_size
 from .errors import EXIT_BAD_INPUT, CkptError, UsageError
 
 SIZE_HELP = "sizes like 512MiB, 2GB or plain bytes"
@@ -146,7 +146,7 @@ class Progress:
         if not self.enabled:
             return
         pct = 100.0 * done / total if total else 100.0
-        line = f"\r{self.label}: {pct:5.1f}% {_human(done)}/{_human(total)} {key[-40:]}"
+        line = f"\r{self.label}: {pct:5.1f}% {human_bytes(done)}/{human_bytes(total)} {key[-40:]}"
         sys.stderr.write(line.ljust(100)[:120])
         sys.stderr.flush()
         self.shown = True
@@ -155,14 +155,6 @@ class Progress:
         if self.shown:
             sys.stderr.write("\n")
             sys.stderr.flush()
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
@@ -288,7 +280,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
         force=force, storage_options=_storage_options(storage_options), progress=progress, parallel=many))
     if report is None:
         return
-    click.echo(f"wrote {report.dst} ({report.dst_format}): {report.tensors} tensors, {_human(report.bytes)}, {report.objects} objects")
+    click.echo(f"wrote {report.dst} ({report.dst_format}): {report.tensors} tensors, {human_bytes(report.bytes)}, {report.objects} objects")
     if report.dropped:
         click.echo(f"dropped {len(report.dropped)} non-tensor entries that {report.dst_format} cannot hold: {', '.join(report.dropped)}", err=True)
     for note in report.notes:
@@ -391,7 +383,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
         storage_options=_storage_options(storage_options), progress=progress))
     if report is None:
         return
-    click.echo(f"wrote {report.dst}: {report.tensors} tensors, {_human(report.bytes)} for {report.world_size} ranks "
+    click.echo(f"wrote {report.dst}: {report.tensors} tensors, {human_bytes(report.bytes)} for {report.world_size} ranks "
                f"({'' if report.mesh.startswith('like ') else 'mesh '}{report.mesh}; source had {report.source_world_size})")
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
@@ -463,7 +455,7 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
             click.echo(f"problem: {problem.line()}")
         for note in report.notes:
             click.echo(f"note: {note}")
-        scope = (f"{report.tensors_checked} tensors ({_human(report.bytes_checked)}) and {report.objects_checked} objects "
+        scope = (f"{report.tensors_checked} tensors ({human_bytes(report.bytes_checked)}) and {report.objects_checked} objects "
                  f"{'checked' if report.ok else 'examined'} in {report.path}")
         click.echo(f"OK: {scope}" if report.ok else f"{len(report.problems)} problem(s) found; {scope}")
     ctx.exit(report.exit_code)

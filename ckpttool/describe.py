@@ -9,6 +9,7 @@ from typing import Any
 from .formats import detect, open_source
 from .index import TensorEntry
 from .safe_torch import values_as_read
+from .choices import human_bytes
 from .steps import is_training_root, list_root, read_commit_record, step_name
 from .storage import Location, resolve
 
@@ -62,7 +63,11 @@ def describe_root(loc: Location) -> dict[str, Any]:
     steps = []
     for step in listing.committed:
         record = read_commit_record(loc.child(step_name(step))) or {}
-        steps.append({"step": step, "path": loc.child(step_name(step)).url, "world_size": record.get("world_size")})
+        row = {"step": step, "path": loc.child(step_name(step)).url, "world_size": record.get("world_size")}
+        for field in ("bytes_written", "bytes_shared"):  # what the save wrote, and what it shared with the step before
+            if isinstance(record.get(field), int) and not isinstance(record.get(field), bool):
+                row[field] = record[field]
+        steps.append(row)
     damaged = [{"step": step, "path": loc.child(step_name(step)).url, "problem": what} for step, what in listing.damaged.items()]
     return {"path": loc.url, "kind": "training_root", "steps": steps, "damaged": damaged, "incomplete": listing.incomplete}
 
@@ -85,7 +90,10 @@ def render_text(report: dict[str, Any]) -> str:
         if report["steps"]:
             lines.append(f"committed steps ({len(report['steps'])}):")
             for s in report["steps"]:
-                lines.append(f"  step {s['step']:>8}  world size {s['world_size']}  {s['path']}")
+                wrote = ""
+                if "bytes_written" in s:
+                    wrote = f"  wrote {human_bytes(s['bytes_written'])}, shared {human_bytes(s.get('bytes_shared', 0))}"
+                lines.append(f"  step {s['step']:>8}  world size {s['world_size']}{wrote}  {s['path']}")
         else:
             lines.append("no committed steps")
         for d in report["damaged"]:

@@ -163,6 +163,23 @@ class Location:
         tmp.write_bytes(data)
         tmp.rename_to(self)
 
+    def share_from(self, source: Location) -> bool:
+        """Make this (absent) file hold ``source``'s bytes without them passing through this
+        process: a hard link on a local disk (both names share the bytes; removing either leaves
+        the other whole), a server-side copy on an object store. False where the storage cannot
+        (another filesystem, no hard links, a store without copy): the caller writes the bytes."""
+        src, dst = source.local_path, self.local_path
+        try:
+            if src is not None and dst is not None:
+                os.link(src, dst)
+                return True
+            if isinstance(self._backend, Fsspec) and self._backend == source._backend:
+                self._backend.fs.copy(source.path, self.path)
+                return True
+        except (OSError, NotImplementedError):
+            return False
+        return False
+
     def remove(self) -> None:
         """Remove a file or a directory tree; a missing path is not an error."""
         self._call(self._backend.remove, verb="remove")

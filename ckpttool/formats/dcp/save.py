@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import time
 import uuid
@@ -40,6 +41,7 @@ from ..torchzip import ArchiveWriter
 from .metadata import METADATA_FILE, data_file_name
 from .transforms import record_stream, storage_info
 
+log = logging.getLogger("ckpttool")
 PARTIAL = ".ckpttool-rank-{rank}.json"
 _HEAD_MAX = 64 << 10  # bytes of a record kept until its tensor data begins (a zip entry's header: ~100)
 MAX_PARTIAL_BYTES = 256 << 20
@@ -186,7 +188,9 @@ class _HashingWriter(io.RawIOBase):
 @dataclass
 class RankIndex:
     """What one rank wrote (JSON in storage): its tensors' chunks and objects, where each record
-    lies in its file, the manifest rows, and (rank 0) the nesting of every key."""
+    lies in its file, the manifest rows, and (rank 0) the nesting of every key. A chunk's entry is
+    ``[offsets, sizes, start, length]`` in ``file``, or with a fifth element the file it lies in
+    (an incremental save's file of frozen tensors, whose rows are in ``files``)."""
 
     rank: int
     file: str
@@ -196,19 +200,48 @@ class RankIndex:
     paths: dict[str, list[Any]] = field(default_factory=dict)
     error: str | None = None
     compress: str | None = None  # every record of this rank stored through this transform
+    files: dict[str, list[list[Any]]] = field(default_factory=dict)  # other files' manifest rows
+    written: int = 0  # bytes this rank wrote
+    shared: int = 0  # bytes this rank's step got from the previous step without writing them
+
+
+@dataclass
+class Written:
+    """What a rank wrote into its file of frozen tensors: kept by an incremental Checkpointer, so
+    its next save can tell whether that file would come out the same (every record's key, box,
+    dtype and block digests) and share it instead of writing it."""
+
+    step_dir: Location
+    file: str
+    records: list[tuple[str, list[int], list[int], str, list[Any]]]  # (key, offsets, sizes, dtype, manifest row)
+
+
+def frozen_file_name(rank: int) -> str:
+    """The file of a rank's frozen tensors in an incremental save (``__<rank>_1.distcp``: torch's
+    readers take any file ``.metadata`` names)."""
+    return f"__{rank}_1.distcp"
 
 
 def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
-               after_write: Callable[[], None] | None = None, compress: str | None = None) -> None:
+               after_write: Callable[[], None] | None = None, compress: str | None = None,
+               frozen: frozenset[str] = frozenset(), previous: Written | None = None) -> Written | None:
     """Write this rank's part of the step into ``step_dir``: its data file, then its index (the
     index's appearance in storage tells rank 0 this rank is done). On failure the index carries
-    the error instead, so rank 0 stops waiting, and the error is raised here too."""
+    the error instead, so rank 0 stops waiting, and the error is raised here too.
+
+    Tensors whose keys are in ``frozen`` go to a file of their own; when ``previous`` (what this
+    rank wrote there at the previous committed step) has the same records with the same block
+    digests, the new step gets that file by a hard link (a server-side copy on an object store)
+    instead of a write. Returns what is in the frozen file now (None when there is none)."""
     flat, paths = flatten(state)
     index = RankIndex(rank, data_file_name(rank), compress=compress)
+    written: Written | None = None
     try:
         with step_dir.child(index.file).open_write() as raw:
             out = _HashingWriter(raw)
             for key, value in flat.items():
+                if key in frozen and isinstance(value, (HostShard, torch.Tensor)):
+                    continue  # declared and stored below
                 if isinstance(value, HostShard):  # staged by an async save
                     _declare(index, key, value.shape, value.local.dtype)
                     if value.store:
@@ -224,6 +257,10 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                         rec.write(buf.getbuffer())
                     index.objects[key] = [start, out.tell() - start]
                     index.records.append(out.row(start, out.tell() - start))
+            index.written += out.tell()
+        frozen_parts = _frozen_parts(index, flat, frozen)
+        if frozen_parts:
+            written = _write_frozen(step_dir, index, frozen_parts, previous)
         if rank == 0:
             index.paths = {k: list(p) for k, p in paths.items()}
         if after_write is not None:
@@ -236,6 +273,92 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
             pass
         raise
     publish_index(step_dir, index)
+    return written
+
+
+def _frozen_parts(index: RankIndex, flat: dict[str, Any], frozen: frozenset[str]) -> list[tuple[str, tuple, torch.Tensor, Box]]:
+    """Declare every frozen tensor; return the boxes of them this rank stores, in state order:
+    (key, global shape, host-side local tensor, box)."""
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    for key, value in flat.items():
+        if key not in frozen:
+            continue
+        if isinstance(value, HostShard):
+            _declare(index, key, value.shape, value.local.dtype)
+            if value.store:
+                parts.append((key, value.shape, value.local, value.box))
+        elif isinstance(value, torch.Tensor):
+            _declare(index, key, tuple(value.shape), value.dtype)
+            if (stores(value) if isinstance(value, DTensor) else index.rank == 0):
+                local, box = local_shard_box(value)
+                parts.append((key, tuple(value.shape), local.detach(), box))
+    return parts
+
+
+def _write_frozen(step_dir: Location, index: RankIndex, parts: list[tuple[str, tuple, torch.Tensor, Box]],
+                  previous: Written | None) -> Written:
+    """This rank's file of frozen tensors: shared from ``previous`` when every record would come
+    out the same, else written."""
+    name = frozen_file_name(index.rank)
+    dst = step_dir.child(name)
+    if index.compress is None and previous is not None and previous.file == name and _unchanged(parts, previous):
+        src = previous.step_dir.child(name)
+        if not dst.share_from(src):
+            _cannot_share(dst)
+        else:
+            rows = index.files[name] = []
+            for key, offsets, sizes, _dtype, row in previous.records:
+                index.tensors[key]["chunks"].append([list(offsets), list(sizes), row[0], row[1], name])
+                rows.append(list(row))
+            index.shared += src.size()
+            return Written(step_dir, name, previous.records)
+    if dst.exists():  # (a failed share left a name: unlink it, never write through it into the step it came from)
+        dst.remove()
+    rows = index.files[name] = []
+    records = []
+    with dst.open_write() as raw:
+        out = _HashingWriter(raw)
+        for key, shape, local, box in parts:
+            _write_local(out, index, key, shape, local, box)
+            row = index.records.pop()  # the record's row belongs to this file
+            chunk = index.tensors[key]["chunks"][-1]
+            chunk.append(name)
+            rows.append(row)
+            records.append((key, list(box[0]), list(box[1]), str(local.dtype).removeprefix("torch."), row))
+        index.written += out.tell()
+    return Written(step_dir, name, records)
+
+
+_warned: set[str] = set()
+
+
+def _cannot_share(dst: Location) -> None:
+    """Say once per process that this storage cannot share files, so every incremental save writes all."""
+    if "share" not in _warned:
+        _warned.add("share")
+        log.warning("ckpttool: %s cannot share a file with the previous step (no hard links or server-side copy): "
+                    "incremental saves write every byte", dst.parent.url)
+
+
+def _unchanged(parts: list[tuple[str, tuple, torch.Tensor, Box]], previous: Written) -> bool:
+    """Whether the frozen records would be those of ``previous``: the same keys, boxes and dtypes in
+    the same order, and every block of the data hashing to the previous step's digest (the tensors
+    are hashed in memory here, on the writing rank: no collective)."""
+    if len(parts) != len(previous.records):
+        return False
+    for (key, _shape, local, box), (pkey, offsets, sizes, dtype, row) in zip(parts, previous.records):
+        if (key != pkey or list(box[0]) != list(offsets) or list(box[1]) != list(sizes)
+                or str(local.dtype).removeprefix("torch.") != dtype or len(row) < 4):
+            return False
+        hasher = BlockHasher()
+        host = local.to("cpu").contiguous() if local.numel() else local
+        for slab in slabs(box[1], dtype_size(local.dtype), SLAB):
+            hasher.update(tensor_buffer(host[relative(slab, ((0,) * len(box[1]), box[1]))].contiguous()))
+        if hasher.finish() != row[3]["blocks"]:
+            return False
+    return True
 
 
 def publish_index(step_dir: Location, index: RankIndex) -> None:
@@ -318,6 +441,12 @@ def _read_index(loc: Location) -> RankIndex:
         raise CorruptCheckpointError(f"a rank's index is damaged ({exc})", where=loc.url) from None
 
 
+def step_bytes(indexes: list[RankIndex]) -> dict[str, int]:
+    """What the step cost to write, for its commit record: bytes written, and bytes an incremental
+    save shared with the previous step instead."""
+    return {"bytes_written": sum(i.written for i in indexes), "bytes_shared": sum(i.shared for i in indexes)}
+
+
 def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, Any]:
     """Merge the ranks' indexes into ``.metadata`` (after checking that every tensor's chunks tile
     it), remove the indexes, and return the step's manifest."""
@@ -329,11 +458,12 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
     for index in indexes:
         for key, t in index.tensors.items():
             shapes.setdefault(key, (tuple(t["shape"]), t["dtype"]))
-            chunks.setdefault(key, []).extend(((tuple(o), tuple(s)), index.file, off, n) for o, s, off, n in t["chunks"])
+            chunks.setdefault(key, []).extend(((tuple(c[0]), tuple(c[1])), c[4] if len(c) > 4 else index.file, c[2], c[3])
+                                              for c in t["chunks"])
         for key, (off, n) in index.objects.items():
             state_md[key] = BytesStorageMetadata()
             storage[MetadataIndex(key)] = storage_info(index.file, off, n, index.compress)
-    compress_of = {index.file: index.compress for index in indexes}
+    compress_of = {name: index.compress for index in indexes for name in (index.file, *index.files)}
     for key in order:
         if key not in shapes:
             continue
@@ -358,5 +488,8 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
     step_dir.child(METADATA_FILE).write_bytes(raw)
     for index in indexes:
         step_dir.child(partial_name(index.rank)).remove()
-    return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "records": {i.file: i.records for i in indexes},
+    records = {i.file: i.records for i in indexes}
+    for index in indexes:
+        records.update(index.files)
+    return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "records": records,
             "files": {METADATA_FILE: [len(raw), hash_bytes(raw)]}}
