@@ -86,6 +86,7 @@ class Checkpointer:
         compress: str | None = None,
         on_commit: Callable[[int, str], None] | None = None,
         on_phase: Callable[[str, float, float], None] | None = None,
+        incremental: bool = False,
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
@@ -110,6 +111,12 @@ class Checkpointer:
         # on_phase(name, start, end) after each phase of a save (time.perf_counter(), in the thread
         # that ran it): where the time of a save goes, for benchmarks and logs (PHASES)
         self.on_phase = on_phase
+        # incremental: each rank writes the parameters that do not train (requires_grad=False) to a
+        # file of their own, and a step whose file would come out as the last committed step's gets
+        # that file by a hard link (a server-side copy on an object store) instead of a write
+        self.incremental = incremental
+        self._frozen: frozenset[str] = frozenset()  # the state keys of this save's frozen parameters
+        self._written: Any = None  # what this rank put in its frozen file at its last save (dcp_format.Written)
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -184,6 +191,9 @@ class Checkpointer:
         if error is not None:
             raise error
         state = self._timed("state", training_state, model, optimizer, extra)
+        # (read by this save's writer only: the next save() sets it after joining this one)
+        self._frozen = (frozenset(f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad)
+                        if self.incremental else frozenset())
         final = self.root.child(step_name(step))
         tmp = self._timed("prepare", self._prepare_step_dir, step, final)
         own = dcp_format.supports(state)  # else DCP's own writer, which needs the process group
@@ -221,7 +231,7 @@ class Checkpointer:
         try:
             if own:
                 self._stager.wait()  # the copies are in host memory (CUDA: issued on a side stream)
-                self._timed("write", self._write_own, staged, tmp, rank)
+                self._timed("write", self._write_own, staged, tmp, rank, final)
                 if rank == 0:
                     self._timed("commit", self._commit_own, step, tmp, final, world_size)
             else:
@@ -233,7 +243,7 @@ class Checkpointer:
             self._phase("done", now, now)  # the background save is over (rank 0: committed, or failed)
 
     def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
-        dist.agreed(lambda: self._timed("write", self._write_own, state, tmp, dist.rank()))
+        dist.agreed(lambda: self._timed("write", self._write_own, state, tmp, dist.rank(), final))
         dist.agreed(lambda: self._timed("commit", self._commit_own, step, tmp, final, dist.world_size()), rank0_only=True)
 
     def _timed(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -253,20 +263,29 @@ class Checkpointer:
             except Exception:  # noqa: BLE001 - a caller's callback must not fail a save
                 log.exception("on_phase callback failed for phase %s", name)
 
-    def _write_own(self, state: dict[str, Any], tmp: Location, rank: int) -> None:
+    def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location) -> None:
+        previous = self._written
+        if previous is not None and not previous.step_dir.child(COMMIT_FILE).exists():
+            previous = None  # its step never committed, or retention removed it: nothing to share
+        self._written = None
         try:
-            dcp_format.write_rank(tmp, rank, state, after_write=lambda: dist.pause_point("after-write"), compress=self.compress)
+            written = dcp_format.write_rank(tmp, rank, state, after_write=lambda: dist.pause_point("after-write"),
+                                            compress=self.compress, frozen=self._frozen, previous=previous)
+            if written is not None:
+                written.step_dir = final  # where its files are once the step is committed
         except CkptError:
             raise
         except Exception as exc:  # a write the storage refused: one line naming the step
             raise _save_error(exc, tmp) from None
+        self._written = written
 
     def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int) -> None:
         """Rank 0: wait for every rank's index in storage, write .metadata, then the commit record
         (last), publish the step and apply retention."""
         indexes = dcp_format.read_rank_indexes(tmp, world_size, self.commit_timeout)
         manifest = dcp_format.commit_metadata(tmp, indexes)
-        tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, {"manifest": manifest}))
+        record = {"manifest": manifest, **dcp_format.step_bytes(indexes)}  # bytes written, and shared with the step before
+        tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, record))
         dist.pause_point("before-rename")
         self.root.commit_policy.publish(tmp, final)
         self._committed(step, final)

@@ -42,6 +42,14 @@ def make_parser() -> argparse.ArgumentParser:
         "--async-save", action="store_true", help="save in the background (a snapshot; training goes on while it writes)"
     )
     parser.add_argument(
+        "--freeze", action="append", default=[], metavar="PREFIX",
+        help="freeze the parameters whose names start with PREFIX (repeatable; e.g. tok_embeddings, layers.0.): they do not train",
+    )
+    parser.add_argument(
+        "--incremental", action="store_true",
+        help="each save shares the previous step's file of frozen parameters (a hard link) when they did not change",
+    )
+    parser.add_argument(
         "--verify-after-load",
         action="store_true",
         help="after resuming, check every rank's shards against the checkpoint's bytes (no all-gather)",
@@ -57,6 +65,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--save-every must be >= 0, got {args.save_every}")
     if args.save_every > 0 and not args.ckpt_dir:
         raise UsageError("--save-every needs --ckpt-dir", hint="pass --ckpt-dir DIR, or drop --save-every")
+    if args.incremental and not args.ckpt_dir:
+        raise UsageError("--incremental needs --ckpt-dir", hint="pass --ckpt-dir DIR, or drop --incremental")
     if args.keep_last is not None and args.keep_last < 1:
         raise UsageError(f"--keep-last must be >= 1, got {args.keep_last}")
     if args.keep_every is not None and args.keep_every < 1:

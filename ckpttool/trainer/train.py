@@ -70,7 +70,14 @@ def run_training(args: argparse.Namespace) -> TrainRun:
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (world_size,))
     model = build_fsdp_model(config, mesh, args.seed, mixed_precision=args.mixed_precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    for prefix in args.freeze:  # a frozen base (fine-tuning): no gradient, no optimizer state
+        matched = [p for name, p in model.named_parameters() if name.startswith(prefix)]
+        if not matched:
+            raise UsageError(f"--freeze {prefix}: no parameter name starts with it",
+                             hint="names look like tok_embeddings.weight, layers.0.attention.wq.weight")
+        for p in matched:
+            p.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.1)
     device = next(model.parameters()).device
 
     ckpt = None
@@ -79,6 +86,7 @@ def run_training(args: argparse.Namespace) -> TrainRun:
         from .. import Checkpointer  # only needed when checkpointing
 
         ckpt = Checkpointer(args.ckpt_dir, keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save,
+                            incremental=args.incremental,
                             on_commit=lambda step, url: print(f"committed step {step}: {url}", flush=True))
         if args.resume:
             res = ckpt.load(model, optimizer)

@@ -1,0 +1,71 @@
+"""Incremental saves in one process: what is shared, what is written, on a local disk and in memory://."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import fsspec
+import torch
+
+from ckpttool import Checkpointer
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    m[0].weight.requires_grad_(False)
+    m[0].bias.requires_grad_(False)
+    return m
+
+
+def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return all(torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)) for k in sa)
+
+
+def record(root: str, step: int) -> dict:
+    with open(os.path.join(root, f"step-{step}", ".ckpttool-commit.json")) as fh:
+        return json.load(fh)
+
+
+def test_unchanged_frozen_parameters_are_shared_and_changed_ones_written(tmp_path):
+    root = str(tmp_path / "run")
+    m = model()
+    ck = Checkpointer(root, incremental=True)
+    ck.save(1, m)
+    first = {k: v.clone() for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        m[1].weight += 1  # trains: in the rank's main file
+    ck.save(2, m)
+    a, b = (os.stat(os.path.join(root, f"step-{s}", "__0_1.distcp")) for s in (1, 2))
+    assert a.st_ino == b.st_ino, "step 2 should share step 1's file of frozen parameters"
+    assert record(root, 1)["bytes_shared"] == 0 and record(root, 2)["bytes_shared"] == a.st_size
+    with torch.no_grad():
+        m[0].weight[3, 3] += 1  # a frozen parameter changed in place: its blocks differ, so it is written
+    ck.save(3, m)
+    c = os.stat(os.path.join(root, "step-3", "__0_1.distcp"))
+    assert c.st_ino != b.st_ino and record(root, 3)["bytes_shared"] == 0
+    for step in (1, 2, 3):
+        fresh = model(seed=step + 10)
+        Checkpointer(root).load(fresh, step=step)
+        if step == 3:
+            assert same(fresh, m)
+    fresh = model(seed=99)
+    Checkpointer(root).load(fresh, step=1)
+    assert all(torch.equal(v.view(torch.uint8), first[k].view(torch.uint8)) for k, v in fresh.state_dict().items())
+
+
+def test_an_object_store_shares_by_copy_and_every_step_loads(tmp_path):
+    root = f"memory://incremental-{uuid.uuid4().hex}"
+    try:
+        m = model()
+        ck = Checkpointer(root, incremental=True, keep_last=1)  # retention deletes the step shared from
+        ck.save(1, m)
+        ck.save(2, m)
+        fresh = model(seed=5)
+        Checkpointer(root).load(fresh)
+        assert same(fresh, m) and Checkpointer(root).steps() == [2]
+    finally:
+        fsspec.filesystem("memory").rm(root.removeprefix("memory://"), recursive=True)
