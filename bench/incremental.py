@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import (  # noqa: E402
-    GB, MiB, add_run_args, f, json_path, md_header, parser, print_results, remove, run_header, start_run, table,
+    GB, MiB, add_run_args, f, json_path, md_header, now, parser, print_results, remove, run_header, start_run, table,
     verdict_md, write_json, write_markdown,
 )
 from _dist import add_rank_args, finish_rank, init_rank, measure_ranks, model_dims, rank_results  # noqa: E402
@@ -51,10 +51,11 @@ def rank_case(args) -> None:
     model = build_fsdp_model(cfg, make_mesh("2"), seed=0)
     params = list(model.named_parameters())
     total = sum(p.numel() for _, p in params)
-    seen = 0
-    for _, p in params:  # freeze the first 95% of the parameters, in order (embeddings and the first blocks)
-        p.requires_grad_(seen + p.numel() > FROZEN * total)
-        seen += p.numel()
+    frozen = 0
+    for _, p in params:  # freeze 95% of the parameters, taking them in order (embeddings, the first blocks, ...)
+        freeze = frozen + p.numel() <= FROZEN * total
+        p.requires_grad_(not freeze)
+        frozen += p.numel() if freeze else 0
     trainable = [p for _, p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     inc = Checkpointer(os.path.join(args._root, "incremental"), incremental=True, keep_last=2)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks = rank_results("incremental", run)
     finally:
         remove(root)
-    results: dict[str, Any] = {**run_header(SCRIPT, argv, machine), "cfg": cfg, "ok": ranks is not None}
+    results: dict[str, Any] = {**run_header(SCRIPT, argv, machine), "cfg": cfg, "ok": ranks is not None, "finished": now()}
     checks: list[dict[str, Any]] = []
     lines: list[list[str]] = []
     if ranks is not None:
