@@ -179,12 +179,9 @@ def tensor_properties_reader() -> type:
 
     class AnyReleaseTensorProperties(TensorProperties):
         def __setstate__(self, state: Any) -> None:
-            if not isinstance(state, tuple) or len(state) not in (5, 6):
-                raise ValueError(f"TensorProperties state of {type(state).__name__} "
-                                 f"{len(state) if isinstance(state, tuple) else ''} (5 or 6 fields expected)")
-            strides = state[5] if len(state) == 6 else None
-            if strides is not None and not (isinstance(strides, tuple) and all(type(s) is int for s in strides)):
-                raise ValueError(f"TensorProperties strides {strides!r} are not a tuple of ints")
+            from .formats.dcp.metadata_types import check_properties_state
+
+            check_properties_state(state)
             TensorProperties.__setstate__(self, state if native_strides else state[:5])
             if not native_strides and strides is not None:
                 self.strides = strides

@@ -16,7 +16,7 @@ import torch
 
 from ckpttool import Checkpointer
 
-from ..helpers import cli
+from ..helpers import cli, flip_bit
 from .harness import run_ranks, spawn_ranks, wait_then_kill
 from .incremental_workloads import ckpttool_load, crash_during_incremental_save, incremental_run, plain_load
 from .workloads import assert_same
@@ -25,14 +25,6 @@ from .workloads import assert_same
 def commit_record(step_dir: str) -> dict:
     with open(os.path.join(step_dir, ".ckpttool-commit.json")) as fh:
         return json.load(fh)
-
-
-def flip(path: str, at: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(at)
-        b = fh.read(1)[0]
-        fh.seek(at)
-        fh.write(bytes([b ^ 0x01]))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +74,7 @@ def test_a_flipped_bit_in_a_shared_record_is_caught_by_verify_and_every_load(run
     subprocess.run(["cp", "-a", root, copy], check=True)
     shared = os.path.join(copy, "step-3", "__1_1.distcp")
     assert os.stat(shared).st_nlink == 2
-    flip(shared, os.path.getsize(shared) // 3)
+    flip_bit(shared, os.path.getsize(shared) // 3)
     for step in (2, 3):
         cli("verify", os.path.join(copy, f"step-{step}"), code=1)
         for r in run_ranks(ckpttool_load, 2, copy, step):

@@ -22,7 +22,7 @@ from ckpttool.errors import ChecksumError
 from ckpttool.formats.dcp import DcpSource, load_into
 from ckpttool.steps import read_commit_record
 from ckpttool.storage import resolve
-from tests.helpers import cli
+from tests.helpers import cli, flip_bit
 
 ROWS, COLS = 256, HASH_BLOCK // 4  # float32 rows of exactly one block: a 32 MiB record
 KEY = "model.weight"
@@ -70,14 +70,6 @@ def load_box(step: str, rank: int, world: int, placement=Shard(0)) -> tuple[torc
         return value.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape)), read
 
 
-def flip(path: str, at: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(at)
-        byte = fh.read(1)[0]
-        fh.seek(at)
-        fh.write(bytes([byte ^ 0x10]))
-
-
 def test_a_load_needing_one_block_reads_about_that_block(saved):
     step, full = saved
     local, where, read = load_box(step, 5, ROWS)  # one row: one block of the record's 256
@@ -111,7 +103,7 @@ def corrupted(saved, tmp_path, offset: int) -> str:
     for name in os.listdir(step):
         with open(os.path.join(step, name), "rb") as src, open(copy / name, "wb") as dst:
             dst.write(src.read())
-    flip(str(copy / "__0_0.distcp"), data_start(str(copy)) + offset)
+    flip_bit(str(copy / "__0_0.distcp"), data_start(str(copy)) + offset, 4)
     return str(copy)
 
 
