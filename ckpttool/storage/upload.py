@@ -247,8 +247,9 @@ class MultipartWriter:
             self._upload_id = mpu["UploadId"]
         size = self._fill
         reserved = self.uploads.reserve(size, lambda: self._error is not None)
-        self._check()
-        assert reserved
+        self._check()  # (reserve gives up only once a part failed: raised here)
+        if not reserved:
+            raise UploadError(errno.EIO, "no room for a part in the upload window", self.url)
         # copied once its place in the window is taken: no more parts exist than the window holds
         future = self.uploads.submit(self._upload_part, number, [bytes(memoryview(self._buf)[:size])], size)
         self._sent = number
