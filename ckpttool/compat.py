@@ -181,7 +181,7 @@ def tensor_properties_reader() -> type:
         def __setstate__(self, state: Any) -> None:
             from .formats.dcp.metadata_types import check_properties_state
 
-            check_properties_state(state)
+            strides = check_properties_state(state)
             TensorProperties.__setstate__(self, state if native_strides else state[:5])
             if not native_strides and strides is not None:
                 self.strides = strides
