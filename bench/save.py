@@ -11,6 +11,9 @@ measures, each case in a fresh set of processes with the page cache dropped befo
   ckpttool sync         Checkpointer.save (DCP + manifest + commit record + rename)
   dcp.async_save        plain torch, on a gloo process group of its own (dist.new_group)
   ckpttool async        Checkpointer(async_save=True).save
+  ckpttool async loop   (ckpt_async_loop) the same, every few steps of a training loop, as a user's
+                        loop runs it: what the saves cost the loop, per save, against the same
+                        loop without them (below)
 
 In each save case, every rank builds the model and then:
 
@@ -40,15 +43,34 @@ In each save case, every rank builds the model and then:
   (the library is not changed). Raw writes build their 64 MiB buffers before the clock; the 2
   streams start together behind a barrier and are timed from the first start to the last end.
 
+The loop case (ckpt_async_loop) runs, after the same warm-up, --loop-saves (default 20) pairs of
+blocks of --loop-block (default 3) steps: a *save block* starts with an async save() (step i, the
+Checkpointer keeps the last 2 steps), a *plain block* has no save, so the loop saves every 2 x
+--loop-block steps. Its cost per save is (sum of save blocks - sum of plain blocks) / saves: the
+loop with saves against the same loop without them, alternated block by block so that the
+machine's drift cancels (the median block difference is printed beside it). A save still running
+at the end of its block would move part of its cost into the next plain block: "spilled" counts
+those. Reported beside it: save() + fence per save (median, and the worst), the background CPU
+seconds per save (this process's CPU minus the training thread's, save blocks against plain
+ones), the training thread's extra run-queue wait (waiting for a core), and memory: the staging
+buffers' bytes against the rank's state, the peak over all the saves (VmHWM) minus training's own
+peak over --steps steps without saves taken after the loop (close() frees the staging buffers:
+training's peak grows over the steps by itself, +330 MiB a rank in 120 steps at 1 GB here, so
+the peak before the loop, also printed, understates it), and the peak of each pair of blocks
+(steady over the saves, or growing?). The ratio's denominator is the sync case's save
+of the same run, as everywhere here; --loop-sync (default 2) sync saves at the end of the loop
+case give the same processes' own (the "same processes" column).
+
 Each case runs --repeat times, rounds interleaved; one representative run is reported (the median
 extra loop time with >= 3 runs, else the faster commit) and every value of a row comes from it;
 the JSON keeps each key's value in every run (KEY_all) and all the runs.
 
     .venv/bin/python bench/save.py --sizes 1 --md docs/bench/save.md --plot docs/img/bench-save.png
 
-Targets (issue "async save"): async blocking <= 2% of the sync save's time; extra loop time while
-the async save runs <= 25% of the sync save's time; sync save >= 0.85x raw write bandwidth; async adds
-at most one copy of the rank's state to host memory.
+Targets (issues "async save" and 29): async save() + fence <= 1% of the sync save's time; what
+async saves cost a training loop <= 0.25x of a sync save each (the loop case); sync save >= 0.85x
+raw write bandwidth; async adds at most one copy of the rank's state (+5%) to host memory, steadily
+over the loop's saves.
 """
 
 from __future__ import annotations
@@ -83,6 +105,9 @@ METHODS = {
     "ckpt_async": "ckpttool async save",
 }
 SYNC_METHODS = ("dcp_save", "ckpt_sync")  # done when save() returns: their extra loop time is the noise floor
+#: the loop case: what async saves every few steps cost a training loop, against the same loop without saves
+LOOP = "ckpt_async_loop"
+LOOP_LABEL = "ckpttool async save in a loop"
 
 
 # --- the rank body ----------------------------------------------------------------------------------
@@ -92,7 +117,7 @@ SYNC_METHODS = ("dcp_save", "ckpt_sync")  # done when save() returns: their extr
 FENCE = "fence: optimizer step waits for the copy (Stager.fence)"
 #: Checkpointer.on_phase's names -> the labels of this benchmark's timeline (its JSON and the page)
 PHASE_LABELS = {"state": "get_state_dict (training_state)", "stage": "stage copy into host buffers (Stager.stage)",
-                "fence": FENCE, "prepare": "prepare step dir (broadcast)", "write": "write this rank's part (write_rank)",
+                "fence": FENCE, "prepare": "join the last save, lease, step dir, agreement (prepare)", "write": "write this rank's part (write_rank)",
                 "commit": "commit (wait for indexes, .metadata, record, rename)", "sync save": "sync save (all)",
                 "wait": "wait()"}
 
@@ -193,7 +218,10 @@ def rank_case(args) -> None:
             else:
                 tl.record(PHASE_LABELS[name], start, end)
 
-        ck = Checkpointer(root, async_save=(method == "ckpt_async"), on_phase=on_phase)
+        # the loop case keeps 2 steps: its saves would fill the disk otherwise
+        ck = Checkpointer(root, async_save=(method in ("ckpt_async", LOOP)), on_phase=on_phase,
+                          keep_last=2 if method == LOOP else None,
+                          **({"writer_nice": args.writer_nice} if args.writer_nice is not None else {}))
 
     def dcp_dir(step: int) -> str:
         return os.path.join(root, f"dcp-step-{step}")
@@ -227,6 +255,12 @@ def rank_case(args) -> None:
     for _ in range(WARMUP_STEPS - 1):
         train_step()
     base_hwm = proc_status("VmHWM") or 0
+    if method == LOOP:
+        doc = loop_case(args, ck, model, optimizer, train_step, tl)
+        ck.close()
+        finish_rank(args, {**doc, "ok": True, "method": method, "build_s": build_s, "rank_state_bytes": rank_bytes,
+                           "rss_base0_kib": rss_base0, "base_hwm_kib": base_hwm, "torch": torch.__version__})
+        return
 
     # from here on, the peak includes the prior saves: ckpttool's staging copy, made by the first
     # async save and reused by the next, counts as memory added by saving
@@ -307,6 +341,107 @@ def rank_case(args) -> None:
     })
 
 
+def loop_case(args, ck, model, optimizer, train_step, tl: Timeline) -> dict[str, Any]:
+    """The loop case's body on one rank (after the warm-up): what async saves cost a training loop.
+
+    The loop saves every 2k steps (k = --loop-block): a *save block* is a save() and the k steps
+    after it, a *plain block* the k steps after those. The cost of a save to the loop is the time
+    of the save blocks minus that of the plain blocks, per save: the loop with saves against the
+    same loop without them, alternated block by block so that the machine's drift cancels. A
+    save still running at the end of its block (``spilled``) would move part of its cost into the
+    plain block that follows; each save block is long enough that none should. Memory: the peak
+    over all the saves (the first one allocates the staging buffers) minus the training-only peak,
+    and the RSS after each plain block (steady, or growing?). CPU: this process's CPU seconds in
+    each block, and the training thread's own; their difference, save blocks against plain ones,
+    is what the save's background threads took. At the end, --loop-sync sync saves of the same
+    processes give the ratio's denominator measured alongside."""
+    import torch.distributed as dist
+
+    from _common import proc_status, reset_peak_rss
+
+    k, n = args.loop_block, args.loop_saves
+    # the memory baseline: the peak of --steps training steps without a save, right before the
+    # loop (the warm-up's 3 steps saw less than training's own peak: the sync case's "added" of
+    # +300 MiB with no staging at all was that)
+    dist.barrier()
+    reset_peak_rss()
+    for _ in range(args.steps):
+        train_step()
+    base_hwm = proc_status("VmHWM") or 0
+    save_blocks, plain_blocks, blocks_s, fences, spilled, rss_kib, pair_hwm = [], [], [], [], [], [], []
+
+    def block(save_step: int | None) -> dict[str, float]:
+        w, p, t, q = time.perf_counter(), time.process_time(), time.thread_time(), run_delay()
+        blocking = None
+        if save_step is not None:
+            ck.save(save_step, model, optimizer, extra={"step": save_step, "note": "bench/save.py loop"})
+            blocking = time.perf_counter() - w
+        still = 0
+        for _ in range(k):
+            _d, still = train_step((lambda: ck.saving) if save_step is not None else None)
+        if save_step is not None:
+            spilled.append(still)
+        return {"wall_s": time.perf_counter() - w, "cpu_s": time.process_time() - p, "main_cpu_s": time.thread_time() - t,
+                "main_runq_s": run_delay() - q, "blocking_s": blocking}
+
+    for i in range(n):
+        tl.events.clear()
+        reset_peak_rss()  # the peak of each pair of blocks: steady over the saves, or growing?
+        save_blocks.append(block(i))
+        fences.append(sum(e - s for name, s, e, _ in tl.events if name == FENCE))
+        save_blocks[-1]["phases_s"] = {name: e - s for name, s, e, thread in tl.events if thread == "MainThread" and name != FENCE}
+        plain_blocks.append(block(None))
+        rss_kib.append(proc_status("VmRSS") or 0)
+        pair_hwm.append(proc_status("VmHWM") or 0)
+    tw = time.perf_counter()
+    ck.wait()
+    wait_s = time.perf_counter() - tw
+    hwm = max(pair_hwm + [proc_status("VmHWM") or 0])
+    views = [b for b in ck.staging.buffers.values()]
+    staging_bytes = sum({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in views}.values())
+    # training's own peak after as many steps as the loop made: its peak grows over the steps
+    # without any save (+330 MiB a rank over 120 steps at 1 GB here), so the peak before the loop
+    # understates it. close() frees the staging buffers (one mapping: returned at once).
+    del views
+    ck.close()
+    dist.barrier()
+    reset_peak_rss()
+    for _ in range(args.steps):
+        train_step()
+    after_hwm = proc_status("VmHWM") or 0
+    sync_s = []
+    for j in range(args.loop_sync):  # the denominator, in the same processes: a sync save, waited by every rank
+        dist.barrier()
+        ts = time.perf_counter()
+        ck.save(n + j, model, optimizer, extra={"step": n + j}, blocking=True)
+        dist.barrier()
+        sync_s.append(time.perf_counter() - ts)
+    blocks_s = [(s["wall_s"], p["wall_s"]) for s, p in zip(save_blocks, plain_blocks)]
+    cost = sum(s - p for s, p in blocks_s) / n
+    bg_cpu = sum((s["cpu_s"] - s["main_cpu_s"]) - (p["cpu_s"] - p["main_cpu_s"]) for s, p in zip(save_blocks, plain_blocks)) / n
+    return {
+        "loop_saves": n, "loop_block": k, "save_blocks": save_blocks, "plain_blocks": plain_blocks,
+        "loop_cost_s": cost, "loop_cost_median_s": statistics.median(s - p for s, p in blocks_s),
+        "plain_block_s": statistics.median(p for _s, p in blocks_s),
+        "blocking_s": statistics.median(s["blocking_s"] for s in save_blocks),
+        "fence_s": statistics.median(fences), "stall_all_s": [s["blocking_s"] + fc for s, fc in zip(save_blocks, fences)],
+        "bg_cpu_s": bg_cpu, "main_cpu_extra_s": sum(s["main_cpu_s"] - p["main_cpu_s"] for s, p in zip(save_blocks, plain_blocks)) / n,
+        "main_runq_extra_s": sum(s["main_runq_s"] - p["main_runq_s"] for s, p in zip(save_blocks, plain_blocks)) / n,
+        "spilled": sum(1 for x in spilled if x), "rss_after_kib": rss_kib, "pair_hwm_kib": pair_hwm, "save_hwm_kib": hwm,
+        "loop_base_hwm_kib": base_hwm, "loop_after_hwm_kib": after_hwm, "staging_bytes": staging_bytes, "wait_s": wait_s,
+        "sync_in_loop_s": sync_s, "timeline": tl.rows(),
+    }
+
+
+def run_delay() -> float:
+    """Seconds the calling thread has waited for a CPU (its run queue delay, Linux schedstat); 0 elsewhere."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def raw_case(dst: str, nbytes: int, streams: int) -> dict[str, Any]:
     """Raw write of ``nbytes``: the buffers are built before the clock; 2 streams start together
     (a barrier) and their time is the span from the first start to the last end of the writes."""
@@ -354,6 +489,22 @@ def summarise(name: str, run) -> dict[str, Any]:
     if ranks is None:
         return {"ok": False, "rc": run.rc}
     mx = lambda k: max(x[k] for x in ranks)  # noqa: E731
+    if name == LOOP:
+        # over training's own peak after the loop (the same number of steps: see loop_case)
+        added = [(x["save_hwm_kib"] - max(x["loop_base_hwm_kib"], x.get("loop_after_hwm_kib", 0))) for x in ranks]
+        added_before = [(x["save_hwm_kib"] - x["loop_base_hwm_kib"]) for x in ranks]
+        keep = ("loop_saves", "loop_block", "plain_block_s", "spilled", "sync_in_loop_s", "save_blocks", "plain_blocks")
+        return {"ok": True, **{key: ranks[0][key] for key in keep},
+                # the blocks end at the same all-reduce on every rank: the slowest rank's figures
+                "loop_cost_s": mx("loop_cost_s"), "loop_cost_median_s": mx("loop_cost_median_s"), "blocking_s": mx("blocking_s"),
+                "fence_s": mx("fence_s"), "stall_max_s": max(max(x["stall_all_s"]) for x in ranks), "bg_cpu_s": mx("bg_cpu_s"),
+                "main_cpu_extra_s": mx("main_cpu_extra_s"), "main_runq_extra_s": mx("main_runq_extra_s"), "wait_s": mx("wait_s"), "rank_state_bytes": mx("rank_state_bytes"),
+                "added_kib": max(added), "added_per_rank_kib": added, "added_over_first_peak_kib": max(added_before), "rank_peak_kib": max(x["save_hwm_kib"] for x in ranks),
+                "rss_after_kib_per_rank": [x["rss_after_kib"] for x in ranks], "pair_hwm_kib_per_rank": [x["pair_hwm_kib"] for x in ranks],
+                "loop_base_hwm_kib_per_rank": [x["loop_base_hwm_kib"] for x in ranks], "staging_bytes": mx("staging_bytes"),
+                "loop_after_hwm_kib_per_rank": [x.get("loop_after_hwm_kib") for x in ranks],
+                "tree_peak_kib": run.peak_kib, "process_wall_s": run.wall_s, "timeline_rank0": ranks[0].get("timeline", []),
+                "torch": ranks[0].get("torch")}
     added = [(x["save_hwm_kib"] - x["base_hwm_kib"]) for x in ranks]
     return {
         "ok": True, "prior_saves": ranks[0]["prior_saves"], "prior_save_s": [max(v) for v in zip(*(x["prior_save_s"] for x in ranks))],
@@ -373,6 +524,8 @@ def summarise(name: str, run) -> dict[str, Any]:
 def pick_run(ok: list[dict[str, Any]]) -> dict[str, Any]:
     """The representative run of a case: with >= 3 runs the one with the median extra loop time
     (the lower median for an even count), else the one with the faster commit (raw cases: always)."""
+    if all(r.get("loop_cost_s") is not None for r in ok):  # the loop case: the (lower) median loop cost
+        return sorted(ok, key=lambda r: r["loop_cost_s"])[(len(ok) - 1) // 2]
     with_extra = [r for r in ok if r.get("extra_s") is not None]
     if len(with_extra) >= 3:
         return sorted(with_extra, key=lambda r: r["extra_s"])[(len(with_extra) - 1) // 2]
@@ -391,7 +544,9 @@ def measure(name: str, args, work: str, cfg: dict[str, int], nbytes: int, cold: 
         remove(root)
         run = measure_ranks(SCRIPT, WORLD, ["--_case", name, "--_root", root, "--_cfg", json.dumps(cfg),
                                             "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-                                            "--prior-saves", str(args.prior_saves)],
+                                            "--prior-saves", str(args.prior_saves), "--loop-saves", str(args.loop_saves),
+                                            "--loop-block", str(args.loop_block), "--loop-sync", str(args.loop_sync),
+                                            *(["--writer-nice", str(args.writer_nice)] if args.writer_nice is not None else [])],
                             work, name, timeout_s=args.case_timeout)
         remove(root)
     r = summarise(name, run)
@@ -451,10 +606,65 @@ def derive(size: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
         checks.append({"target": "async adds <= 1 copy of the rank's state (+5%)", "case": f"ckpttool async {tag}",
                        "value": f"+{a['added_mib']:.0f} MiB = {a['added_x_state']:.2f}x of {a['rank_state_mib']:.0f} MiB",
                        "pass": a["added_x_state"] <= 1.05})
+    loop = cases.get(LOOP, {})
+    if loop.get("ok"):
+        row, loop_checks = derive_loop(loop, sync_s)
+        rows.append(row)
+        checks.extend(loop_checks)
+    elif LOOP in cases:
+        rows.append({"case": LOOP, "label": LOOP_LABEL, "failed": True})
     if s and s.get("bw_vs_raw") is not None:
         checks.append({"target": "sync save bandwidth >= 0.85x raw write", "case": f"ckpttool sync {tag}",
                        "value": f"{s['gbps']:.2f} GB/s = {s['bw_vs_raw']:.2f}x", "pass": s["bw_vs_raw"] >= 0.85})
     return rows, checks
+
+
+def derive_loop(c: dict[str, Any], sync_case_s: float | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The loop case's row and its verdicts. The denominator is the sync case's save of this run
+    (as every other ratio here), else the sync saves the loop case made at its end."""
+    in_loop = statistics.median(c["sync_in_loop_s"]) if c.get("sync_in_loop_s") else None
+    sync_s = sync_case_s or in_loop
+    n = c["loop_saves"]
+    stall = c["blocking_s"] + c["fence_s"]
+    rss = [kib / 1024 for kib in c["rss_after_kib_per_rank"][0]]
+    # the peak of each pair of blocks over the baseline, on the rank that added most; the first
+    # pair's includes the staging buffers' first allocation
+    worst = max(range(len(c["added_per_rank_kib"])), key=lambda r: c["added_per_rank_kib"][r])
+    pairs = [(kib - c["loop_base_hwm_kib_per_rank"][worst]) / 1024 for kib in c["pair_hwm_kib_per_rank"][worst]]
+    half = max(1, len(pairs[1:]) // 2)
+    drift = statistics.mean(pairs[-half:]) - statistics.mean(pairs[1:1 + half]) if len(pairs) > 2 else None
+    row = {"case": LOOP, "label": LOOP_LABEL, "loop": True, "saves": n, "block": c["loop_block"], "plain_block_s": c["plain_block_s"],
+           "loop_cost_s": c["loop_cost_s"], "loop_cost_median_s": c["loop_cost_median_s"], "sync_s": sync_s, "sync_in_loop_s": in_loop,
+           "cost_x_sync": c["loop_cost_s"] / sync_s if sync_s else None,
+           "cost_x_sync_in_loop": c["loop_cost_s"] / in_loop if in_loop else None,
+           "blocking_s": c["blocking_s"], "fence_s": c["fence_s"], "stall_s": stall, "stall_max_s": c["stall_max_s"],
+           "stall_pct_sync": 100 * stall / sync_s if sync_s else None, "bg_cpu_s": c["bg_cpu_s"], "spilled": c["spilled"],
+           "added_mib": c["added_kib"] / 1024, "rank_state_mib": c["rank_state_bytes"] / MiB,
+           "added_x_state": c["added_kib"] * 1024 / c["rank_state_bytes"], "rss_first_mib": rss[0] if rss else None,
+           "added_first_mib": c.get("added_over_first_peak_kib", c["added_kib"]) / 1024,
+           "rss_last_mib": rss[-1] if rss else None, "rss_spread_mib": (max(rss) - min(rss)) if rss else None,
+           "pair_added_mib": pairs, "pair_drift_mib": drift, "staging_mib": c["staging_bytes"] / MiB,
+           "staging_x_state": c["staging_bytes"] / c["rank_state_bytes"],
+           "peak_mib": c["rank_peak_kib"] / 1024, "runs": c.get("runs"), "picked": c.get("picked")}
+    tag = f"every {2 * c['loop_block']} steps, {n} saves"
+    checks = []
+    if sync_s:
+        checks.append({"target": "async saves cost the loop <= 0.25x of a sync save each", "case": f"{LOOP_LABEL}, {tag}",
+                       "value": f"{c['loop_cost_s']:+.2f} s per save = {row['cost_x_sync']:.2f}x of {sync_s:.2f} s "
+                                f"(median block {c['loop_cost_median_s']:+.2f} s; background CPU {c['bg_cpu_s']:.2f} s/save)",
+                       "pass": row["cost_x_sync"] <= 0.25})
+        checks.append({"target": "async save() plus the fence block <= 1% of sync save (median of the loop's saves)",
+                       "case": f"{LOOP_LABEL}, {tag}",
+                       "value": f"{c['blocking_s']:.3f} + {c['fence_s']:.3f} s = {row['stall_pct_sync']:.2f}% of {sync_s:.2f} s "
+                                f"(worst {c['stall_max_s']:.3f} s)",
+                       "pass": row["stall_pct_sync"] <= 1})
+    drift = "" if row["pair_drift_mib"] is None else f", peak per save {row['pair_drift_mib']:+.0f} MiB from the first to the second half"
+    checks.append({"target": "async adds <= 1 copy of the rank's state (+5%), over all the loop's saves", "case": f"{LOOP_LABEL}, {tag}",
+                   "value": f"+{row['added_mib']:.0f} MiB = {row['added_x_state']:.2f}x of {row['rank_state_mib']:.0f} MiB over "
+                            f"training's own peak after the loop (over its peak before: +{row['added_first_mib']:.0f} MiB); "
+                            f"staging buffers {row['staging_x_state']:.3f}x{drift}",
+                   "pass": row["added_x_state"] <= 1.05})
+    return row, checks
 
 
 def measured_save(prior_saves: int) -> str:
@@ -472,6 +682,8 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
             "added by save MiB (× rank state)"]
     lines = []
     for r in rows:
+        if r["case"] == LOOP:
+            continue
         if r.get("failed"):
             lines.append(failed_row(head, r["label"]))
             continue
@@ -482,7 +694,25 @@ def render(rows: list[dict[str, Any]], markdown: bool) -> str:
         lines.append([r["label"], f(r["blocking_s"], ".3f"), f(r["fence_s"], ".3f"), f"{1000 * r['ref_step_s']:.0f} × {r['k_steps']}", extra,
                       f(r["commit_s"]), f(r["gbps"]), f(r["bw_vs_raw"]), f(r["commit_vs_plain"]), f(r["blocking_pct_sync"], ".1f"),
                       f(r["extra_pct_sync"], ".0f"), f(r["peak_mib"], ".0f"), f"+{r['added_mib']:.0f} ({r['added_x_state']:.2f}x)"])
-    return table(head, lines, markdown)
+    text = table(head, lines, markdown)
+    loop = [r for r in rows if r["case"] == LOOP]
+    if loop:
+        text += "\n\n" + render_loop(loop[0], markdown)
+    return text
+
+
+def render_loop(r: dict[str, Any], markdown: bool) -> str:
+    """The loop case's table: what saving every few steps cost the loop, per save."""
+    head = ["case", "saves", "save every", "plain block s", "loop cost per save s (median block)", "× sync save",
+            "× sync save (same processes)", "background CPU s per save", "save() + fence s (worst)", "% of sync", "spilled",
+            "added MiB (× rank state)", "staging buffers × state", "peak per save: drift MiB"]
+    if r.get("failed"):
+        return table(head, [failed_row(head, r["label"])], markdown)
+    line = [r["label"], str(r["saves"]), f"{2 * r['block']} steps", f(r["plain_block_s"]),
+            f"{r['loop_cost_s']:+.2f} ({r['loop_cost_median_s']:+.2f})", f(r["cost_x_sync"]), f(r["cost_x_sync_in_loop"]),
+            f(r["bg_cpu_s"]), f"{r['stall_s']:.3f} ({r['stall_max_s']:.3f})", f(r["stall_pct_sync"]), str(r["spilled"]),
+            f"+{r['added_mib']:.0f} ({r['added_x_state']:.2f}x)", f(r["staging_x_state"], ".3f"), f(r["pair_drift_mib"], "+.0f")]
+    return table(head, [line], markdown)
 
 
 def breakdown(results: dict[str, Any]) -> str:
@@ -506,7 +736,7 @@ def draw(plt, results: dict[str, Any]):
         return "no results: no plot"
     size = results["sizes"][-1]
     rows = [r for r in size.get("rows", []) if not r.get("failed")]
-    saves = [r for r in rows if not r["case"].startswith("raw")]
+    saves = [r for r in rows if not r["case"].startswith("raw") and r["case"] != LOOP]
     if not saves:
         return "no save case succeeded: no plot"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
@@ -537,6 +767,11 @@ def draw(plt, results: dict[str, Any]):
 
 def progress(name: str, r: dict[str, Any], nbytes: int) -> str:
     """The line printed after each run of a case."""
+    if name == LOOP:
+        return (f"{name:<12} loop cost {r['loop_cost_s']:+.2f} s/save (median block {r['loop_cost_median_s']:+.2f} s, "
+                f"plain block {r['plain_block_s']:.2f} s) over {r['loop_saves']} saves, background CPU {r['bg_cpu_s']:.2f} s/save, "
+                f"blocks {r['blocking_s']:.3f} + fence {r['fence_s']:.3f} s, sync in loop {statistics.median(r['sync_in_loop_s']):.2f} s, "
+                f"spilled {r['spilled']}, added +{r['added_kib'] / 1024:.0f} MiB/rank of {r['rank_state_bytes'] / MiB:.0f}")
     extra = "" if name.startswith("raw") else (
         f"  blocks {r['blocking_s']:.3f} s  loop {r['extra_s']:+.2f} s over {r['k_steps']} steps"
         f" (ref {1000 * r['ref_step_s']:.0f} ms/step)  wait {r['wait_s']:.2f} s"
@@ -568,7 +803,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prior-saves", type=int, default=1, help="untimed, fully waited saves of the same method before the "
                    "measured one, so it is a steady-state save (default 1; 0: measure the first save)")
     p.add_argument("--batch-size", type=int, default=2, help="global batch size (default 2; seq_len 32)")
-    p.add_argument("--cases", default="raw_write_1,raw_write_2,dcp_save,ckpt_sync,dcp_async,ckpt_async")
+    p.add_argument("--cases", default=f"raw_write_1,raw_write_2,dcp_save,ckpt_sync,dcp_async,ckpt_async,{LOOP}")
+    p.add_argument("--loop-saves", type=int, default=20, help=f"{LOOP}: async saves in the loop (default 20)")
+    p.add_argument("--loop-block", type=int, default=3, help=f"{LOOP}: steps of a save block and of a plain block; the "
+                   "loop saves every 2x this many steps (default 3)")
+    p.add_argument("--loop-sizes", default="smallest", help=f"sizes (GB, comma-separated) at which {LOOP} runs, or "
+                   "'smallest' (default: the smallest of --sizes; the case takes 2 x --loop-block x --loop-saves steps)")
+    p.add_argument("--writer-nice", type=int, default=None, help="ckpttool cases: Checkpointer(writer_nice=N), the "
+                   "background writer's nice value (default: the library's, the training thread's priority)")
+    p.add_argument("--loop-sync", type=int, default=2, help=f"{LOOP}: sync saves at the end, in the same processes (default 2)")
     p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
     p.add_argument("--no-wait", action="store_true", help="do not wait for a running bench/convert.py")
     add_run_args(p, "save", "/tmp/ckpttool-bench-save")
@@ -580,6 +823,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.prior_saves < 0 or args.steps < 1:
         p.error("--prior-saves must be >= 0 and --steps >= 1")
+    if args.loop_saves < 1 or args.loop_block < 1 or args.loop_sync < 0:
+        p.error("--loop-saves and --loop-block must be >= 1, --loop-sync >= 0")
 
     if args._raw:
         write_json(args._result, raw_case(args._raw[0], int(args._raw[1]), int(args._raw[2])))
@@ -602,15 +847,19 @@ def main(argv: list[str] | None = None) -> int:
     out_json = json_path(args, out_dir, "save")
     print(measured_save(args.prior_saves), flush=True)
     names = [c for c in args.cases.split(",") if c]
-    for size_gb in [float(s) for s in args.sizes.split(",") if s]:
+    sizes = [float(s) for s in args.sizes.split(",") if s]
+    loop_sizes = [min(sizes)] if args.loop_sizes == "smallest" and sizes else [float(s) for s in args.loop_sizes.split(",") if s]
+    for size_gb in sizes:
         cfg = model_dims(size_gb)
         params = n_params(cfg)
         nbytes = 12 * params + 4 * (5 + 16 * cfg["n_layers"])  # + AdamW's 0-d step counters
         print(f"\n== {size_gb:g} GB: {cfg}, {params / 1e6:.1f}M params, {nbytes / GB:.2f} GB of state", flush=True)
         wait_for_convert(size_gb, args.no_wait)
-        runs = run_rounds(args.repeat, names, lambda n: measure(n, args, work, cfg, nbytes, cold),
+        here = [n for n in names if n != LOOP or size_gb in loop_sizes]
+        runs = run_rounds(args.repeat, here, lambda n: measure(n, args, work, cfg, nbytes, cold),
                           lambda n, r: progress(n, r, nbytes))
-        cases = {n: best_of(rs, ["commit_s", "blocking_s", "extra_s", "k_steps", "ref_step_s", "overlap_s", "wait_s"],
+        cases = {n: best_of(rs, ["commit_s", "blocking_s", "extra_s", "k_steps", "ref_step_s", "overlap_s", "wait_s", "loop_cost_s",
+                                 "bg_cpu_s"],
                             ["rank_peak_kib", "added_kib", "tree_peak_kib", "peak_kib"], pick=pick_run) for n, rs in runs.items()}
         size = {"size_gb": size_gb, "cfg": cfg, "params": params, "state_bytes": nbytes, "cases": cases, "all_runs": runs}
         results["sizes"].append(size)

@@ -19,7 +19,6 @@ import contextlib
 import errno
 import logging
 import os
-import threading
 import time
 import weakref
 import warnings
@@ -31,30 +30,30 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
 
 from . import dist, formats
-from .compat import local_shard_box
+from .background import Job, Worker
 from .errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
 from .formats import dcp as dcp_format
 from .formats.dcp import check_compress, dcp_writer, hash_records, metadata_row
 from .index import Index, TensorEntry, unflatten
 from .lease import Lease
 from .staging import Stager
+from .state_cache import StateCache, torch_state
 from .steps import COMMIT_FILE, commit_record, list_root, parse_step, read_commit_record, retention_victims, step_name
 from .storage import Location, resolve
 
 log = logging.getLogger("ckpttool")
 T = TypeVar("T")
 
-#: the phases ``Checkpointer(on_phase=...)`` reports: getting the state dict, staging (the async
-#: copy into host buffers), the fence (an optimizer step waiting for that copy), preparing the
-#: step's directory, writing this rank's part, the commit (rank 0), a whole sync save, wait(),
-#: and "done" (start = end: the moment an async save's background thread finished)
+#: the phases ``Checkpointer(on_phase=...)`` reports: preparing (joining the previous save, the lease,
+#: the step's directory, the ranks' agreement), getting the state dict, staging (the async copy into
+#: host buffers), the fence (an optimizer step waiting for that copy), writing this rank's part, the
+#: commit (rank 0), a whole sync save, wait(), and "done" (start = end: the moment an async save's
+#: background thread finished)
 PHASES = ("state", "stage", "fence", "prepare", "write", "commit", "sync save", "wait", "done")
 
 
@@ -86,12 +85,16 @@ class Checkpointer:
         compress: str | None = None,
         on_commit: Callable[[int, str], None] | None = None,
         on_phase: Callable[[str, float, float], None] | None = None,
+        writer_nice: int | None = None,
         incremental: bool = False,
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
         if keep_every is not None and keep_every < 1:
             raise UsageError(f"keep_every must be at least 1, got {keep_every}")
+        if writer_nice is not None and not (isinstance(writer_nice, int) and 0 <= writer_nice <= 19):
+            raise UsageError(f"writer_nice must be a nice value from 0 to 19, got {writer_nice!r}",
+                             hint="use None to leave the writer at the training thread's priority")
         self.root: Location = resolve(root, storage_options)
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -101,12 +104,13 @@ class Checkpointer:
         self.compress = compress  # "zstd": every record stored compressed (plain torch reads it back)
         self.commit_timeout = commit_timeout  # how long rank 0 waits for the other ranks' parts of a step
         self._lease = Lease(self.root, stale_after=lease_stale_after)  # taken by rank 0 at the first save
-        self._pending: threading.Thread | None = None
+        self._pending: Job | None = None  # the async save being written
         self._pending_error: BaseException | None = None
         self._group: Any = None  # checkpoint-only process group, made on the first async save
         self._staged: Any = None  # the last async save's copy of the state, reused by the next (DCP fallback)
         self._stager = Stager(lambda: dist.pause_point("stage-copy"))  # host buffers of async saves, reused while shapes hold
         self._fences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its pre-step hook
+        self._states = StateCache()  # get_state_dict's answer, kept while the model's and optimizer's structure holds
         self.on_commit = on_commit  # rank 0, once a step is committed: on_commit(step, its URL) (a save's background thread for async saves)
         # on_phase(name, start, end) after each phase of a save (time.perf_counter(), in the thread
         # that ran it): where the time of a save goes, for benchmarks and logs (PHASES)
@@ -117,6 +121,17 @@ class Checkpointer:
         self.incremental = incremental
         self._frozen: frozenset[str] = frozenset()  # the state keys of this save's frozen parameters
         self._written: Any = None  # what this rank put in its frozen file at its last save (dcp_format.Written)
+        # The threads of async saves, started at the first (a thread started per save cost the
+        # training thread milliseconds): the copy into host memory, at the training thread's
+        # priority since the optimizer's next step may wait for it, and the writer, at nice
+        # ``writer_nice`` (Linux: per thread; None: the training thread's). The writer's hashing
+        # and writing take CPU from training; niced, it yields the cores to the training threads,
+        # but it may hold the GIL while it waits for a core, and its save commits later. On 2
+        # ranks here nice 19 did not lower what the saves cost the loop (alternated with nice 0 in
+        # one run at 1 GB: +1.35 against +1.09 s a save, each +-0.4 s): not the default.
+        self.writer_nice = writer_nice
+        self._copier = Worker("ckpttool-stage")
+        self._writer = Worker("ckpttool-save", nice=writer_nice)
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -181,56 +196,68 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         blocking = not self.async_save if blocking is None else blocking
-        error = self._join_pending()  # a failed background save fails every rank's next save
-        if error is None and dist.rank() == 0:
-            try:
-                self._hold_lease()
-            except CkptError as exc:
-                error = exc
-        error = dist.first_error(error)
-        if error is not None:
-            raise error
-        state = self._timed("state", training_state, model, optimizer, extra)
+        final = self.root.child(step_name(step))
+        tmp = self._timed("prepare", self._begin_save, step, final)
+        state, buffers = self._timed("state", self._training_state, model, optimizer, extra)
         # (read by this save's writer only: the next save() sets it after joining this one)
         self._frozen = (frozenset(f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad)
                         if self.incremental else frozenset())
-        final = self.root.child(step_name(step))
-        tmp = self._timed("prepare", self._prepare_step_dir, step, final)
-        own = dcp_format.supports(state)  # else DCP's own writer, which needs the process group
+        staged = None
+        if not blocking:
+            try:
+                # a forward may change module buffers in place: copied at the call, found by the address
+                # of what is copied (``buffers``: of each buffer's local tensor; a DTensor's own data_ptr() is 0)
+                staged = self._timed("stage", self._stager.stage, state, dist.rank(), _stores, in_order=buffers,
+                                     background=optimizer is not None)
+            except _Unsupported:
+                staged = None  # a placement ckpttool's writer does not lay out: DCP's own writer
+        own = staged is not None or (blocking and dcp_format.supports(state))  # else DCP's writer, which needs the process group
         if blocking:
             if own:
                 self._timed("sync save", self._save_own_sync, state, step, tmp, final)
             else:
                 self._write_and_commit_dcp(state, step, tmp, final, group=None)
             return final.url
-        if not own and self._group is None and dist.active():
-            import torch.distributed as tdist
-
-            # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
-            # default group): a group of their own, used only by the background thread.
-            self._group = tdist.new_group(backend="gloo")
         if own:
-            # a forward may change module buffers in place: copied at the call, found by the address
-            # of what is copied (a DTensor's own data_ptr() is 0: its local tensor's)
-            buffers = {local_shard_box(b)[0].data_ptr() for b in model.buffers()}
-            staged = self._timed("stage", self._stager.stage, state, dist.rank(), dcp_format.stores, in_order=buffers,
-                                 background=optimizer is not None)
             if optimizer is not None and optimizer not in self._fences:
                 # the snapshot is fenced before the next step may change what is being copied
                 self._fences[optimizer] = optimizer.register_step_pre_hook(lambda *_: self._timed("fence", self._stager.fence))
         else:
+            if self._group is None and dist.active():
+                import torch.distributed as tdist
+
+                # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
+                # default group): a group of their own, used only by the background thread.
+                self._group = tdist.new_group(backend="gloo")
             staged = self._staged = _stage(state, self._staged)
         dist.pause_point("after-stage")
-        self._pending = threading.Thread(target=self._background, args=(staged, step, tmp, final, own, dist.rank(), dist.world_size()),
-                                         name=f"ckpttool-save-{step}", daemon=False)
-        self._pending.start()
+        if own and self._stager.copying:
+            self._copier.submit(self._stager.copy, name="ckpttool-stage")
+        rank, world_size = dist.rank(), dist.world_size()
+        self._pending = self._writer.submit(lambda: self._background(staged, step, tmp, final, own, rank, world_size),
+                                            name=f"ckpttool-save-{step}")
         return final.url
+
+    @property
+    def state_cache(self) -> StateCache:
+        """The kept ``get_state_dict`` answer (``.hits``, ``.misses``): read it, do not change it."""
+        return self._states
+
+    def _training_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                        extra: dict | None) -> tuple[dict[str, Any], set[int]]:
+        """This save's ``{"model", "optim", "extra"}`` and the addresses of the model's buffers:
+        torch's ``get_state_dict`` answer, kept from the last save while the structure holds."""
+        base, buffers = self._states.state(model, optimizer)
+        state = dict(base)
+        if extra:
+            state["extra"] = dict(extra)
+        return state, buffers
 
     def _background(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, own: bool, rank: int,
                     world_size: int) -> None:
         try:
             if own:
-                self._stager.wait()  # the copies are in host memory (CUDA: issued on a side stream)
+                self._stager.wait(run=False)  # the copies are in host memory (CUDA: issued on a side stream)
                 self._timed("write", self._write_own, staged, tmp, rank, final)
                 if rank == 0:
                     self._timed("commit", self._commit_own, step, tmp, final, world_size)
@@ -306,7 +333,7 @@ class Checkpointer:
 
     def _join_pending(self) -> BaseException | None:
         if self._pending is not None:
-            self._pending.join()
+            self._pending.wait()
             self._pending = None
         error, self._pending_error = self._pending_error, None
         return error
@@ -314,7 +341,7 @@ class Checkpointer:
     @property
     def saving(self) -> bool:
         """Whether this rank's async save is still being written (its background thread runs)."""
-        return self._pending is not None and self._pending.is_alive()
+        return self._pending is not None and not self._pending.done.is_set()
 
     @property
     def staging(self) -> Stager:
@@ -337,11 +364,14 @@ class Checkpointer:
             self.wait()
         finally:
             self._staged = None
+            self._states.clear()
             self._stager = Stager(lambda: dist.pause_point("stage-copy"))
             for handle in list(self._fences.values()):
                 handle.remove()
             self._fences = weakref.WeakKeyDictionary()
             self._lease.release()
+            self._copier.close()
+            self._writer.close()
             if self._group is not None:
                 import torch.distributed as tdist
 
@@ -355,20 +385,41 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _prepare_step_dir(self, step: int, final: Location) -> Location:
-        def prepare() -> str:
-            self._check_root()
-            self.root.makedirs()
-            if final.exists():
-                raise OutputExistsError("step already exists", where=final.url, hint="save under a new step number or delete it first")
-            # Filesystems rename a finished temp directory into place; object stores have no
-            # atomic rename, so there the step is written in place and the commit record,
-            # written last, is what makes it count (the root's commit policy decides).
-            tmp = self.root.commit_policy.staging(final)
-            tmp.makedirs()
-            return tmp.name
+    def _begin_save(self, step: int, final: Location) -> Location:
+        """Join the pending save, hold the lease and make the step's temporary directory (rank 0),
+        and agree on the outcome in one exchange: the directory's name, or the first rank's error
+        raised on every rank (a failed background save fails every rank's next save)."""
+        error = self._join_pending()
+        name = None
+        if error is None and dist.rank() == 0:
+            try:
+                self._hold_lease()
+                name = self._make_step_dir(final)
+            except CkptError as exc:
+                error = exc
+        outcomes = dist.all_gather((None if error is None else (type(error).__name__, str(error)), name))
+        failed = next((r for r, (failure, _) in enumerate(outcomes) if failure is not None), None)
+        if failed is not None:
+            if name is not None:  # made here, and no rank writes into it
+                with contextlib.suppress(CkptError):
+                    self.root.child(name).remove()
+            if error is not None:
+                raise error
+            kind, text = outcomes[failed][0]
+            raise RuntimeError(f"rank {failed} failed: {kind}: {text}")
+        return self.root.child(outcomes[0][1])
 
-        return self.root.child(dist.broadcast(dist.agreed(prepare, rank0_only=True)))
+    def _make_step_dir(self, final: Location) -> str:
+        self._check_root()
+        self.root.makedirs()
+        if final.exists():
+            raise OutputExistsError("step already exists", where=final.url, hint="save under a new step number or delete it first")
+        # Filesystems rename a finished temp directory into place; object stores have no
+        # atomic rename, so there the step is written in place and the commit record,
+        # written last, is what makes it count (the root's commit policy decides).
+        tmp = self.root.commit_policy.staging(final)
+        tmp.makedirs()
+        return tmp.name
 
     def _commit_dcp(self, step: int, tmp: Location, final: Location, manifest: dict[str, Any], group: Any = None) -> None:
         dist.barrier("ckpttool.commit", group)
@@ -421,6 +472,7 @@ class Checkpointer:
         default) :class:`ChecksumError` when a record read does not match its checksum.
         """
         self._timed("fence", self._stager.fence)  # a pending async save's copy reads the tensors this load overwrites
+        self._states.clear()  # the load replaces the optimizer's state (the signature would notice; nothing to keep)
         self._check_root()
         listing = list_root(self.root)
         committed = listing.committed
@@ -444,6 +496,19 @@ class Checkpointer:
             )
         result = load(self.root.child(step_name(step)), model, optimizer, verify=verify, storage_options=self.storage_options)
         return LoadResult(step=step, extra=result.extra, path=result.path)
+
+
+class _Unsupported(Exception):
+    """A tensor of the state has a placement ckpttool's writer does not lay out (found while staging)."""
+
+
+def _stores(value: Any) -> bool:
+    """Whether this rank stores its box of a DTensor (``dcp.stores``), raising :class:`_Unsupported`
+    for a placement the writer does not lay out, so that an async save falls back to DCP's writer.
+    Called by the stager only for a tensor it has not seen: a kept tensor was checked then."""
+    if not dcp_format.supports({"t": value}):
+        raise _Unsupported
+    return dcp_format.stores(value)
 
 
 # DCP raises CheckpointException, a BaseException, for failures on any rank.
@@ -508,11 +573,7 @@ def _single_process_quiet():
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None) -> dict[str, Any]:
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model)}
+    state = torch_state(model, optimizer)
     if extra:
         state["extra"] = dict(extra)
     return state

@@ -4,7 +4,9 @@
 state at the call. :class:`Stager` copies every tensor this rank writes into a host buffer that
 is allocated once and reused while the tensor's shape and dtype hold (no fresh pages per save);
 what the writer gets is a :class:`HostShard`: the copy, its box in the global tensor, and
-whether this rank stores it (decided at the call, while the DTensor is at hand).
+whether this rank stores it (decided at the call, while the DTensor is at hand, and kept from
+save to save while the same tensor comes back: the walk over the state is then a few
+microseconds a tensor). A tensor inside an object (a tuple is one object to DCP) is cloned.
 
 On CUDA the buffers are pinned and the copies of parameters and optimizer state are issued on a
 side stream, so the training stream keeps running; the snapshot is fenced before the optimizer's
@@ -13,21 +15,27 @@ training stream wait for the copies; forward and backward overlap them). Tensors
 may change in place (module buffers such as running statistics) are copied on the training
 stream itself, in order. Nothing is ever copied to a second place on the device. On the CPU,
 when a fence exists (an optimizer was given), the same buffers are filled by a background thread
-that the fence joins, so ``save()`` returns before the copy is done and forward and backward
-overlap it; without an optimizer (nothing to fence on) they are filled at the call.
+(the Checkpointer's copy thread, :meth:`Stager.copy`), and the fence waits for it, or runs the
+copy itself if no thread has started it yet; so ``save()`` returns before the copy is done and
+forward and backward overlap it. Without an optimizer (nothing to fence on) they are filled at
+the call.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .compat import Box, local_shard_box
+from .errors import CorruptCheckpointError
 from .formats.dcp import HostShard
-from .index import flatten, unflatten
+
+
+_ALIGN = 64  # bytes: each buffer in the block starts at a multiple (any dtype's view, vector loads)
 
 
 class Stager:
@@ -37,10 +45,13 @@ class Stager:
         self.buffers: dict[str, torch.Tensor] = {}
         self._stream: Any = None  # the side CUDA stream, made on first use
         self._copied: Any = None  # the CUDA event recorded after the side-stream copies
-        self._copier: threading.Thread | None = None  # the background CPU copy in flight
+        self._pending: _Copy | None = None  # the CPU copy of the last stage(background=True), until run and fenced
         self._copy_error: BaseException | None = None
         self._before_copy = before_copy  # tests slow the background copy down here
+        self._plans: dict[str, _Plan] = {}  # per key: what the last save found and made for it
         self._boxes: dict[str, tuple[Any, Any, Box, bool]] = {}  # per key: ((shape, placements), mesh, box, store)
+        self._layout: dict[str, tuple[torch.Size, torch.dtype]] = {}  # per key: what its view of the CPU block holds
+        self.planned = 0  # tensors planned afresh by the last stage() (the others were kept: tests read it)
 
     def stage(self, state: dict[str, Any], rank: int, stores: Any, in_order: set[int] = frozenset(),
               background: bool = False) -> dict[str, Any]:
@@ -50,37 +61,64 @@ class Stager:
         tensors whose memory starts at an address in ``in_order`` (module buffers: a forward may
         change them) are copied on the training stream. Addresses, not names: a state dict's keys
         are not the module's names under torch.compile or DDP. ``background``: the caller fences
-        the next change of the other tensors (:meth:`fence`), so CPU copies may run in a thread."""
+        the next change of the other tensors (:meth:`fence`), so CPU copies may run in a thread.
+
+        What a tensor needs (its local shard, box, whether this rank stores it, its buffer) is
+        worked out once and kept while the same tensor object comes back under the same key with
+        the same spec and a local part of the same shape, dtype and device: a DTensor's
+        ``to_local()`` and chunk arithmetic are Python, and were most of what this call spent."""
         self.fence()  # a copy still in flight fills the buffers this call is about to reuse
         self._copy_error = None  # a failed copy was raised by its own save's writer; this is a new save
-        from torch.distributed.tensor import DTensor
+        copies: list[tuple[torch.Tensor, _Plan]] = []
+        plans = self._plans
+        seen: set[str] = set()
+        fresh: list[str] = []  # keys planned by this call (their buffers are placed after the walk)
+        self.planned = 0
 
-        flat, paths = flatten(state)
-        out: dict[str, Any] = {}
+        def shard(key: str, value: torch.Tensor) -> HostShard:
+            if key in seen:  # as index.flatten: two entries may not share a key
+                raise CorruptCheckpointError(f"two entries flatten to the same key {key!r}")
+            seen.add(key)
+            local = getattr(value, "_local_tensor", None)  # a DTensor's local shard (to_local() runs an autograd function)
+            if local is None:
+                local = _local(value)
+            plan = plans.get(key)
+            if (plan is None or plan.value() is not value or plan.spec is not getattr(value, "_spec", None)
+                    or plan.shape != local.shape or plan.dtype is not local.dtype or plan.cuda is not local.is_cuda):
+                plan = plans[key] = self._plan(key, value, local, rank, stores)
+                fresh.append(key)
+                self.planned += 1
+            copies.append((local, plan))
+            return plan.shard
+
+        try:
+            with torch.no_grad():  # a parameter's local tensor may require grad; its copy must not record it
+                out = {str(k): _map_tensors(v, str(k), shard) for k, v in state.items()}
+        except BaseException:
+            for key in fresh:  # plans without a buffer are never kept
+                plans.pop(key, None)
+            raise
+        if len(plans) != len(seen) or len(self.buffers) != len(seen):
+            for gone in (set(plans) | set(self.buffers)) - seen:  # keys the state no longer has
+                plans.pop(gone, None)
+                self.buffers.pop(gone, None)
+                self._boxes.pop(gone, None)
+                self._layout.pop(gone, None)
+        if self.planned:
+            self._place(plans)
         side: list[tuple[torch.Tensor, torch.Tensor]] = []
         cpu_side: list[tuple[torch.Tensor, torch.Tensor]] = []
         cuda_in_order = False
-        for key, value in flat.items():
-            if not isinstance(value, torch.Tensor):
-                out[key] = value
-                continue
-            if isinstance(value, DTensor):
-                local, box, store = self._shard(key, value, stores)
-            else:
-                local, box = local_shard_box(value)
-                local, store = local.detach(), rank == 0
-            buf = self._buffer(key, local)
-            if local.is_cuda and local.data_ptr() not in in_order:
-                side.append((local, buf))
-            elif background and not local.is_cuda and local.data_ptr() not in in_order:
-                cpu_side.append((local, buf))
-            else:
-                buf.copy_(local, non_blocking=local.is_cuda)
-                cuda_in_order |= local.is_cuda
-            out[key] = HostShard(buf, box, tuple(value.shape), store)
-        for gone in set(self.buffers) - set(flat):  # keys the state no longer has
-            del self.buffers[gone]
-            self._boxes.pop(gone, None)
+        with torch.no_grad():
+            for local, plan in copies:
+                buf = plan.shard.local
+                if plan.cuda and local.data_ptr() not in in_order:
+                    side.append((local, buf))
+                elif background and not plan.cuda and local.data_ptr() not in in_order:
+                    cpu_side.append((local, buf))
+                else:
+                    buf.copy_(local, non_blocking=plan.cuda)
+                    cuda_in_order |= plan.cuda
         self._copied = None
         if side or cuda_in_order:
             training = torch.cuda.current_stream()
@@ -88,72 +126,211 @@ class Stager:
                 self._stream = torch.cuda.Stream()
             # the copies see every kernel issued before save(), the in-order copies included
             self._stream.wait_stream(training)
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._stream), torch.no_grad():
                 for src, dst in side:
                     dst.copy_(src, non_blocking=True)
                     src.record_stream(self._stream)
                 self._copied = torch.cuda.Event()
                 self._copied.record(self._stream)
         if cpu_side:
-            self._copier = threading.Thread(target=self._copy, args=(cpu_side,), name="ckpttool-stage", daemon=False)
-            self._copier.start()
-        return unflatten(out, paths)
+            self._pending = _Copy(cpu_side)
+        return out
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        try:
-            if self._before_copy is not None:
-                self._before_copy()
-            for src, dst in pairs:
-                dst.copy_(src)
-        except BaseException as exc:  # noqa: BLE001 - raised by wait(), in the writer
-            self._copy_error = exc
+    def _place(self, plans: dict[str, _Plan]) -> None:
+        """Give every plan a host buffer. CPU tensors' buffers are views of one block of host
+        memory, allocated again only when a tensor comes that has no place in it (a new key, a
+        new shape or dtype): one allocation of the state's size, mapped apart from the heap where
+        training's short-lived tensors come and go (buffers allocated one by one from that heap
+        can keep it from shrinking when training frees what lies around them). CUDA tensors'
+        buffers are pinned, one per tensor."""
+        layout = self._layout
+        if any(not p.cuda and layout.get(k) != (p.shape, p.dtype) for k, p in plans.items()):
+            offsets, total = {}, 0
+            for key, plan in plans.items():
+                if not plan.cuda:
+                    offsets[key] = total
+                    total += -(-plan.shape.numel() * plan.dtype.itemsize // _ALIGN) * _ALIGN
+            block = torch.empty(total, dtype=torch.uint8)
+            self._layout = {}
+            for key, at in offsets.items():
+                plan = plans[key]
+                nbytes = plan.shape.numel() * plan.dtype.itemsize
+                self.buffers[key] = block[at:at + nbytes].view(plan.dtype).view(plan.shape)
+                self._layout[key] = (plan.shape, plan.dtype)
+        for key, plan in plans.items():
+            if plan.cuda:
+                plan.shard.local = self._buffer(key, plan.shape, plan.dtype)
+            else:
+                plan.shard.local = self.buffers[key]
 
-    def _shard(self, key: str, value: Any, stores: Any) -> tuple[torch.Tensor, Box, bool]:
-        """(local shard, its box, whether this rank stores it) of a DTensor. The box and the store
-        decision depend only on the global shape, the placements and the mesh (this rank's place
-        in it), so they are kept from the last save while those hold (DTensor's chunk arithmetic
-        is Python: it was most of what save() still spent on the training thread)."""
-        local = value.to_local().detach()
-        sig = (tuple(value.shape), tuple(value.placements))
-        kept = self._boxes.get(key)
-        if kept is not None and kept[0] == sig and kept[1] is value.device_mesh:
-            return local, kept[2], kept[3]
-        _, box = local_shard_box(value)
-        store = stores(value)
-        self._boxes[key] = (sig, value.device_mesh, box, store)
-        return local, box, store
+    def copy(self) -> None:
+        """Run the pending CPU copy in the calling thread, or wait for the thread running it.
 
-    def _buffer(self, key: str, local: torch.Tensor) -> torch.Tensor:
+        The Checkpointer's copy thread runs it; an optimizer step (the fence) that comes before
+        that thread got to it runs it itself, and the writer waits for it (``wait(run=False)``)."""
+        pending = self._pending
+        if pending is None:
+            return
+        if pending.claim():
+            try:
+                if self._before_copy is not None:
+                    self._before_copy()
+                with torch.no_grad():
+                    for src, dst in pending.pairs:
+                        dst.copy_(src)
+            except BaseException as exc:  # noqa: BLE001 - raised by wait(), in the writer
+                self._copy_error = exc
+            finally:
+                pending.pairs = []
+                pending.done.set()
+        else:
+            pending.done.wait()
+
+    def _plan(self, key: str, value: torch.Tensor, local: torch.Tensor, rank: int, stores: Any) -> _Plan:
+        """What a tensor needs: its box in the global tensor, whether this rank stores it
+        (DTensors: ``stores``; plain tensors: rank 0) and the host buffer of its local shard.
+        A DTensor's box and store decision depend only on its global shape, placements and mesh,
+        so they are kept by key while those hold, even across tensor objects (a state dict
+        taken afresh has new ones)."""
+        from torch.distributed.tensor import DTensor
+
+        spec = None
+        if isinstance(value, DTensor):
+            spec = getattr(value, "_spec", None)
+            sig = (tuple(value.shape), tuple(value.placements))
+            kept = self._boxes.get(key)
+            if kept is not None and kept[0] == sig and kept[1] is value.device_mesh:
+                box, store = kept[2], kept[3]
+            else:
+                _, box = local_shard_box(value)
+                store = stores(value)
+                self._boxes[key] = (sig, value.device_mesh, box, store)
+        else:
+            _, box = local_shard_box(value)
+            store = rank == 0
+        return _Plan(weakref.ref(value), spec, local, HostShard(None, box, tuple(value.shape), store))  # its buffer: _place
+
+    def _buffer(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host buffer of its own (CUDA tensors), reused while its shape and dtype hold."""
         buf = self.buffers.get(key)
-        pinned = local.is_cuda
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or buf.is_pinned() != pinned:
-            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=pinned)
+        if buf is None or buf.shape != shape or buf.dtype != dtype or not buf.is_pinned():
+            buf = torch.empty(shape, dtype=dtype, pin_memory=True)
             self.buffers[key] = buf
+            self._layout.pop(key, None)
         return buf
 
     @property
     def copying(self) -> bool:
-        """Whether a background copy is running (the next optimizer step, a load, the next save or
-        ``wait`` waits for it)."""
-        return self._copier is not None and self._copier.is_alive()
+        """Whether a background copy is pending or running (the next optimizer step, a load, the
+        next save or ``wait`` waits for it)."""
+        return self._pending is not None and not self._pending.done.is_set()
 
     def fence(self) -> None:
         """Order what comes next after the copies in flight (an optimizer pre-step hook, and
         anything else of ckpttool's that changes the state in place): on CUDA the training stream
         waits for the side stream; on the CPU this joins the background copy."""
-        if self._copier is not None:
-            self._copier.join()
-            self._copier = None
+        if self._pending is not None:
+            self.copy()
+            self._pending = None
         if self._copied is not None:
             torch.cuda.current_stream().wait_event(self._copied)
 
-    def wait(self) -> None:
+    def wait(self, run: bool = True) -> None:
         """Block until the copies are in host memory (the background writer, before it reads);
-        raises what a background CPU copy raised."""
-        copier = self._copier
-        if copier is not None:
-            copier.join()
+        raises what a background CPU copy raised. ``run``: run the CPU copy here if no thread
+        has started it yet (else only wait for the thread that runs it)."""
+        pending = self._pending
+        if pending is not None:
+            if run:
+                self.copy()
+            else:
+                pending.done.wait()
         if self._copy_error is not None:
             raise self._copy_error
         if self._copied is not None:
             self._copied.synchronize()
+
+
+class _Copy:
+    """A CPU copy to run once, by whichever thread claims it first."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.pairs = pairs
+        self.done = threading.Event()
+        self._claimed = False
+        self._lock = threading.Lock()
+
+    def claim(self) -> bool:
+        with self._lock:
+            mine, self._claimed = not self._claimed, True
+            return mine
+
+
+class _Plan:
+    """What :meth:`Stager.stage` made for one key, and what it was made for: the tensor (weakly: a
+    replaced optimizer state must not stay alive here), a DTensor's spec (global shape,
+    placements, mesh; by identity), the shape, dtype and device kind of its local part; and the
+    :class:`HostShard` the writer gets (the buffer, the box, whether this rank stores it). It
+    holds while all of these are the same (the copy reads the live local tensor at every save,
+    wherever its memory is now)."""
+
+    __slots__ = ("value", "spec", "shape", "dtype", "cuda", "shard")
+
+    def __init__(self, value: weakref.ref, spec: Any, local: torch.Tensor, shard: HostShard):
+        self.value = value
+        self.spec = spec
+        self.shape = local.shape
+        self.dtype = local.dtype
+        self.cuda = local.is_cuda
+        self.shard = shard
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A tensor's local part, detached: a DTensor's local shard (read from the attribute that
+    ``to_local()`` returns, without running its autograd function: 24 us a call here), or a plain
+    tensor itself."""
+    local = getattr(value, "_local_tensor", None)
+    if local is None:
+        from torch.distributed.tensor import DTensor
+
+        local = value.to_local() if isinstance(value, DTensor) else value
+    return local
+
+
+def _map_tensors(value: Any, key: str, fn: Callable[[str, torch.Tensor], Any]) -> Any:
+    """``value`` with every tensor replaced by ``fn(its flat key, it)``, walked as
+    :func:`ckpttool.index.iter_leaves` walks a state dict (DCP's rule: mappings are traversed, a
+    list only if something inside it must be), so the keys are the writer's. Mappings come back
+    as dicts with ``str`` keys, as ``unflatten(*flatten(value))`` would give them; one pass, no
+    flat copy of the state (this runs on the training thread)."""
+    if isinstance(value, torch.Tensor):
+        return fn(key, value)
+    if isinstance(value, Mapping):
+        return {str(k): _map_tensors(v, f"{key}.{k}", fn) for k, v in value.items()}
+    if isinstance(value, list) and _traversed(value):
+        return [_map_tensors(v, f"{key}.{i}", fn) for i, v in enumerate(value)]
+    return _frozen(value) if isinstance(value, (tuple, list)) else value
+
+
+def _frozen(value: Any) -> Any:
+    """A value stored as one object (a tuple, a list DCP does not enter) with every tensor inside it
+    cloned: the writer pickles it later, and training may change those tensors meanwhile. The
+    value itself when it holds no tensor (``betas``, a list of numbers)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        items = [_frozen(v) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        items = {k: _frozen(v) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else type(value)(items)
+    return value
+
+
+def _traversed(value: list) -> bool:
+    """Whether DCP's traversal enters a list: it holds a tensor, a mapping or a list it enters."""
+    return any(isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and _traversed(v)) for v in value)

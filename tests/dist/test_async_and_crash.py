@@ -74,3 +74,38 @@ def test_kill_9_during_save_leaves_the_previous_step(tmp_path, point, async_save
     expected = {k: v for k, v in expected.items() if k in state}
     assert_same(expected, state, f"after a crash at {point}")
     assert ckpt.clean() and ckpt.incomplete() == []
+
+
+def cached_state_saves(root: str) -> dict[str, object]:
+    """Async saves on FSDP2 served from the kept state dict, around an unshard (FSDP2 swaps the
+    registered parameters: a miss) and a learning-rate change (read live): each step as it was."""
+    from .workloads import _train_steps, fresh_model, full_state
+
+    model, optimizer = fresh_model(seed=0)
+    _train_steps(model, optimizer, 0, 1)
+    expected = {}
+    with Checkpointer(root, async_save=True) as ckpt:
+        for step in range(1, 6):
+            if step == 4:
+                for group in optimizer.param_groups:
+                    group["lr"] = 5e-4
+            expected[step] = full_state(model, optimizer)  # (its state_dict() would reshard the model: before unshard)
+            if step == 3:
+                model.unshard()  # the parameters are swapped for unsharded ones until resharded
+            ckpt.save(step, model, optimizer, extra={"step": step})
+            _train_steps(model, optimizer, step, 1)
+        counts = (ckpt.state_cache.hits, ckpt.state_cache.misses)
+    loaded = {}
+    for step in expected:
+        fresh, fopt = fresh_model(seed=9)
+        Checkpointer(root).load(fresh, fopt, step=step)
+        loaded[step] = full_state(fresh, fopt)
+    return {"expected": expected, "loaded": loaded, "counts": counts}
+
+
+def test_async_saves_from_the_kept_state_dict_load_back_bitwise(tmp_path):
+    for r in run_ranks(cached_state_saves, 2, str(tmp_path / "run")):
+        assert r["counts"] == (3, 2)  # saves 2, 4, 5 kept; 1 and 3 (unsharded) asked torch
+        for step, want in r["expected"].items():
+            assert_same(want, r["loaded"][step], f"step {step}")
+        assert r["loaded"][4]["optim.group0.lr"] == 5e-4

@@ -96,6 +96,22 @@ def test_errors_are_typed_and_name_what_is_wrong(tmp_path):
         ck.load(bigger)
     with pytest.raises(UsageError):
         Checkpointer(tmp_path / "x", keep_last=0)
+    for nice in (-1, 20, 1.5):
+        with pytest.raises(UsageError, match="writer_nice"):
+            Checkpointer(tmp_path / "x", writer_nice=nice)
+
+
+def test_a_save_another_rank_refuses_leaves_no_step_directory(tmp_path, monkeypatch):
+    """Rank 0 makes the step's directory before the ranks agree; when another rank reports a
+    failure (its last background save failed), every rank raises and the directory is removed."""
+    from ckpttool import dist
+
+    model, opt = make()
+    monkeypatch.setattr(dist, "all_gather", lambda obj, group=None: [obj, (("StorageError", "disk full"), None)])
+    ck = Checkpointer(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="rank 1 failed: StorageError: disk full"):
+        ck.save(1, model, opt)
+    assert ck.incomplete() == [] and ck.steps() == []
 
 
 def test_uncommitted_step_is_ignored_and_listed(tmp_path):
@@ -251,11 +267,11 @@ def test_on_phase_reports_where_a_save_goes(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters())
     ckpt = Checkpointer(tmp_path / "run", on_phase=lambda name, s, e: seen.append((name, e >= s, threading.current_thread().name)))
     ckpt.save(1, model, optimizer)
-    assert [n for n, _, _ in seen] == ["state", "prepare", "write", "commit", "sync save"] and all(ok for _, ok, _ in seen)
+    assert [n for n, _, _ in seen] == ["prepare", "state", "write", "commit", "sync save"] and all(ok for _, ok, _ in seen)
     seen.clear()
     ckpt.save(2, model, optimizer, blocking=False)
     ckpt.wait()
     names = [n for n, _, _ in seen]
-    assert names[:3] == ["state", "prepare", "stage"] and {"write", "commit", "done", "wait"} <= set(names)
+    assert names[:3] == ["prepare", "state", "stage"] and {"write", "commit", "done", "wait"} <= set(names)
     assert {t for n, _, t in seen if n in ("write", "commit", "done")} == {"ckpttool-save-2"}
     assert set(names) <= set(PHASES) and ckpt.saving is False
