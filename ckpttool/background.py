@@ -96,6 +96,7 @@ class Worker:
             finally:
                 me.name = self.name
                 job.done.set()
+                job = None  # an idle worker keeps nothing alive (the job holds the staged state)
 
 
 def lower_priority(nice: int | None) -> None:

@@ -265,6 +265,8 @@ class Checkpointer:
                 self._write_and_commit_dcp(staged, step, tmp, final, group=self._group)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
             self._pending_error = exc
+            # also said now: a process whose last save fails and that never calls save/wait/close again
+            log.error("ckpttool: the background save of step %d failed: %s", step, exc)
         finally:
             now = time.perf_counter()
             self._phase("done", now, now)  # the background save is over (rank 0: committed, or failed)
@@ -369,9 +371,9 @@ class Checkpointer:
             for handle in list(self._fences.values()):
                 handle.remove()
             self._fences = weakref.WeakKeyDictionary()
-            self._lease.release()
             self._copier.close()
-            self._writer.close()
+            self._writer.close()  # joins a write still running (wait() interrupted): then the lease may go
+            self._lease.release()
             if self._group is not None:
                 import torch.distributed as tdist
 

@@ -8,8 +8,9 @@ whether this rank stores it (decided at the call, while the DTensor is at hand, 
 save to save while the same tensor comes back: the walk over the state is then a few
 microseconds a tensor). A tensor inside an object (a tuple is one object to DCP) is cloned.
 
-On CUDA the buffers are pinned and the copies of parameters and optimizer state are issued on a
-side stream, so the training stream keeps running; the snapshot is fenced before the optimizer's
+On CUDA the buffers are pinned and, when a fence exists (an optimizer was given), the copies of
+parameters and optimizer state are issued on a side stream, so the training stream keeps
+running; the snapshot is fenced before the optimizer's
 next step may change them (:meth:`Stager.fence`, run by an optimizer pre-step hook, makes the
 training stream wait for the copies; forward and backward overlap them). Tensors a forward pass
 may change in place (module buffers such as running statistics) are copied on the training
@@ -18,7 +19,9 @@ when a fence exists (an optimizer was given), the same buffers are filled by a b
 (the Checkpointer's copy thread, :meth:`Stager.copy`), and the fence waits for it, or runs the
 copy itself if no thread has started it yet; so ``save()`` returns before the copy is done and
 forward and backward overlap it. Without an optimizer (nothing to fence on) they are filled at
-the call.
+the call (on CUDA: in order on the training stream). Only the given optimizer's ``step()`` is
+fenced: anything else that writes the saved tensors in place before it (a second optimizer, an
+EMA update) must come after :meth:`Stager.fence` or ``Checkpointer.wait``.
 """
 
 from __future__ import annotations
@@ -112,8 +115,8 @@ class Stager:
         with torch.no_grad():
             for local, plan in copies:
                 buf = plan.shard.local
-                if plan.cuda and local.data_ptr() not in in_order:
-                    side.append((local, buf))
+                if plan.cuda and background and local.data_ptr() not in in_order:
+                    side.append((local, buf))  # fenced before the optimizer's next step
                 elif background and not plan.cuda and local.data_ptr() not in in_order:
                     cpu_side.append((local, buf))
                 else:

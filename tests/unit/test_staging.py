@@ -317,9 +317,6 @@ def test_tensors_inside_an_object_are_a_snapshot_too(tmp_path):
     assert res.extra["plain"] == (1, 2.0)
 
 
-@pytest.mark.xfail(strict=True, reason="formats/dcp/save.py write_rank flattens a staged state as if its HostShards were "
-                   "objects: a list of tensors becomes one pickled object of HostShards (fix: flatten with "
-                   "is_tensor accepting HostShard)")
 def test_a_list_of_tensors_in_extra_round_trips_through_an_async_save(tmp_path):
     with _async_run(tmp_path) as (root, model, optimizer, ckpt):
         ckpt.save(1, model, optimizer, extra={"rng": [torch.arange(3.0), torch.ones(2)]})

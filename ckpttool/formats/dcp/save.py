@@ -81,6 +81,11 @@ def stores(value: Any) -> bool:
     return True
 
 
+def _is_staged_or_tensor(value: Any) -> bool:
+    """A tensor, or a tensor an async save staged (it stands where the tensor stood)."""
+    return isinstance(value, (HostShard, torch.Tensor))
+
+
 class UnsupportedPlacement(Exception):
     """A DTensor placement this writer cannot lay out; the caller falls back to ``dcp.save``."""
 
@@ -233,7 +238,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     rank wrote there at the previous committed step) has the same records with the same block
     digests, the new step gets that file by a hard link (a server-side copy on an object store)
     instead of a write. Returns what is in the frozen file now (None when there is none)."""
-    flat, paths = flatten(state)
+    flat, paths = flatten(state, is_tensor=_is_staged_or_tensor)  # a list of staged tensors is traversed, as one of tensors
     index = RankIndex(rank, data_file_name(rank), compress=compress)
     written: Written | None = None
     try:
