@@ -91,3 +91,22 @@ def crash_during_incremental_save(root: str, expected_path: str) -> None:
     ckpt.save(3, model, optimizer, extra={"step": 3})
     while True:
         time.sleep(1)
+
+
+def resume_and_save(root: str, expected_dir: str, steps: tuple[int, ...]) -> dict[str, object]:
+    """Resume from the newest step (saved on another world size) and save ``steps`` incrementally;
+    rank 0 keeps each step's full state in ``expected_dir/<step>.pt``."""
+    from ckpttool import Checkpointer
+
+    model, optimizer = frozen_model(seed=999)
+    _train_steps(model, optimizer, 0, 1)  # the optimizer's state exists, with other values
+    ckpt = Checkpointer(root, incremental=True)
+    resumed = ckpt.load(model, optimizer).step
+    for i, step in enumerate(steps):
+        _train_steps(model, optimizer, 10 + i, 1)
+        ckpt.save(step, model, optimizer, extra={"step": step})
+        state = full_state(model, optimizer)  # (a collective: every rank)
+        if dist.get_rank() == 0:
+            torch.save(state, os.path.join(expected_dir, f"{step}.pt"))
+    ckpt.close()
+    return {"resumed": resumed}

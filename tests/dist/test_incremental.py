@@ -18,7 +18,7 @@ from ckpttool import Checkpointer
 
 from ..helpers import cli, flip_bit
 from .harness import run_ranks, spawn_ranks, wait_then_kill
-from .incremental_workloads import ckpttool_load, crash_during_incremental_save, incremental_run, plain_load
+from .incremental_workloads import ckpttool_load, crash_during_incremental_save, incremental_run, plain_load, resume_and_save
 from .workloads import assert_same
 
 
@@ -102,3 +102,21 @@ def test_async_incremental_saves_share_too(tmp_path):
     assert a.st_ino == b.st_ino
     for r in run_ranks(plain_load, 2, os.path.join(root, "step-2")):
         assert_same(expected_state(expected, 2), r["state"], "dcp.load of async step 2")
+
+
+def test_a_resume_on_another_world_size_writes_a_full_step_then_shares_again(tmp_path):
+    """Saved on 2 ranks, resumed on 3: nothing lines up with the 2-rank files, so the first save
+    writes every byte; the next shares its frozen files; both load bitwise with plain dcp.load."""
+    root, expected = str(tmp_path / "run"), str(tmp_path / "expected")
+    os.makedirs(expected)
+    run_ranks(incremental_run, 2, root, expected, (1, 2), None)
+    assert [r["resumed"] for r in run_ranks(resume_and_save, 3, root, expected, (3, 4))] == [2, 2, 2]
+    third, fourth = commit_record(os.path.join(root, "step-3")), commit_record(os.path.join(root, "step-4"))
+    assert third["bytes_shared"] == 0 and third["bytes_written"] > 0
+    frozen = sorted(glob.glob(os.path.join(root, "step-4", "__*_1.distcp")))
+    assert len(frozen) == 3 and fourth["bytes_shared"] == sum(os.path.getsize(p) for p in frozen) > 0
+    for path in frozen:
+        assert os.stat(path).st_ino == os.stat(path.replace("step-4", "step-3")).st_ino
+    for step in (3, 4):
+        for r in run_ranks(plain_load, 3, os.path.join(root, f"step-{step}")):
+            assert_same(expected_state(expected, step), r["state"], f"dcp.load of step {step} on 3 ranks")
