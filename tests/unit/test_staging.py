@@ -138,18 +138,6 @@ class _Counting(torch.nn.Module):
         return self.lin(x)
 
 
-@pytest.fixture
-def one_rank_mesh(tmp_path):
-    import torch.distributed as tdist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    tdist.init_process_group("gloo", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        tdist.destroy_process_group()
-
-
 def test_dtensor_buffers_are_copied_at_the_call(tmp_path, one_rank_mesh, held_copy):
     """Buffers that are DTensors (distribute_module replicates them) are copied at the call, not by
     the background copy: a forward right after save() changes them before the optimizer's fence."""

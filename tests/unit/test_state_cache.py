@@ -253,18 +253,6 @@ def test_a_dtensor_resharded_is_noticed(one_rank_mesh):
     assert got["model"]["weight"].placements == (Replicate(),)
 
 
-@pytest.fixture
-def one_rank_mesh(tmp_path):
-    import torch.distributed as tdist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    tdist.init_process_group("gloo", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        tdist.destroy_process_group()
-
-
 def _snapshot(model, optimizer) -> dict[str, torch.Tensor]:
     out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     for i, st in optimizer.state_dict()["state"].items():
