@@ -168,6 +168,18 @@ def _tensor_properties_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(TensorProperties)}
 
 
+def check_properties_state(state: Any) -> tuple[int, ...] | None:
+    """A pickled ``TensorProperties`` state: 5 fields, or 6 with strides (torch 2.15 writes them); returns
+    the strides. Raises ``ValueError`` for anything else (the unpickler reports it as damage)."""
+    if not isinstance(state, tuple) or len(state) not in (5, 6):
+        raise ValueError(f"TensorProperties state of {type(state).__name__} "
+                         f"{len(state) if isinstance(state, tuple) else ''} (5 or 6 fields expected)")
+    strides = state[5] if len(state) == 6 else None
+    if strides is not None and not (isinstance(strides, tuple) and all(type(s) is int for s in strides)):
+        raise ValueError(f"TensorProperties strides {strides!r} are not a tuple of ints")
+    return strides
+
+
 @functools.cache
 def tensor_properties_reader() -> type:
     """What the allow-listed unpickler uses for ``TensorProperties``: a subclass whose
@@ -179,8 +191,6 @@ def tensor_properties_reader() -> type:
 
     class AnyReleaseTensorProperties(TensorProperties):
         def __setstate__(self, state: Any) -> None:
-            from .formats.dcp.metadata_types import check_properties_state
-
             strides = check_properties_state(state)
             TensorProperties.__setstate__(self, state if native_strides else state[:5])
             if not native_strides and strides is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ...compat import check_properties_state
 from ...dtypes import PLAIN
 from ...safe_torch import LAYOUTS, MEMORY_FORMATS, Size
 
@@ -120,15 +121,3 @@ CLASSES: dict[tuple[str, str], type] = {
     (_FILESYSTEM, "_StorageInfo"): _StorageInfo,
     (_FILESYSTEM, "_StoragePrefix"): _StoragePrefix,
 }
-
-
-def check_properties_state(state: Any) -> tuple[int, ...] | None:
-    """A pickled ``TensorProperties`` state: 5 fields, or 6 with strides (torch 2.15 writes them); returns
-    the strides. Raises ``ValueError`` for anything else (the unpickler reports it as damage)."""
-    if not isinstance(state, tuple) or len(state) not in (5, 6):
-        raise ValueError(f"TensorProperties state of {type(state).__name__} "
-                         f"{len(state) if isinstance(state, tuple) else ''} (5 or 6 fields expected)")
-    strides = state[5] if len(state) == 6 else None
-    if strides is not None and not (isinstance(strides, tuple) and all(type(s) is int for s in strides)):
-        raise ValueError(f"TensorProperties strides {strides!r} are not a tuple of ints")
-    return strides
