@@ -50,6 +50,10 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def running_here(self) -> bool:
+        """Whether the calling thread is this worker's (a job's code calling back into its owner)."""
+        return self._thread is not None and self._thread is threading.current_thread()
+
     def submit(self, fn: Callable[[], Any], name: str | None = None) -> Job:
         """Run ``fn`` in the worker thread after the jobs before it; ``name`` names the thread
         while it runs (logs, profilers)."""

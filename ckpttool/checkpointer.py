@@ -193,6 +193,7 @@ class Checkpointer:
         rank). Raises :class:`OutputExistsError` if the step exists, :class:`StorageError` when the
         storage refuses the write (earlier steps stay intact).
         """
+        self._not_from_the_writer("save")
         if not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         blocking = not self.async_save if blocking is None else blocking
@@ -354,6 +355,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until this rank's pending background save is done (on rank 0: committed); raise
         its error if it failed."""
+        self._not_from_the_writer("wait")
         error = self._timed("wait", self._join_pending)
         if error is not None:
             raise error
@@ -362,6 +364,7 @@ class Checkpointer:
         """Drain the pending save and release what the Checkpointer holds (its process group, the
         root's lease). Also runs at ``with`` exit; a process that never calls it still finishes
         its pending save before the interpreter exits."""
+        self._not_from_the_writer("close")
         try:
             self.wait()
         finally:
@@ -386,6 +389,14 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _not_from_the_writer(self, what: str) -> None:
+        """``on_commit`` of an async save runs in the writer thread: a ``save``, ``wait`` or
+        ``close`` from there would wait for the very save that runs it (forever), or tear the
+        Checkpointer down under it."""
+        if self._writer.running_here():
+            raise UsageError(f"Checkpointer.{what}() was called from the Checkpointer's own background save "
+                             "(on_commit runs there)", hint="call it from the training loop; on_commit should only record or notify")
 
     def _begin_save(self, step: int, final: Location) -> Location:
         """Join the pending save, hold the lease and make the step's temporary directory (rank 0),

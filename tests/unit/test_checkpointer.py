@@ -255,6 +255,37 @@ def test_on_commit_is_told_each_committed_step_and_cannot_undo_one(tmp_path, cap
     assert ckpt.steps() == [1, 2, 3] and "on_commit callback failed for step 3" in caplog.text
 
 
+def test_on_commit_of_an_async_save_cannot_call_back_into_the_checkpointer(tmp_path):
+    """on_commit runs in the writer thread: save, wait or close from there would wait for the very
+    save that runs it. Each is refused with a UsageError naming on_commit; the step is committed
+    and the Checkpointer goes on."""
+    import threading
+
+    refused = []
+    model, opt = make()
+    ckpt = Checkpointer(tmp_path / "run", async_save=True)
+
+    def calls_back(step, url):
+        for call in (ckpt.wait, ckpt.close, lambda: ckpt.save(step + 1, model, opt)):
+            try:
+                call()
+            except UsageError as exc:
+                refused.append(str(exc))
+
+    ckpt.on_commit = calls_back
+    ckpt.save(1, model, opt)
+    waiter = threading.Thread(target=ckpt.wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive(), "the background save waits for itself"
+    assert len(refused) == 3 and all("on_commit" in r for r in refused), refused
+    ckpt.on_commit = None
+    train_step(model, opt)
+    ckpt.save(2, model, opt)
+    ckpt.close()
+    assert Checkpointer(tmp_path / "run").steps() == [1, 2]
+
+
 def test_on_phase_reports_where_a_save_goes(tmp_path):
     """The public seam benchmarks time saves through: each phase once per call, in order, with
     its thread; an async save's background phases and its end ("done") in the writer thread."""
