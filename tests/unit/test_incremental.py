@@ -7,6 +7,7 @@ import os
 import uuid
 
 import fsspec
+import pytest
 import torch
 
 from ckpttool import Checkpointer
@@ -107,3 +108,25 @@ for step in (1, 2, 3):
         fresh = model(seed=step + 20)
         Checkpointer(root).load(fresh, step=step)
         assert same(fresh, m)
+
+
+def test_a_rank_index_that_names_another_file_is_refused_at_commit(tmp_path):
+    """A chunk entry's file (fifth element) must be the rank's own frozen file: a rank index
+    naming any other path (here one out of the step) never reaches .metadata."""
+    from ckpttool.errors import CorruptCheckpointError
+    from ckpttool.formats.dcp.save import commit_metadata, partial_name, read_rank_indexes, write_rank
+    from ckpttool.storage import resolve
+
+    step = resolve(str(tmp_path / "step"))
+    step.makedirs()
+    m = model()
+    write_rank(step, 0, {"model": m.state_dict()}, frozen=frozenset({"model.0.weight"}))
+    path = tmp_path / "step" / partial_name(0)
+    index = json.loads(path.read_text())
+    chunk = index["tensors"]["model.0.weight"]["chunks"][0]
+    assert chunk[4] == "__0_1.distcp"
+    chunk[4] = "../../outside.distcp"
+    path.write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match="not its own"):
+        commit_metadata(step, read_rank_indexes(step, 1, timeout=5))
+    assert not (tmp_path / "step" / ".metadata").exists()

@@ -461,6 +461,10 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
     chunks: dict[str, list[tuple[Box, str, int, int]]] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for index in indexes:
+        if any(name != frozen_file_name(index.rank) for name in index.files) or any(
+                len(c) > 4 and c[4] not in index.files for t in index.tensors.values() for c in t["chunks"]):
+            raise CorruptCheckpointError(f"rank {index.rank}'s index names a data file that is not its own",
+                                         where=step_dir.child(partial_name(index.rank)).url)
         for key, t in index.tensors.items():
             shapes.setdefault(key, (tuple(t["shape"]), t["dtype"]))
             chunks.setdefault(key, []).extend(((tuple(c[0]), tuple(c[1])), c[4] if len(c) > 4 else index.file, c[2], c[3])
