@@ -245,14 +245,12 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         with step_dir.child(index.file).open_write() as raw:
             out = _HashingWriter(raw)
             for key, value in flat.items():
-                if key in frozen and isinstance(value, (HostShard, torch.Tensor)):
-                    continue  # declared and stored below
-                if isinstance(value, HostShard):  # staged by an async save
-                    _declare(index, key, value.shape, value.local.dtype)
-                    if value.store:
-                        _write_local(out, index, key, value.shape, value.local, value.box)
-                elif isinstance(value, torch.Tensor):
-                    _write_tensor(out, index, key, value)
+                if _is_staged_or_tensor(value):
+                    if key in frozen:
+                        continue  # declared and stored below
+                    part = _declare_part(index, key, value)
+                    if part is not None:
+                        _write_local(out, index, key, *part)
                 elif rank == 0:
                     out.begin()
                     start = out.tell()
@@ -284,21 +282,12 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
 def _frozen_parts(index: RankIndex, flat: dict[str, Any], frozen: frozenset[str]) -> list[tuple[str, tuple, torch.Tensor, Box]]:
     """Declare every frozen tensor; return the boxes of them this rank stores, in state order:
     (key, global shape, host-side local tensor, box)."""
-    from torch.distributed.tensor import DTensor
-
     parts = []
     for key, value in flat.items():
-        if key not in frozen:
-            continue
-        if isinstance(value, HostShard):
-            _declare(index, key, value.shape, value.local.dtype)
-            if value.store:
-                parts.append((key, value.shape, value.local, value.box))
-        elif isinstance(value, torch.Tensor):
-            _declare(index, key, tuple(value.shape), value.dtype)
-            if (stores(value) if isinstance(value, DTensor) else index.rank == 0):
-                local, box = local_shard_box(value)
-                parts.append((key, tuple(value.shape), local.detach(), box))
+        if key in frozen and _is_staged_or_tensor(value):
+            part = _declare_part(index, key, value)
+            if part is not None:
+                parts.append((key, *part))
     return parts
 
 
@@ -378,17 +367,22 @@ def _declare(index: RankIndex, key: str, shape: tuple[int, ...], dtype: torch.dt
     return index.tensors.setdefault(key, {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "chunks": []})
 
 
-def _write_tensor(out: _HashingWriter, index: RankIndex, key: str, value: torch.Tensor) -> None:
+def _declare_part(index: RankIndex, key: str, value: Any) -> tuple[tuple[int, ...], torch.Tensor, Box] | None:
+    """Declare a tensor (or a staged one) in this rank's index; return what this rank stores of it
+    (global shape, local tensor, box), or None when another rank stores it."""
     from torch.distributed.tensor import DTensor
 
+    if isinstance(value, HostShard):  # staged by an async save
+        _declare(index, key, value.shape, value.local.dtype)
+        return (value.shape, value.local, value.box) if value.store else None
     _declare(index, key, tuple(value.shape), value.dtype)
     if isinstance(value, DTensor):
         if not stores(value):
-            return
+            return None
     elif index.rank != 0:  # a plain tensor is the same on every rank: rank 0 stores it
-        return
+        return None
     local, box = local_shard_box(value)
-    _write_local(out, index, key, tuple(value.shape), local.detach(), box)
+    return tuple(value.shape), local.detach(), box
 
 
 def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[int, ...], local: torch.Tensor, box: Box) -> None:
