@@ -94,7 +94,9 @@ class _Group(click.Group):
         ``os._exit`` once its output is flushed: its gloo threads may still drop the last
         reference to a collective's temporary tensor, which needs the interpreter an exiting
         process is tearing down ("terminate called without an active exception", SIGABRT, seen
-        about once in 20 torchrun runs on a loaded machine). Everything it wrote is closed by then."""
+        about once in 20 torchrun runs on a loaded machine). Everything it wrote is closed by then,
+        and :func:`parallel.leave` has waited for the other workers, so that none exits (under
+        torchrun, a non-zero exit stops the rest) before worker 0 has printed."""
         from . import parallel
 
         code: Any = 0
@@ -110,6 +112,7 @@ class _Group(click.Group):
             code = 0 if code is None else 1
         sys.stdout.flush()
         sys.stderr.flush()
+        parallel.leave()
         os._exit(code)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -448,6 +451,9 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
         progress.close()
     if not _speaks():
         ctx.exit(report.exit_code)
+    from .dist import pause_point
+
+    pause_point("report")  # tests slow worker 0 down here: the others must not exit before it prints
     if as_json:
         _emit_json(report.to_json())
     else:

@@ -53,7 +53,7 @@ def workers() -> Iterator[bool]:
     if dist.is_initialized():
         yield True
         return
-    global joined
+    global joined, _terminated
     timeout = timedelta(seconds=float(os.environ.get(ENV_TIMEOUT, 24 * 3600)))
     dist.init_process_group("gloo", init_method=os.environ.get(ENV_INIT, "env://"), timeout=timeout,
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
@@ -64,10 +64,35 @@ def workers() -> Iterator[bool]:
     try:
         yield True
     except Terminated:
+        _terminated = True
         sys.exit(128 + signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        dist.destroy_process_group()
+    # The group is not destroyed: the process ends in leave() and os._exit. Destroying it joins
+    # gloo's threads while holding the GIL, and one of them may still be dropping the last
+    # reference to a collective's tensor made in Python (all_gather_object's), which needs the
+    # GIL: a deadlock (torch 2.7.1, about one verify in three with 2 workers, seen in gdb).
+
+
+_terminated = False
+
+
+def leave() -> None:
+    """A worker's last act before ``os._exit``: wait (at most :data:`GRACE_S`) until every worker
+    got here, so that none exits before worker 0 has written its report. torchrun takes a
+    worker's non-zero exit (a verify that found a difference exits 1 on every worker) for a
+    failure and stops the rest with SIGTERM, which could land on worker 0 before it printed.
+    A worker stopped by SIGTERM, or one whose peers are gone, does not wait."""
+    if not joined or _terminated:
+        return
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            # gloo's own barrier, in C++: no tensor made in Python, so nothing for its threads to free
+            dist.monitored_barrier(timeout=timedelta(seconds=GRACE_S), wait_all_ranks=True)
+    except Exception:  # noqa: BLE001 - a peer that died or hung: exit anyway, the launcher reports it
+        pass
 
 
 class Terminated(BaseException):
