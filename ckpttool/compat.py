@@ -200,7 +200,7 @@ def tensor_properties_reader() -> type:
     return AnyReleaseTensorProperties
 
 
-def dump_metadata(metadata: Any) -> bytes:
+def dump_metadata(metadata: Any, protocol: int | None = None) -> bytes:
     """``pickle.dumps(metadata)`` as every release in the range reads it: a ``TensorProperties``
     with no strides is written as the five fields older torch expects (torch >= 2.15 reads five as
     strides=None), not the six torch 2.15 itself writes."""
@@ -217,5 +217,5 @@ def dump_metadata(metadata: Any) -> bytes:
             return NotImplemented
 
     buf = io.BytesIO()
-    Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(metadata)
+    Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL if protocol is None else protocol).dump(metadata)
     return buf.getvalue()

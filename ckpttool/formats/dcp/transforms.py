@@ -193,11 +193,16 @@ def record_stream(f: Any, compress: str | None) -> Iterator[Any]:
     packed.close()
 
 
+def transform_names(compress: str | None) -> list[str] | None:
+    """The transform descriptors of a record written with ``compress``."""
+    return None if compress is None else [COMPRESSIONS[compress]]
+
+
 def storage_info(file: str, offset: int, length: int, compress: str | None) -> Any:
     """DCP's storage entry of a record, naming its transform when it has one."""
     from ... import compat
 
-    return compat.storage_info(file, offset, length, None if compress is None else [COMPRESSIONS[compress]])
+    return compat.storage_info(file, offset, length, transform_names(compress))
 
 
 def check_compress(compress: str | None) -> None:
