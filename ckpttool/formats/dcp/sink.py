@@ -166,13 +166,12 @@ class DcpSink(Sink):
         # the keys as this sink holds them: a worker's records arrive as copies, and pickle writes a
         # string it has seen once as a back-reference, so the bytes would depend on who wrote what
         own = {k: k for k in self._order}
-        files = {}
+        transforms = transform_names(self.compress)
         for rank, records in sorted(self._records.items()):
             name = data_file_name(rank)
             for key, offsets, sizes, start, length in records:
                 key = own.get(key, key)
-                info = mp.storage_info(name, start, length, transform_names(self.compress))
-                files[name] = None
+                info = mp.storage_info(name, start, length, transforms)
                 if offsets is None:
                     storage[mp.metadata_index(key, None, None)] = info
                     state_md[key] = mp.BytesStorageMetadata()
@@ -186,7 +185,8 @@ class DcpSink(Sink):
             state_md[spec.key] = mp.TensorStorageMetadata(properties=mp.TensorProperties(dtypes[spec.key]),
                                                           size=mp.Size(spec.shape), chunks=chunks.get(spec.key, []))
         planner = {k: self._paths[k] for k in self._order if k in self._paths}
-        strings = [*self._order, *files, *(p for path in planner.values() for p in path if isinstance(p, str))]
+        # what may hold the stand-ins' module name: keys and paths from the source (file names are ours)
+        strings = [*self._order, *(p for path in planner.values() for p in path if isinstance(p, str))]
 
         def metadata(save_id: str) -> bytes:
             md = mp.metadata(state_dict_metadata={k: state_md[k] for k in self._order if k in state_md},
