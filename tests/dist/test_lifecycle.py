@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 RUNNER = """
 import os, sys, torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from ckpttool.trainer.model import PRESETS, build_fsdp_model
 
@@ -46,9 +45,10 @@ os.chdir(os.environ["WORKDIR"])
 # ---- the README's example, as the README shows it ----
 {example}
 # ----
-full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-if dist.get_rank() == 0:
-    torch.save(full, "expected.pt")
+# each rank's own shards, with no collective: a full-state gather here (functional all-gathers)
+# right before exit made torch 2.13's gloo abort the process ("terminate called without an
+# active exception") in about 1 run of 10, with or without ckpttool in the script
+torch.save({{k: v.to_local() for k, v in model.state_dict().items()}}, f"expected.{{dist.get_rank()}}.pt")
 dist.destroy_process_group()
 """
 
@@ -102,8 +102,8 @@ def test_the_readme_example_commits_its_last_step(tmp_path, form):
     root = tmp_path / "runs" / "exp1"
     ckpt = Checkpointer(root)
     assert ckpt.steps() == [1, 2, 3] and ckpt.incomplete() == []
-    model = torch.nn.Module()
-    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    shards = [torch.load(tmp_path / f"expected.{r}.pt", weights_only=True) for r in range(2)]
+    expected = {k: torch.cat([s[k] for s in shards]) for k in shards[0]}  # FSDP2's Shard(0) on 2 ranks
     from ckpttool.trainer.model import PRESETS, build_model
 
     model = build_model(PRESETS["tiny"], seed=11)
