@@ -17,13 +17,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import io
 import logging
 import os
 import time
-import weakref
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from dataclasses import dataclass, field
+from collections.abc import Sequence
+from typing import Any, Callable, TypeVar, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,20 +35,26 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from . import dist, formats
+from . import dist, formats, health
+from .checksums import hash_bytes
 from .background import Job, Worker
-from .errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotFoundError, OutputExistsError, StorageError, UsageError
+from .errors import (CkptError, CorruptCheckpointError, FormatError, MismatchError, NotFoundError, OutputExistsError, SnapshotError,
+                     StorageError, UnhealthyStepError, UsageError)
 from .formats import dcp as dcp_format
 from .formats.dcp import check_compress, dcp_writer, hash_records, metadata_row
+from .formats.dcp.metadata import PER_RANK
 from .index import Index, TensorEntry, unflatten
 from .lease import Lease
-from .staging import Stager
-from .state_cache import StateCache, torch_state
-from .steps import COMMIT_FILE, commit_record, list_root, parse_step, read_commit_record, retention_victims, step_name
+from .staging import Stager, frozen
+from .state_cache import StateCache, optimizers_of, torch_state
+from .steps import (COMMIT_FILE, await_outcome, commit_record, list_root, parse_step, read_commit_record, refuse_step,
+                    retention_victims, step_name)
 from .storage import Location, resolve
 
 log = logging.getLogger("ckpttool")
 T = TypeVar("T")
+#: what ``save`` and ``load`` take as ``optimizer``: none, one, or a list of them
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
 
 #: the phases ``Checkpointer(on_phase=...)`` reports: preparing (joining the previous save, the lease,
 #: the step's directory, the ranks' agreement), getting the state dict, staging (the async copy into
@@ -59,11 +66,16 @@ PHASES = ("state", "stage", "fence", "prepare", "write", "commit", "sync save", 
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What :meth:`Checkpointer.load` restored."""
+    """What a load restored. ``extra``: this rank's values of the saved ``extra`` (a Stateful
+    value as its state dict). ``extra_by_rank``: every saved rank's own value of each key of
+    ``extra`` whose values differed between the ranks that saved it (rank -> the same nesting as
+    ``extra``), for a loader that re-partitions them on another world size (where ``extra`` leaves
+    those keys out)."""
 
     step: int | None
     extra: dict[str, Any]
     path: str
+    extra_by_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -87,11 +99,15 @@ class Checkpointer:
         on_phase: Callable[[str, float, float], None] | None = None,
         writer_nice: int | None = None,
         incremental: bool = False,
+        on_nonfinite: str = "warn",
+        health: bool = True,
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
         if keep_every is not None and keep_every < 1:
             raise UsageError(f"keep_every must be at least 1, got {keep_every}")
+        if on_nonfinite not in ("warn", "refuse"):
+            raise UsageError(f"on_nonfinite must be 'warn' or 'refuse', got {on_nonfinite!r}")
         if writer_nice is not None and not (isinstance(writer_nice, int) and 0 <= writer_nice <= 19):
             raise UsageError(f"writer_nice must be a nice value from 0 to 19, got {writer_nice!r}",
                              hint="use None to leave the writer at the training thread's priority")
@@ -109,7 +125,6 @@ class Checkpointer:
         self._group: Any = None  # checkpoint-only process group, made on the first async save
         self._staged: Any = None  # the last async save's copy of the state, reused by the next (DCP fallback)
         self._stager = Stager(lambda: dist.pause_point("stage-copy"))  # host buffers of async saves, reused while shapes hold
-        self._fences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its pre-step hook
         self._states = StateCache()  # get_state_dict's answer, kept while the model's and optimizer's structure holds
         self.on_commit = on_commit  # rank 0, once a step is committed: on_commit(step, its URL) (a save's background thread for async saves)
         # on_phase(name, start, end) after each phase of a save (time.perf_counter(), in the thread
@@ -120,6 +135,12 @@ class Checkpointer:
         # that file by a hard link (a server-side copy on an object store) instead of a write
         self.incremental = incremental
         self._frozen: frozenset[str] = frozenset()  # the state keys of this save's frozen parameters
+        self._trainable: set[str] = set()  # the state keys of this save's trainable parameters
+        # health: NaN/Inf counted in every record as it is written, and each record's data digest
+        # compared with this rank's previous committed save (a stale copy); in the commit record
+        self.health = health
+        self.on_nonfinite = on_nonfinite  # "refuse": a step with non-finite values is not committed
+        self._last_digests: Any = None  # (step, its final place, this rank's record digests) of its last save
         self._written: Any = None  # what this rank put in its frozen file at its last save (dcp_format.Written)
         # The threads of async saves, started at the first (a thread started per save cost the
         # training thread milliseconds): the copy into host memory, at the training thread's
@@ -177,39 +198,46 @@ class Checkpointer:
 
     # --- save ----------------------------------------------------------------------------------
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
+    def save(self, step: int, model: torch.nn.Module, optimizer: Optimizers = None, extra: dict | None = None,
              blocking: bool | None = None) -> str:
         """Write ``{"model", "optim", "extra"}`` of this step as DCP and commit it; returns its path.
 
-        Every rank writes its own shards and an index of them; rank 0 merges the indexes into
-        ``.metadata``, writes the commit record last and renames the step into place. No
-        collective runs in the write or the commit, so with ``async_save=True`` (or
-        ``blocking=False``) the call returns once this rank's state is being copied into reused
-        host buffers (a snapshot: training may go on at once; with an optimizer the copy runs in
-        the background and the optimizer's next ``step()`` waits for it, so forward and backward
-        overlap it; without one it is done at the call) and a background thread finishes the save even if the
-        process group is destroyed meanwhile; the interpreter does not exit before it has. The
-        next ``save``, ``wait`` or ``close`` waits for it and raises its error (``save``: on every
-        rank). Raises :class:`OutputExistsError` if the step exists, :class:`StorageError` when the
-        storage refuses the write (earlier steps stay intact).
+        ``optimizer``: one optimizer or a list of them (as torch's ``get_state_dict`` takes them;
+        their states are merged under ``optim``). Every rank writes its own shards and an index of
+        them; rank 0 merges the indexes into ``.metadata``, writes the commit record last and
+        renames the step into place. No collective runs in the write or the commit, so with
+        ``async_save=True`` (or ``blocking=False``) the call returns once this rank's state is
+        being copied into reused host buffers and a background thread finishes the save even if
+        the process group is destroyed meanwhile; the interpreter does not exit before it has.
+
+        The step holds the values of the call, whatever the caller does next: until the copy is
+        done, every optimizer's step waits for it, and an in-place write on this thread to a tensor
+        not yet copied copies that tensor first (``snapshot.py``). A write no guard sees (another
+        thread, ``.numpy()``) that is found by the tensor's version counter fails the save
+        (:class:`SnapshotError`): nothing is committed. The next ``save``, ``wait`` or ``close``
+        raises a background save's error on every rank. Raises :class:`OutputExistsError` if the
+        step exists, :class:`StorageError` when the storage refuses the write (earlier steps stay
+        intact).
         """
         self._not_from_the_writer("save")
         if not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
+        optimizers = optimizers_of(optimizer)
         blocking = not self.async_save if blocking is None else blocking
         final = self.root.child(step_name(step))
         tmp = self._timed("prepare", self._begin_save, step, final)
-        state, buffers = self._timed("state", self._training_state, model, optimizer, extra)
+        state, buffers = self._timed("state", self._training_state, model, optimizers, extra)
         # (read by this save's writer only: the next save() sets it after joining this one)
-        self._frozen = (frozenset(f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad)
-                        if self.incremental else frozenset())
+        frozen = [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]
+        self._frozen = frozenset(frozen) if self.incremental else frozenset()
+        self._trainable = {f"model.{n}" for n, _ in model.named_parameters()} - set(frozen)
         staged = None
         if not blocking:
             try:
                 # a forward may change module buffers in place: copied at the call, found by the address
-                # of what is copied (``buffers``: of each buffer's local tensor; a DTensor's own data_ptr() is 0)
-                staged = self._timed("stage", self._stager.stage, state, dist.rank(), _stores, in_order=buffers,
-                                     background=optimizer is not None)
+                # of what is copied (``buffers``: of each buffer's local tensor; a DTensor's own data_ptr() is 0);
+                # the rest is copied in the background, guarded (snapshot.py)
+                staged = self._timed("stage", self._stager.stage, state, dist.rank(), _stores, in_order=buffers, background=True)
             except _Unsupported:
                 staged = None  # a placement ckpttool's writer does not lay out: DCP's own writer
         own = staged is not None or (blocking and dcp_format.supports(state))  # else DCP's writer, which needs the process group
@@ -219,18 +247,14 @@ class Checkpointer:
             else:
                 self._write_and_commit_dcp(state, step, tmp, final, group=None)
             return final.url
-        if own:
-            if optimizer is not None and optimizer not in self._fences:
-                # the snapshot is fenced before the next step may change what is being copied
-                self._fences[optimizer] = optimizer.register_step_pre_hook(lambda *_: self._timed("fence", self._stager.fence))
-        else:
+        if not own:
             if self._group is None and dist.active():
                 import torch.distributed as tdist
 
                 # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
                 # default group): a group of their own, used only by the background thread.
                 self._group = tdist.new_group(backend="gloo")
-            staged = self._staged = _stage(state, self._staged)
+            staged = self._staged = _stage(state, self._staged)  # copied at the call
         dist.pause_point("after-stage")
         if own and self._stager.copying:
             self._copier.submit(self._stager.copy, name="ckpttool-stage")
@@ -244,24 +268,33 @@ class Checkpointer:
         """The kept ``get_state_dict`` answer (``.hits``, ``.misses``): read it, do not change it."""
         return self._states
 
-    def _training_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+    def _training_state(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
                         extra: dict | None) -> tuple[dict[str, Any], set[int]]:
         """This save's ``{"model", "optim", "extra"}`` and the addresses of the model's buffers:
         torch's ``get_state_dict`` answer, kept from the last save while the structure holds."""
-        base, buffers = self._states.state(model, optimizer)
+        base, buffers = self._states.state(model, optimizers)
         state = dict(base)
         if extra:
-            state["extra"] = dict(extra)
+            state["extra"] = extra_state(extra)
         return state, buffers
 
     def _background(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, own: bool, rank: int,
                     world_size: int) -> None:
         try:
             if own:
-                self._stager.wait(run=False)  # the copies are in host memory (CUDA: issued on a side stream)
-                self._timed("write", self._write_own, staged, tmp, rank, final)
-                if rank == 0:
-                    self._timed("commit", self._commit_own, step, tmp, final, world_size)
+                try:
+                    self._stager.wait(run=False)  # the copies are in host memory (CUDA: issued on a side stream)
+                    self._timed("write", self._write_own, staged, tmp, rank, final, step)
+                    if rank == 0:
+                        self._timed("commit", self._commit_own, step, tmp, final, world_size)
+                except BaseException as exc:
+                    if rank == 0:  # the other ranks wait for the commit: tell them why it will not come
+                        refuse_step(tmp, exc.message() if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}")
+                    elif isinstance(exc, SnapshotError):
+                        _say_failed(tmp, rank, exc)  # rank 0 stops waiting for this rank's part
+                    raise
+                if rank != 0:
+                    await_outcome(tmp, final, self.commit_timeout)  # so wait() and close() tell whether the step counts
             else:
                 self._write_and_commit_dcp(staged, step, tmp, final, group=self._group)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
@@ -273,7 +306,7 @@ class Checkpointer:
             self._phase("done", now, now)  # the background save is over (rank 0: committed, or failed)
 
     def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
-        dist.agreed(lambda: self._timed("write", self._write_own, state, tmp, dist.rank(), final))
+        dist.agreed(lambda: self._timed("write", self._write_own, state, tmp, dist.rank(), final, step))
         dist.agreed(lambda: self._timed("commit", self._commit_own, step, tmp, final, dist.world_size()), rank0_only=True)
 
     def _timed(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -293,14 +326,19 @@ class Checkpointer:
             except Exception:  # noqa: BLE001 - a caller's callback must not fail a save
                 log.exception("on_phase callback failed for phase %s", name)
 
-    def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location) -> None:
+    def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location, step: int) -> None:
         previous = self._written
         if previous is not None and not previous.step_dir.child(COMMIT_FILE).exists():
             previous = None  # its step never committed, or retention removed it: nothing to share
+        last = self._last_digests
+        if last is not None and not last[1].child(COMMIT_FILE).exists():
+            last = None  # the stale check compares with the previous committed step only
+        check = health.Check(self._trainable, last[2] if last else None, last[0] if last else None) if self.health else None
         self._written = None
+        self._last_digests = None
         try:
             written = dcp_format.write_rank(tmp, rank, state, after_write=lambda: dist.pause_point("after-write"),
-                                            compress=self.compress, frozen=self._frozen, previous=previous)
+                                            compress=self.compress, frozen=self._frozen, previous=previous, health=check)
             if written is not None:
                 written.step_dir = final  # where its files are once the step is committed
         except CkptError:
@@ -308,6 +346,8 @@ class Checkpointer:
         except Exception as exc:  # a write the storage refused: one line naming the step
             raise _save_error(exc, tmp) from None
         self._written = written
+        if check is not None:
+            self._last_digests = (step, final, check.tally.digests)
 
     def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int) -> None:
         """Rank 0: wait for every rank's index in storage, write .metadata, then the commit record
@@ -315,15 +355,42 @@ class Checkpointer:
         indexes = dcp_format.read_rank_indexes(tmp, world_size, self.commit_timeout)
         manifest = dcp_format.commit_metadata(tmp, indexes)
         record = {"manifest": manifest, **dcp_format.step_bytes(indexes)}  # bytes written, and shared with the step before
+        per_rank = dcp_format.per_rank_keys(indexes)
+        if per_rank:
+            record["per_rank"] = per_rank  # keys of extra whose values differ between ranks: each rank's own is kept
+        found = health.merge_ranks([index.health for index in indexes])
+        if found is not None:
+            record["health"] = found
+            self._judge_health(step, found)
         tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, record))
         dist.pause_point("before-rename")
         self.root.commit_policy.publish(tmp, final)
         self._committed(step, final)
         self._apply_retention()
 
+    def _judge_health(self, step: int, found: dict[str, Any]) -> None:
+        """Rank 0, before the commit: a step with non-finite values is refused with
+        ``on_nonfinite="refuse"`` (every rank raises it), else said at once in one line."""
+        bad = health.nonfinite_keys(found)
+        stale = found.get("unchanged") or []
+        if bad:
+            said = "; ".join(p for p in health.problems(found) if p.split(":")[0] in bad[:3])
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            if self.on_nonfinite == "refuse":
+                raise UnhealthyStepError(f"step {step} holds non-finite values ({said}{more}); not committed",
+                                         hint="the run diverged before this save; resume from an earlier step "
+                                              "(ckpttool inspect ROOT shows which are healthy)")
+            log.warning("ckpttool: step %d holds non-finite values: %s%s", step, said, more)
+        if stale:
+            log.warning("ckpttool: step %d: %d trainable tensor(s) unchanged since step %s while their optimizer state "
+                        "moved, first %s (a stale copy of the weights, or gradients that never reach them?)",
+                        step, len(stale), found.get("compared_with"), stale[0])
+
     def _write_and_commit_dcp(self, state: dict[str, Any], step: int, tmp: Location, final: Location, group: Any) -> None:
         """The fallback for placements ckpttool's writer does not lay out: DCP's own writer, whose
         planning and commit are collectives over ``group``."""
+        state, per_rank = _with_per_rank(state, group)
+        found = _fallback_health(state, group) if self.health else None
         try:
             with _single_process_quiet():
                 dcp.save(state, storage_writer=dcp_writer(tmp, self.storage_options, self.compress), process_group=group)
@@ -331,7 +398,7 @@ class Checkpointer:
             raise _save_error(exc, tmp) from None
         dist.pause_point("after-write")
         manifest = _manifest_of_own_file(tmp, group)
-        self._commit_dcp(step, tmp, final, manifest, group)
+        self._commit_dcp(step, tmp, final, manifest, group, per_rank, found)
         self._apply_retention()
 
     def _join_pending(self) -> BaseException | None:
@@ -356,6 +423,7 @@ class Checkpointer:
         """Block until this rank's pending background save is done (on rank 0: committed); raise
         its error if it failed."""
         self._not_from_the_writer("wait")
+        self._stager.fence()  # the copy's rest runs here if the copy thread has not done it (and the write guard goes)
         error = self._timed("wait", self._join_pending)
         if error is not None:
             raise error
@@ -371,9 +439,6 @@ class Checkpointer:
             self._staged = None
             self._states.clear()
             self._stager = Stager(lambda: dist.pause_point("stage-copy"))
-            for handle in list(self._fences.values()):
-                handle.remove()
-            self._fences = weakref.WeakKeyDictionary()
             self._copier.close()
             self._writer.close()  # joins a write still running (wait() interrupted): then the lease may go
             self._lease.release()
@@ -434,12 +499,17 @@ class Checkpointer:
         tmp.makedirs()
         return tmp.name
 
-    def _commit_dcp(self, step: int, tmp: Location, final: Location, manifest: dict[str, Any], group: Any = None) -> None:
+    def _commit_dcp(self, step: int, tmp: Location, final: Location, manifest: dict[str, Any], group: Any = None,
+                    per_rank: list[str] | None = None, found: dict[str, Any] | None = None) -> None:
         dist.barrier("ckpttool.commit", group)
 
         def commit() -> None:
             full = {**manifest, "files": metadata_row(tmp)}  # the manifest covers .metadata too
-            tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size(), {"manifest": full}))
+            fields: dict[str, Any] = {"manifest": full, **({"per_rank": per_rank} if per_rank else {})}
+            if found is not None:
+                fields["health"] = found
+                self._judge_health(step, found)
+            tmp.child(COMMIT_FILE).write_bytes(commit_record(step, dist.world_size(), fields))
             dist.pause_point("before-rename")
             self.root.commit_policy.publish(tmp, final)
             self._committed(step, final)
@@ -474,8 +544,8 @@ class Checkpointer:
 
     # --- load ----------------------------------------------------------------------------------
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, step: int | None = None, *,
-             verify: bool = True) -> LoadResult | None:
+    def load(self, model: torch.nn.Module, optimizer: Optimizers = None, step: int | None = None, *,
+             verify: bool = True, extra: dict[str, Any] | None = None) -> LoadResult | None:
         """Load the newest (or the given) committed step into ``model`` (and ``optimizer``).
 
         Works on any world size and mesh. Returns ``None`` when ``step`` is None and nothing was
@@ -507,8 +577,35 @@ class Checkpointer:
                 where=self.root.url,
                 hint=f"committed steps: {committed or 'none'}",
             )
-        result = load(self.root.child(step_name(step)), model, optimizer, verify=verify, storage_options=self.storage_options)
-        return LoadResult(step=step, extra=result.extra, path=result.path)
+        self._warn_if_unhealthy(step, committed)
+        result = load(self.root.child(step_name(step)), model, optimizer, verify=verify, storage_options=self.storage_options,
+                      extra=extra)
+        return LoadResult(step=step, extra=result.extra, path=result.path, extra_by_rank=result.extra_by_rank)
+
+
+    def _warn_if_unhealthy(self, step: int, committed: list[int]) -> None:
+        """One line (rank 0) when the step to load holds non-finite values, naming the newest
+        committed step that does not (from the commit records' health)."""
+        if dist.rank() != 0:
+            return
+        found = _health_of(self.root.child(step_name(step)))
+        bad = health.nonfinite_keys(found)
+        if not bad:
+            return
+        older = next((s for s in reversed(committed) if s < step and _health_of(self.root.child(step_name(s))) is not None
+                      and not health.nonfinite_keys(_health_of(self.root.child(step_name(s))))), None)
+        log.warning("ckpttool: loading step %d, which holds non-finite values (%s%s); %s", step,
+                    "; ".join(health.problems(found)[:2]), f" and {len(bad) - 2} more" if len(bad) > 2 else "",
+                    f"the newest step without any is step {older}" if older is not None else "no earlier step is known to be without any")
+
+
+def _health_of(step_dir: Location) -> dict[str, Any] | None:
+    try:
+        record = read_commit_record(step_dir)
+    except CkptError:
+        return None
+    found = (record or {}).get("health")
+    return found if isinstance(found, dict) else None
 
 
 class _Unsupported(Exception):
@@ -547,13 +644,20 @@ def _stage(state: Any, previous: Any = None) -> Any:
         prev = previous if isinstance(previous, (list, tuple)) and len(previous) == len(state) else [None] * len(state)
         staged = [_stage(v, p) for v, p in zip(state, prev)]
         return staged if isinstance(state, list) else tuple(staged)
-    return state
+    return frozen(state)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _say_failed(step_dir: Location, rank: int, exc: BaseException) -> None:
+    """A rank whose part failed before its write began: its index carries the error, so rank 0
+    stops waiting for it and refuses the step at once."""
+    with contextlib.suppress(Exception):
+        dcp_format.publish_failure(step_dir, rank, exc.message() if isinstance(exc, CkptError) else str(exc))
 
 
 def _same_layout(t: torch.Tensor, other: Any) -> bool:
@@ -564,6 +668,67 @@ def _same_layout(t: torch.Tensor, other: Any) -> bool:
     if isinstance(t, DTensor):
         return other.placements == t.placements and other.device_mesh == t.device_mesh and _local(other).shape == _local(t).shape
     return other.device == t.device
+
+
+def _with_per_rank(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], list[str]]:
+    """DCP's writer keeps rank 0's value of every plain value of ``extra``: here (its path is
+    collective anyway) the ranks' values are gathered, and those that differ between ranks are
+    added under ``per_rank.<rank>``, as ckpttool's own writer lays them out."""
+    from .index import flatten
+
+    extra = state.get("extra")
+    if not extra or not dist.active():
+        return state, []
+    flat, paths = flatten({"extra": extra})
+    mine = {}
+    for key, value in flat.items():
+        if not _is_dtensor(value):
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            mine[key[len("extra."):]] = (tuple(paths[key][1:]), hash_bytes(buf.getvalue()), value)
+    everyone = dist.all_gather(mine, group)
+    differing = sorted({sub for values in everyone for sub in values
+                        if any(sub not in v or v[sub][1] != values[sub][1] for v in everyone)})
+    if not differing:
+        return state, []
+    tree: dict[str, Any] = {}
+    for r, values in enumerate(everyone):
+        mine_r: dict[str, Any] = {}
+        for sub in differing:
+            if sub in values:
+                _put(mine_r, values[sub][0], values[sub][2])
+        tree[str(r)] = mine_r
+    return {**state, PER_RANK: tree}, differing
+
+
+def _fallback_health(state: dict[str, Any], group: Any) -> dict[str, Any]:
+    """DCP's writer passes no bytes through ckpttool: each rank counts NaN and Inf in the local
+    shards it holds (each box once: a replicated one on its first holder; a ``Partial`` sum, which
+    is no value yet, not at all), and rank 0 adds them up. No stale check on this path."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from .index import flatten
+
+    flat, _ = flatten(state)
+    tally = health.Tally()
+    rank = dist.rank()
+    for key, value in flat.items():
+        if isinstance(value, DTensor):
+            coordinate = value.device_mesh.get_coordinate()
+            if coordinate is None or any(isinstance(p, Partial) or (isinstance(p, Replicate) and c != 0)
+                                         for p, c in zip(value.placements, coordinate)):
+                continue
+            tally.count(key, value._local_tensor.detach())
+        elif isinstance(value, torch.Tensor) and rank == 0:
+            tally.count(key, value.detach())
+    parts = [{"nonfinite": counts} for counts in dist.all_gather(tally.nonfinite, group)]
+    return health.merge(parts, None, set())
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
@@ -585,15 +750,29 @@ def _single_process_quiet():
         yield
 
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None) -> dict[str, Any]:
-    state = torch_state(model, optimizer)
+def training_state(model: torch.nn.Module, optimizer: Optimizers, extra: dict | None) -> dict[str, Any]:
+    state = torch_state(model, optimizers_of(optimizer))
     if extra:
-        state["extra"] = dict(extra)
+        state["extra"] = extra_state(extra)
     return state
 
 
-def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         verify: bool = True, storage_options: dict[str, Any] | None = None) -> LoadResult:
+def extra_state(extra: dict[str, Any]) -> dict[str, Any]:
+    """What is saved of ``extra``: each Stateful value (``state_dict()`` and ``load_state_dict()``:
+    an LR scheduler, a stateful data loader, the user's own) as its state dict, as ``dcp.save``
+    treats a Stateful; everything else as it is."""
+    if not isinstance(extra, dict):
+        raise UsageError(f"extra must be a dict, got {type(extra).__name__}")
+    return {k: v.state_dict() if _stateful(v) else v for k, v in extra.items()}
+
+
+def _stateful(value: Any) -> bool:
+    return (not isinstance(value, (torch.Tensor, type)) and callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None)))
+
+
+def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: Optimizers = None, *,
+         verify: bool = True, storage_options: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> LoadResult:
     """Load one DCP checkpoint directory (or a per-rank ``torch.save`` folder, as FSDP2's manual
     sharded checkpointing writes it) into ``model``/``optimizer`` on the current mesh.
 
@@ -603,12 +782,20 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     ``verify`` (the default) checks every record it reads: torch's CRC-32 of its tensor data, and
     the manifest of a ckpttool step (:class:`ChecksumError` names the key, the file and the rank).
     Every rank raises the same error when any rank fails.
+
+    ``extra``: objects with ``load_state_dict`` (an LR scheduler, a stateful data loader) to
+    restore in place from the saved ``extra`` values of the same names. Values saved per rank come
+    back to their own rank on the same world size; on another world size no rank gets another
+    rank's value: those keys are left out of ``extra`` (and their objects not restored), said in
+    one line, and every saved rank's value is in ``LoadResult.extra_by_rank``.
     """
     from .index import flatten
 
     loc = resolve(path, storage_options)
-    state = training_state(model, optimizer, None)
+    optimizers = optimizers_of(optimizer)
+    state = training_state(model, optimizers, None)
     record: dict | None = None
+    saved_leaves: list[tuple] = []
     error: BaseException | None = None
     try:
         record = read_commit_record(loc)
@@ -620,23 +807,34 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
         with opened as source:
             index = source.index()
             _check_fits(state, index, loc)
-            extra_template = _extra_template(source)
-            if extra_template:
-                state["extra"] = extra_template
+            for top in ("extra", PER_RANK):  # shaped like what was saved: a template built from the index
+                template = _template(source, top)
+                if template:
+                    state[top] = template
             flat, paths = flatten(state)
             dcp_format.load_into(source, flat)
             state = unflatten(flat, paths)
+            saved_leaves = [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
     except CkptError as exc:
         error = exc
     error = dist.first_error(error)
     if error is not None:
         raise error
-    if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if optimizers:
+        set_state_dict(model, optimizers if len(optimizers) > 1 else optimizers[0], model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
     else:
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     step = record["step"] if record is not None else parse_step(loc.name)
-    return LoadResult(step=step, extra=state.get("extra", {}), path=loc.url)
+    by_rank = {int(r): v for r, v in state.get(PER_RANK, {}).items() if str(r).isdigit()}
+    leaves: dict[int, list[tuple]] = {}  # per saved rank: the paths in extra of its own values
+    for rank_key, *path in saved_leaves:
+        if str(rank_key).isdigit():
+            leaves.setdefault(int(rank_key), []).append(tuple(path))
+    saved_world = record.get("world_size") if record is not None else None
+    values, unmatched = _own_values(state.get("extra", {}), by_rank, leaves, saved_world, loc)
+    _restore_in_place(extra, values, unmatched, loc)
+    return LoadResult(step=step, extra=values, path=loc.url, extra_by_rank=by_rank)
 
 
 def _check_fits(state: dict[str, Any], index: Index, loc: Location) -> None:
@@ -662,15 +860,15 @@ def _check_fits(state: dict[str, Any], index: Index, loc: Location) -> None:
                 )
 
 
-def _extra_template(source: Any) -> dict[str, Any]:
-    """A dict shaped like the saved ``extra`` (the load fills a template), built from the index;
-    its tensors are allocated only once the checkpoint's bytes are known to back their size."""
+def _template(source: Any, top: str) -> dict[str, Any]:
+    """A dict shaped like the saved top-level ``top`` (the load fills a template), built from the
+    index; its tensors are allocated only once the checkpoint's bytes are known to back their size."""
     index = source.index()
     flat: dict[str, Any] = {}
     sub_paths = {}
     for key in index:
         path = index.path(key)
-        if path[0] != "extra":
+        if path[0] != top:
             continue
         entry = index[key]
         if isinstance(entry, TensorEntry):
@@ -679,7 +877,83 @@ def _extra_template(source: Any) -> dict[str, Any]:
         else:
             flat[key] = None
         sub_paths[key] = path
-    return unflatten(flat, sub_paths).get("extra", {})
+    return unflatten(flat, sub_paths).get(top, {})
+
+
+def _own_values(extra: dict[str, Any], by_rank: dict[int, dict[str, Any]], leaves: dict[int, list[tuple]],
+                saved_world: int | None, loc: Location) -> tuple[dict[str, Any], set[str]]:
+    """This rank's values of ``extra``, and the top-level keys of those it could not be given: on
+    the world size that saved them, each value saved per rank is this rank's own (a key some ranks
+    saved and this one did not is left out); on another, every value saved per rank is left out
+    (said in one line): no rank gets another rank's value."""
+    if not leaves:
+        return extra, set()
+    saved = saved_world if isinstance(saved_world, int) and saved_world > 0 else max(leaves) + 1
+    rank, world = dist.rank(), dist.world_size()
+    everyone = {path for paths in leaves.values() for path in paths}
+    own = set(leaves.get(rank, ())) if saved == world else set()
+    for path in everyone - own:
+        _drop(extra, path)
+    for path in own:
+        _put(extra, path, _get(by_rank[rank], path))
+    if saved != world and rank == 0:
+        log.warning("%s: extra values saved per rank on %d ranks cannot be matched to %d ranks, left out of "
+                    "LoadResult.extra: %s (every saved rank's value is in LoadResult.extra_by_rank)",
+                    loc.url, saved, world, ", ".join(sorted(".".join(map(str, p)) for p in everyone)))
+    return extra, {str(path[0]) for path in everyone - own}
+
+
+def _restore_in_place(objects: dict[str, Any] | None, values: dict[str, Any], unmatched: set[str], loc: Location) -> None:
+    """``obj.load_state_dict(saved value)`` for every object given to the load (a Stateful value of
+    ``extra``, saved through its state dict); one whose saved state is not wholly this rank's (saved
+    per rank on another world size) is not restored: the warning above names it."""
+    for key, obj in (objects or {}).items():
+        if not callable(getattr(obj, "load_state_dict", None)):
+            raise UsageError(f"extra[{key!r}] has no load_state_dict(): only such objects are restored in place",
+                             hint="the saved values are in LoadResult.extra")
+        if key in unmatched:
+            continue
+        if key not in values:
+            raise MismatchError(f"extra key {key!r} is not in the checkpoint", where=loc.url,
+                                hint=f"saved extra keys: {sorted(values) or 'none'}")
+        obj.load_state_dict(values[key])
+
+
+def _get(tree: Any, path: tuple) -> Any:
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+def _put(tree: Any, path: tuple, value: Any) -> None:
+    for i, part in enumerate(path[:-1]):
+        nxt = path[i + 1]
+        if isinstance(tree, dict):
+            tree = tree.setdefault(part, [] if isinstance(nxt, int) else {})
+        else:
+            while len(tree) <= part:
+                tree.append(None)
+            if tree[part] is None:
+                tree[part] = [] if isinstance(nxt, int) else {}
+            tree = tree[part]
+    if isinstance(tree, dict):
+        tree[path[-1]] = value
+    else:
+        while len(tree) <= path[-1]:
+            tree.append(None)
+        tree[path[-1]] = value
+
+
+def _drop(tree: Any, path: tuple) -> None:
+    for part in path[:-1]:
+        if isinstance(tree, dict):
+            tree = tree.get(part)
+        elif isinstance(tree, list) and isinstance(part, int) and part < len(tree):
+            tree = tree[part]
+        else:
+            return
+    if isinstance(tree, dict):
+        tree.pop(path[-1], None)
 
 
 def _save_error(exc: BaseException, tmp: Location) -> CkptError:

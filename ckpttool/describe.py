@@ -7,6 +7,7 @@ import io
 from typing import Any
 
 from .formats import detect, open_source
+from .health import nonfinite_keys, problems
 from .index import TensorEntry
 from .safe_torch import values_as_read
 from .choices import human_bytes
@@ -67,6 +68,15 @@ def describe_root(loc: Location) -> dict[str, Any]:
         for field in ("bytes_written", "bytes_shared"):  # what the save wrote, and what it shared with the step before
             if isinstance(record.get(field), int) and not isinstance(record.get(field), bool):
                 row[field] = record[field]
+        found = record.get("health")
+        if not isinstance(found, dict):
+            row["health"] = {"state": "not recorded", "problems": []}
+        else:
+            said = problems(found)
+            row["health"] = {"state": "unhealthy" if said else "healthy", "problems": said,
+                             "nonfinite": nonfinite_keys(found), "unchanged": list(found.get("unchanged") or [])}
+        if record.get("per_rank"):
+            row["per_rank"] = list(record["per_rank"])
         steps.append(row)
     damaged = [{"step": step, "path": loc.child(step_name(step)).url, "problem": what} for step, what in listing.damaged.items()]
     return {"path": loc.url, "kind": "training_root", "steps": steps, "damaged": damaged, "incomplete": listing.incomplete}
@@ -93,7 +103,8 @@ def render_text(report: dict[str, Any]) -> str:
                 wrote = ""
                 if "bytes_written" in s:
                     wrote = f"  wrote {human_bytes(s['bytes_written'])}, shared {human_bytes(s.get('bytes_shared', 0))}"
-                lines.append(f"  step {s['step']:>8}  world size {s['world_size']}{wrote}  {s['path']}")
+                lines.append(f"  step {s['step']:>8}  world size {s['world_size']}{wrote}  {s['health']['state']}  {s['path']}")
+                lines.extend(f"      {p}" for p in s["health"]["problems"])
         else:
             lines.append("no committed steps")
         for d in report["damaged"]:

@@ -86,3 +86,16 @@ class WorkerError(CkptError):
     def __init__(self, text: str, exit_code: int = EXIT_BAD_INPUT):
         self.exit_code = exit_code
         super().__init__(text)
+
+
+class SnapshotError(CkptError):
+    """An async save's copy may not hold the values of the call (a tensor was written before its
+    copy was done); the step was not committed."""
+
+
+class UnhealthyStepError(CkptError):
+    """A step holds non-finite values and its Checkpointer was told to refuse such steps; not committed."""
+
+
+class StepNotCommittedError(CkptError):
+    """Another rank's part of a step failed (or rank 0 could not commit it): the step was not committed."""

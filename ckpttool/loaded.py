@@ -42,9 +42,9 @@ class LoadedReport:
         return not self.mismatches
 
 
-def verify_loaded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Location, *,
+def verify_loaded(model: torch.nn.Module, optimizer: Any, path: str | Location, *,
                   storage_options: dict[str, Any] | None = None) -> LoadedReport:
-    """Compare this rank's shards of ``model`` (and ``optimizer``) with the checkpoint's bytes for
+    """Compare this rank's shards of ``model`` (and ``optimizer``: one or a list) with the checkpoint's bytes for
     exactly the same boxes, reading only those boxes (no all-gather); every rank returns the same
     report. Call it on every rank after a load."""
     loc = resolve(path, storage_options)

@@ -8,24 +8,24 @@ whether this rank stores it (decided at the call, while the DTensor is at hand, 
 save to save while the same tensor comes back: the walk over the state is then a few
 microseconds a tensor). A tensor inside an object (a tuple is one object to DCP) is cloned.
 
-On CUDA the buffers are pinned and, when a fence exists (an optimizer was given), the copies of
-parameters and optimizer state are issued on a side stream, so the training stream keeps
-running; the snapshot is fenced before the optimizer's
-next step may change them (:meth:`Stager.fence`, run by an optimizer pre-step hook, makes the
-training stream wait for the copies; forward and backward overlap them). Tensors a forward pass
-may change in place (module buffers such as running statistics) are copied on the training
-stream itself, in order. Nothing is ever copied to a second place on the device. On the CPU,
-when a fence exists (an optimizer was given), the same buffers are filled by a background thread
-(the Checkpointer's copy thread, :meth:`Stager.copy`), and the fence waits for it, or runs the
-copy itself if no thread has started it yet; so ``save()`` returns before the copy is done and
-forward and backward overlap it. Without an optimizer (nothing to fence on) they are filled at
-the call (on CUDA: in order on the training stream). Only the given optimizer's ``step()`` is
-fenced: anything else that writes the saved tensors in place before it (a second optimizer, an
-EMA update) must come after :meth:`Stager.fence` or ``Checkpointer.wait``.
+On CUDA the buffers are pinned and, when the copies may run in the background (an optimizer was
+given), the copies of parameters and optimizer state are issued on a side stream, so the training
+stream keeps running. On the CPU the same buffers are filled by a background thread (the
+Checkpointer's copy thread, :meth:`Stager.copy`), tensor by tensor. Either way ``save()``
+returns before the copy is done, and forward and backward overlap it. Tensors a forward pass may
+change in place (module buffers such as running statistics) are copied at the call, in order.
+Nothing is ever copied to a second place on the device. Without an optimizer everything is
+copied at the call.
+
+While copies are in flight, ``snapshot.py`` guards them: every optimizer's next step finishes
+them first, and an in-place write on the saving thread to a tensor not yet copied copies that
+tensor first (:meth:`Stager.before_write`). A tensor whose version counter moved before its
+copy was done (a write no guard saw) fails the save (:class:`SnapshotError`).
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
+from . import snapshot
 from .compat import Box, local_shard_box
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, SnapshotError
 from .formats.dcp import HostShard
 
 
@@ -48,8 +49,11 @@ class Stager:
         self.buffers: dict[str, torch.Tensor] = {}
         self._stream: Any = None  # the side CUDA stream, made on first use
         self._copied: Any = None  # the CUDA event recorded after the side-stream copies
+        self._side: list[_Item] = []  # what the side stream copies, until fenced (its versions are checked then)
+        self._fenced = True  # whether the training stream waits for the side-stream copies
         self._pending: _Copy | None = None  # the CPU copy of the last stage(background=True), until run and fenced
         self._copy_error: BaseException | None = None
+        self._torn: list[str] = []  # keys written before their copy was done (the save fails)
         self._before_copy = before_copy  # tests slow the background copy down here
         self._plans: dict[str, _Plan] = {}  # per key: what the last save found and made for it
         self._boxes: dict[str, tuple[Any, Any, Box, bool]] = {}  # per key: ((shape, placements), mesh, box, store)
@@ -72,7 +76,8 @@ class Stager:
         ``to_local()`` and chunk arithmetic are Python, and were most of what this call spent."""
         self.fence()  # a copy still in flight fills the buffers this call is about to reuse
         self._copy_error = None  # a failed copy was raised by its own save's writer; this is a new save
-        copies: list[tuple[torch.Tensor, _Plan]] = []
+        self._torn = []
+        copies: list[tuple[str, torch.Tensor, torch.Tensor, _Plan]] = []
         plans = self._plans
         seen: set[str] = set()
         fresh: list[str] = []  # keys planned by this call (their buffers are placed after the walk)
@@ -91,7 +96,7 @@ class Stager:
                 plan = plans[key] = self._plan(key, value, local, rank, stores)
                 fresh.append(key)
                 self.planned += 1
-            copies.append((local, plan))
+            copies.append((key, local, value, plan))
             return plan.shard
 
         try:
@@ -109,20 +114,23 @@ class Stager:
                 self._layout.pop(gone, None)
         if self.planned:
             self._place(plans)
-        side: list[tuple[torch.Tensor, torch.Tensor]] = []
-        cpu_side: list[tuple[torch.Tensor, torch.Tensor]] = []
+        side: list[_Item] = []
+        cpu_side: list[_Item] = []
         cuda_in_order = False
         with torch.no_grad():
-            for local, plan in copies:
+            for key, local, value, plan in copies:
                 buf = plan.shard.local
-                if plan.cuda and background and local.data_ptr() not in in_order:
-                    side.append((local, buf))  # fenced before the optimizer's next step
-                elif background and not plan.cuda and local.data_ptr() not in in_order:
-                    cpu_side.append((local, buf))
+                if background and local.data_ptr() not in in_order:
+                    # copied in the background: from an alias of the memory it has now (a later
+                    # ``p.data = other`` does not move what is copied), checked by its version
+                    src = local if local is not value else local.detach()
+                    (side if plan.cuda else cpu_side).append(_Item(key, src, buf, value, value._version))
                 else:
                     buf.copy_(local, non_blocking=plan.cuda)
                     cuda_in_order |= plan.cuda
         self._copied = None
+        self._side = side
+        self._fenced = not side
         if side or cuda_in_order:
             training = torch.cuda.current_stream()
             if self._stream is None:
@@ -130,13 +138,15 @@ class Stager:
             # the copies see every kernel issued before save(), the in-order copies included
             self._stream.wait_stream(training)
             with torch.cuda.stream(self._stream), torch.no_grad():
-                for src, dst in side:
-                    dst.copy_(src, non_blocking=True)
-                    src.record_stream(self._stream)
+                for item in side:
+                    item.dst.copy_(item.src, non_blocking=True)
+                    item.src.record_stream(self._stream)
                 self._copied = torch.cuda.Event()
                 self._copied.record(self._stream)
         if cpu_side:
-            self._pending = _Copy(cpu_side)
+            self._pending = _Copy(cpu_side, self._before_copy, self)
+        if (side or cpu_side) and not snapshot.watch(self):
+            self.fence()  # another dispatch mode is active here: nothing may guard the copies, so they end now
         return out
 
     def _place(self, plans: dict[str, _Plan]) -> None:
@@ -167,27 +177,31 @@ class Stager:
                 plan.shard.local = self.buffers[key]
 
     def copy(self) -> None:
-        """Run the pending CPU copy in the calling thread, or wait for the thread running it.
-
-        The Checkpointer's copy thread runs it; an optimizer step (the fence) that comes before
-        that thread got to it runs it itself, and the writer waits for it (``wait(run=False)``)."""
+        """Run the pending CPU copy in the calling thread (the Checkpointer's copy thread), tensor
+        by tensor; tensors another thread took first (a fence, a guarded write) are waited for."""
         pending = self._pending
-        if pending is None:
-            return
-        if pending.claim():
-            try:
-                if self._before_copy is not None:
-                    self._before_copy()
-                with torch.no_grad():
-                    for src, dst in pending.pairs:
-                        dst.copy_(src)
-            except BaseException as exc:  # noqa: BLE001 - raised by wait(), in the writer
-                self._copy_error = exc
-            finally:
-                pending.pairs = []
-                pending.done.set()
-        else:
-            pending.done.wait()
+        if pending is not None:
+            pending.run()
+
+    def pending(self) -> bool:
+        """Whether a copy is in flight that a write could still tear (:class:`snapshot.InFlight`)."""
+        cpu = self._pending
+        return (cpu is not None and not cpu.done.is_set()) or not self._fenced
+
+    def before_write(self, storages: set[int] | None) -> None:
+        """Something is about to write the tensors over ``storages`` (None: any): their copies are
+        finished first (CPU: in the calling thread, or waited for), or (CUDA) the current stream
+        is made to wait for the side-stream copies. Called by the write guards."""
+        cpu = self._pending
+        if cpu is not None and not cpu.done.is_set():
+            cpu.finish(storages)
+        if not self._fenced:
+            self._fenced = True
+            self._torn += _moved(self._side)  # launched before this fence: it may have raced the copy
+            self._side = []
+            torch.cuda.current_stream().wait_event(self._copied)
+        if not self.pending():
+            snapshot.forget(self)
 
     def _plan(self, key: str, value: torch.Tensor, local: torch.Tensor, rank: int, stores: Any) -> _Plan:
         """What a tensor needs: its box in the global tensor, whether this rank stores it
@@ -211,7 +225,8 @@ class Stager:
         else:
             _, box = local_shard_box(value)
             store = rank == 0
-        return _Plan(weakref.ref(value), spec, local, HostShard(None, box, tuple(value.shape), store))  # its buffer: _place
+        return _Plan(weakref.ref(value), spec, local,
+                     HostShard(None, box, tuple(value.shape), store, plain=not isinstance(value, DTensor)))  # its buffer: _place
 
     def _buffer(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A pinned host buffer of its own (CUDA tensors), reused while its shape and dtype hold."""
@@ -229,44 +244,139 @@ class Stager:
         return self._pending is not None and not self._pending.done.is_set()
 
     def fence(self) -> None:
-        """Order what comes next after the copies in flight (an optimizer pre-step hook, and
-        anything else of ckpttool's that changes the state in place): on CUDA the training stream
-        waits for the side stream; on the CPU this joins the background copy."""
-        if self._pending is not None:
-            self.copy()
+        """Order what comes next after the copies in flight (ckpttool's own calls on the training
+        thread: a save, a load, ``wait``): on CUDA the training stream waits for the side stream;
+        on the CPU the rest of the copy runs here (or is waited for). Every optimizer step does the
+        same through ``snapshot.py``'s hook."""
+        self.before_write(None)
+        if self._pending is not None and self._pending.done.is_set():
+            self._copy_error = self._copy_error or self._pending.error
+            self._torn += self._pending.torn
             self._pending = None
-        if self._copied is not None:
-            torch.cuda.current_stream().wait_event(self._copied)
+        snapshot.release()
 
     def wait(self, run: bool = True) -> None:
         """Block until the copies are in host memory (the background writer, before it reads);
-        raises what a background CPU copy raised. ``run``: run the CPU copy here if no thread
-        has started it yet (else only wait for the thread that runs it)."""
-        pending = self._pending
+        raises what a background CPU copy raised, and :class:`SnapshotError` when a tensor was
+        written before its copy was done. ``run``: run the CPU copy here if no thread has started
+        it yet (else only wait for the thread that runs it)."""
+        pending = self._pending  # (read before _torn: a fence moves the copy's findings there, then drops it)
+        torn = []
         if pending is not None:
             if run:
-                self.copy()
-            else:
-                pending.done.wait()
+                pending.run()
+            pending.done.wait()
+            if pending.error is not None:
+                raise pending.error
+            torn += pending.torn
+        torn += self._torn
         if self._copy_error is not None:
             raise self._copy_error
         if self._copied is not None:
             self._copied.synchronize()
+            if not self._fenced:  # no fence came: a version that moved by now is a write no guard saw
+                torn += _moved(self._side)
+        if torn:
+            raise SnapshotError(
+                f"{len(torn)} tensor(s) were changed in place after save() returned and before their copy was done, "
+                f"first {torn[0]!r}; the step was not committed",
+                hint="a write no guard sees (another thread, .numpy(), a raw pointer, torch.compile'd code): "
+                     "call ckpt.wait() before such writes, or make them on the thread that calls save()")
+
+
+class _Item:
+    """One tensor of a background copy: what is copied where, and the tensor whose version
+    counter tells whether it was written since the call (a DTensor's own: its in-place ops do
+    not move its local tensor's)."""
+
+    __slots__ = ("key", "src", "dst", "owner", "version", "state")
+
+    def __init__(self, key: str, src: torch.Tensor, dst: torch.Tensor, owner: torch.Tensor, version: int):
+        self.key = key
+        self.src = src
+        self.dst = dst
+        self.owner = owner
+        self.version = version
+        self.state = _PENDING
+
+
+_PENDING, _COPYING, _DONE = 0, 1, 2
+
+
+def _moved(items: list[_Item]) -> list[str]:
+    return [item.key for item in items if item.owner._version != item.version]
 
 
 class _Copy:
-    """A CPU copy to run once, by whichever thread claims it first."""
+    """A background CPU copy: its tensors are taken one at a time by whichever thread comes first
+    (the copy thread in order; the training thread for what it is about to write, or for all of
+    it at a fence), and each is checked against its version once copied."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.pairs = pairs
+    def __init__(self, items: list[_Item], before_run: Callable[[], None] | None, owner: Any):
+        self.items = items
         self.done = threading.Event()
-        self._claimed = False
-        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.torn: list[str] = []
+        self._left = len(items)
+        self._cond = threading.Condition()
+        self._before_run = before_run  # tests slow the copy thread down here
+        self._owner = owner  # the Stager, forgotten by the guards once every tensor is copied
+        self._by_storage: dict[int, list[int]] | None = None
 
-    def claim(self) -> bool:
-        with self._lock:
-            mine, self._claimed = not self._claimed, True
-            return mine
+    def run(self) -> None:
+        """Copy every tensor not taken yet, in order, then wait for those others took."""
+        if self._before_run is not None and not self.done.is_set():
+            try:
+                self._before_run()
+            except BaseException as exc:  # noqa: BLE001 - raised by the writer's wait()
+                self.error = self.error or exc
+        self._take(range(len(self.items)))
+
+    def finish(self, storages: set[int] | None) -> None:
+        """Copy (or wait for) the tensors over ``storages`` (None: all of them) in this thread."""
+        if storages is None:
+            self._take(range(len(self.items)))
+            return
+        if self._by_storage is None:
+            by: dict[int, list[int]] = {}
+            for i, item in enumerate(self.items):
+                by.setdefault(item.src.untyped_storage().data_ptr(), []).append(i)
+            self._by_storage = by
+        self._take(sorted(i for s in storages for i in self._by_storage.get(s, ())))
+
+    def _take(self, which: Any) -> None:
+        items = self.items
+        cond = self._cond
+        waiting = []
+        for i in which:
+            item = items[i]
+            with cond:
+                if item.state != _PENDING:
+                    if item.state == _COPYING:
+                        waiting.append(item)
+                    continue
+                item.state = _COPYING
+            try:
+                if self.error is None:
+                    with torch.no_grad(), snapshot.own_copy():
+                        item.dst.copy_(item.src)
+                    if item.owner._version != item.version:
+                        self.torn.append(item.key)
+            except BaseException as exc:  # noqa: BLE001 - raised by the writer's wait()
+                self.error = self.error or exc
+            finally:
+                with cond:
+                    item.state = _DONE
+                    self._left -= 1
+                    last = self._left == 0
+                    cond.notify_all()
+                if last:
+                    self.items = []  # nothing of the state is kept alive by a finished copy
+                    self.done.set()
+                    snapshot.forget(self._owner)
+        with cond:
+            while any(item.state != _DONE for item in waiting):
+                cond.wait()
 
 
 class _Plan:
@@ -312,26 +422,32 @@ def _map_tensors(value: Any, key: str, fn: Callable[[str, torch.Tensor], Any]) -
         return {str(k): _map_tensors(v, f"{key}.{k}", fn) for k, v in value.items()}
     if isinstance(value, list) and _traversed(value):
         return [_map_tensors(v, f"{key}.{i}", fn) for i, v in enumerate(value)]
-    return _frozen(value) if isinstance(value, (tuple, list)) else value
+    return frozen(value)
 
 
-def _frozen(value: Any) -> Any:
-    """A value stored as one object (a tuple, a list DCP does not enter) with every tensor inside it
-    cloned: the writer pickles it later, and training may change those tensors meanwhile. The
-    value itself when it holds no tensor (``betas``, a list of numbers)."""
+#: values that cannot change after the call: kept as they are (anything else is copied at the call)
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, range)
+
+
+def frozen(value: Any) -> Any:
+    """A value stored as one object, as it is at the call: the writer pickles it later and the
+    caller may change it meanwhile (a list appended to, a scheduler's ``base_lrs``, a tensor inside
+    a tuple), so anything mutable is copied now (tensors cloned, other objects deep-copied). The
+    value itself when it holds only values that cannot change (``betas``, a list of numbers)."""
+    if isinstance(value, _ATOMS):
+        return value
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
-    if isinstance(value, (tuple, list)):
-        items = [_frozen(v) for v in value]
+    if isinstance(value, list):
+        return [frozen(v) for v in value]
+    if isinstance(value, tuple):
+        items = [frozen(v) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
-        if isinstance(value, list):
-            return items
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        items = {k: _frozen(v) for k, v in value.items()}
-        return value if all(items[k] is v for k, v in value.items()) else type(value)(items)
-    return value
+    if type(value) is dict:
+        return {k: frozen(v) for k, v in value.items()}
+    return copy.deepcopy(value)
 
 
 def _traversed(value: list) -> bool:

@@ -12,8 +12,8 @@ again while a signature of that structure is unchanged:
   non-persistent buffers, the number of state-dict hooks), and for each parameter and buffer
   where its memory is (the local shard's address, shape, strides, dtype; a DTensor's global
   shape, placements and mesh): a parameter replaced, resharded or given new memory is noticed;
-- the optimizer: its state container, which parameters have state (in order), each group's
-  parameters and hyper-parameter names. Hyper-parameter values and the per-parameter state are
+- each optimizer (one or several, as ``get_state_dict`` takes them): its state container, which
+  parameters have state (in order), each group's parameters and hyper-parameter names. Hyper-parameter values and the per-parameter state are
   read live at every save, so a changed learning rate or a new state entry is never stale.
 
 Only what is known to be a pure function of that structure is cached: a model whose every
@@ -46,80 +46,102 @@ class StateCache:
     def clear(self) -> None:
         self._entry = None
 
-    def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], set[int]]:
+    def state(self, model: torch.nn.Module, optimizers: Any) -> tuple[dict[str, Any], set[int]]:
         """``({"model": ..., "optim": ...}, addresses of the model's buffers)`` as of now; the
-        addresses are those of the buffers' local memory (a forward may change them in place)."""
+        addresses are those of the buffers' local memory (a forward may change them in place).
+        ``optimizers``: None, one or several."""
+        optimizers = optimizers_of(optimizers)
         entry = self._entry
-        if entry is not None and entry.model() is model and entry.optimizer_is(optimizer):
-            sig = _signature(model, optimizer)
+        if entry is not None and entry.model() is model and entry.optimizers_are(optimizers):
+            sig = _signature(model, optimizers)
             if sig is not None and sig == entry.signature:
                 self.hits += 1
-                return entry.rebuild(optimizer), entry.buffers
+                return entry.rebuild(optimizers), entry.buffers
         self.misses += 1
         self._entry = None
-        state = torch_state(model, optimizer)
-        sig = _signature(model, optimizer)  # after torch's call: its hooks may have resharded the model
+        state = torch_state(model, optimizers)
+        sig = _signature(model, optimizers)  # after torch's call: its hooks may have resharded the model
         buffers = {_local(b).data_ptr() for b in model.buffers()}
         if sig is not None:
-            self._entry = _Entry.build(model, optimizer, state, sig, buffers)
+            self._entry = _Entry.build(model, optimizers, state, sig, buffers)
         return state, buffers
 
 
-def torch_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` from torch (sharded, no gather); without an optimizer, the model's only."""
+def optimizers_of(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
+    """``None``, one optimizer or several (a list or tuple, as torch's ``get_state_dict`` takes
+    them) as a tuple; raises :class:`UsageError` for anything else."""
+    from .errors import UsageError
+
+    if optimizer is None:
+        return ()
+    found = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
+    for o in found:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise UsageError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(o).__name__}",
+                             hint="pass every optimizer of the model: save(step, model, [opt_a, opt_b])")
+    if len({id(o) for o in found}) != len(found):
+        raise UsageError("the same optimizer was passed twice")
+    return found
+
+
+def torch_state(model: torch.nn.Module, optimizers: Any) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` from torch (sharded, no gather; several optimizers' states
+    merged as ``get_state_dict`` merges them); without an optimizer, the model's only."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
+    optimizers = optimizers_of(optimizers)
+    if optimizers:
+        msd, osd = get_state_dict(model, optimizers if len(optimizers) > 1 else optimizers[0])
         return {"model": msd, "optim": osd}
     return {"model": get_model_state_dict(model)}
 
 
 class _Entry:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, signature: Signature, model_state: dict,
-                 fqns: dict[int, str], buffers: set[int]):
+    def __init__(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], signature: Signature,
+                 model_state: dict, fqns: dict[int, str], buffers: set[int]):
         self.model = weakref.ref(model)
-        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        self._optimizers = tuple(weakref.ref(o) for o in optimizers)
         self.signature = signature
         self.model_state = model_state
         self.fqns = fqns  # id(parameter) -> its FQN in the optimizer's state dict
         self.buffers = buffers
 
-    def optimizer_is(self, optimizer: torch.optim.Optimizer | None) -> bool:
-        return (self._optimizer is None and optimizer is None) or (self._optimizer is not None and self._optimizer() is optimizer)
+    def optimizers_are(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
+        return len(optimizers) == len(self._optimizers) and all(r() is o for r, o in zip(self._optimizers, optimizers))
 
     @classmethod
-    def build(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], signature: Signature,
-              buffers: set[int]) -> _Entry | None:
+    def build(cls, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], state: dict[str, Any],
+              signature: Signature, buffers: set[int]) -> _Entry | None:
         msd = state["model"]
         if not _aliases_live_tensors(model, msd):
             return None
         fqns: dict[int, str] = {}
-        if optimizer is not None:
+        if optimizers:
             osd = state["optim"]
             groups = osd.get("param_groups")
-            if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+            live = [g for o in optimizers for g in o.param_groups]
+            if not isinstance(groups, list) or len(groups) != len(live):
                 return None
-            for packed, group in zip(groups, optimizer.param_groups):
+            for packed, group in zip(groups, live):
                 names = packed.get("params")
                 if not isinstance(names, list) or len(names) != len(group["params"]):
                     return None
                 fqns.update((id(p), n) for p, n in zip(group["params"], names))
-        entry = cls(model, optimizer, signature, dict(msd), fqns, buffers)
-        if optimizer is not None and not _same_optim_state(entry.rebuild(optimizer)["optim"], state["optim"]):
+        entry = cls(model, optimizers, signature, dict(msd), fqns, buffers)
+        if optimizers and not _same_optim_state(entry.rebuild(optimizers)["optim"], state["optim"]):
             return None  # torch's answer is not what the rebuild gives (another torch, an FSDP1 model): never cached
         return entry
 
-    def rebuild(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def rebuild(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:
         """The state as torch would give it now: the cached model part (aliases of the live
         tensors) and the optimizer part re-read from the optimizer (values are live)."""
         model_state = dict(self.model_state)  # the kept dict itself is never handed out
-        if optimizer is None:
+        if not optimizers:
             return {"model": model_state}
         fqns = self.fqns
-        state = {fqns[id(p)]: value for p, value in optimizer.state.items()}
+        state = {fqns[id(p)]: value for o in optimizers for p, value in o.state.items()}
         groups = []
-        for group in optimizer.param_groups:
+        for group in (g for o in optimizers for g in o.param_groups):
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = [fqns[id(p)] for p in group["params"]]
             groups.append(packed)
@@ -150,7 +172,7 @@ def _where(t: torch.Tensor, keep: list[Any]) -> tuple:
             tuple(t.shape), tuple(t.placements), id(mesh))
 
 
-def _signature(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Signature | None:
+def _signature(model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> Signature | None:
     """The structure get_state_dict's answer depends on, or None when the answer may depend on
     more (hooks, overridden state_dict methods, extra state, an empty optimizer)."""
     parts: list[Any] = []
@@ -182,7 +204,7 @@ def _signature(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
             if t is not None:
                 parts.append(_where(t, keep))
         stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-    if optimizer is not None:
+    for optimizer in optimizers:
         if (not optimizer.state or type(optimizer).state_dict is not torch.optim.Optimizer.state_dict
                 or optimizer._optimizer_state_dict_pre_hooks or optimizer._optimizer_state_dict_post_hooks):
             return None

@@ -106,17 +106,19 @@ def test_cuda_staging_is_pinned_host_memory_never_a_second_device_copy(tmp_path)
 
 
 def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, held_copy, monkeypatch):
-    """save() returns while the CPU copy is held back, and the optimizer's next step waits for it
-    (the fence releases the hold, standing in for a slow copy): the step saved is the state at the
-    call, bit for bit."""
-    real_fence = Stager.fence
+    """save() returns while the CPU copy thread is held back, and the optimizer's next step
+    finishes the copy first (the fence copies what the copy thread has not taken, and then
+    releases the hold): the step saved is the state at the call, bit for bit."""
+    real = Stager.before_write
 
-    def fence(self):
-        if self.copying:
-            held_copy.set()  # only a fence with a copy in flight gets here: the step's pre-hook
-        real_fence(self)
+    def before_write(self, storages):
+        copying = self.copying and storages is None  # (a forward's write of a buffer finishes nothing)
+        real(self, storages)
+        if copying:
+            assert not self.copying  # the fence finished the copy itself
+            held_copy.set()
 
-    monkeypatch.setattr(Stager, "fence", fence)
+    monkeypatch.setattr(Stager, "before_write", before_write)
     with _async_run(tmp_path) as (root, model, optimizer, ckpt):
         expected = _snapshot_and_save(ckpt, 1, model, optimizer)
         assert ckpt.staging.copying  # save() did not wait for the copy
@@ -244,8 +246,12 @@ def test_staged_state_has_the_keys_and_nesting_the_writer_flattens():
             assert isinstance(got[key], HostShard) and torch.equal(got[key].local, value), key
         elif key == "a.e":  # an object holding a tensor: a copy of it (a snapshot), equal
             assert type(got[key]) is tuple and got[key][0] is not value[0] and torch.equal(got[key][0], value[0])
+        elif isinstance(value, list):  # a mutable object: a copy made at the call, equal
+            assert got[key] == value and got[key] is not value and got[key][1] is not value[1], key
         else:
             assert got[key] is value, key
+    state["a"]["d"][1].append(4)  # the caller changes an object after the call: the staged copy does not
+    assert flatten(staged, is_tensor=lambda v: isinstance(v, (torch.Tensor, HostShard)))[0]["a.d"] == [1, [2, 3]]
     assert set(stager.buffers) == {k for k, v in want.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(CorruptCheckpointError, match="same key"):
         stager.stage({"a.b": t[0], "a": {"b": t[1]}}, 0, None)

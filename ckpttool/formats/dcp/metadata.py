@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA_FILE = ".metadata"
+#: the top-level key of the values of a training step's ``extra`` that differ between the ranks
+#: that saved it, each rank's own: ``per_rank.<rank>.<key in extra>`` (``extra.<key>`` is rank 0's)
+PER_RANK = "per_rank"
 MAX_METADATA_BYTES = 1 << 30
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 

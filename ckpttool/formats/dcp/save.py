@@ -33,12 +33,13 @@ from torch.distributed.checkpoint.metadata import (
 from ...checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, new_hasher
 from ...compat import dcp_metadata, dump_metadata, local_shard_box
 from ...errors import CkptError, CorruptCheckpointError, StorageError
+from ...health import Check, Tally
 from ...index import ObjPath, dtype_size, flatten
 from ...layout import Box, relative, slabs, tiles_exactly
 from ...storage import Location
 from ..base import tensor_buffer
 from ..torchzip import ArchiveWriter
-from .metadata import METADATA_FILE, data_file_name
+from .metadata import METADATA_FILE, PER_RANK, data_file_name
 from .transforms import record_stream, storage_info
 
 log = logging.getLogger("ckpttool")
@@ -57,6 +58,7 @@ class HostShard:
     box: Box  # where it lies in the global tensor
     shape: tuple[int, ...]  # the global tensor's shape
     store: bool  # whether this rank writes it (the first holder of a replicated box)
+    plain: bool = False  # a plain tensor (not a DTensor): every rank holds a value of its own
 
 
 def partial_name(rank: int) -> str:
@@ -208,6 +210,11 @@ class RankIndex:
     files: dict[str, list[list[Any]]] = field(default_factory=dict)  # other files' manifest rows
     written: int = 0  # bytes this rank wrote
     shared: int = 0  # bytes this rank's step got from the previous step without writing them
+    # this rank's own value of every plain value of ``extra``: key in extra -> [its per-rank key,
+    # the xxh3 of its record]; rank 0 keeps those that differ between ranks (commit_metadata)
+    per_rank: dict[str, list[Any]] = field(default_factory=dict)
+    per_rank_paths: dict[str, list[Any]] = field(default_factory=dict)
+    health: dict[str, Any] | None = None  # this rank's findings for the step's health (health.Check.findings)
 
 
 @dataclass
@@ -219,6 +226,7 @@ class Written:
     step_dir: Location
     file: str
     records: list[tuple[str, list[int], list[int], str, list[Any]]]  # (key, offsets, sizes, dtype, manifest row)
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)  # NaN and Inf counted in its records, per key
 
 
 def frozen_file_name(rank: int) -> str:
@@ -229,7 +237,8 @@ def frozen_file_name(rank: int) -> str:
 
 def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                after_write: Callable[[], None] | None = None, compress: str | None = None,
-               frozen: frozenset[str] = frozenset(), previous: Written | None = None) -> Written | None:
+               frozen: frozenset[str] = frozenset(), previous: Written | None = None,
+               health: Check | None = None) -> Written | None:
     """Write this rank's part of the step into ``step_dir``: its data file, then its index (the
     index's appearance in storage tells rank 0 this rank is done). On failure the index carries
     the error instead, so rank 0 stops waiting, and the error is raised here too.
@@ -237,9 +246,13 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     Tensors whose keys are in ``frozen`` go to a file of their own; when ``previous`` (what this
     rank wrote there at the previous committed step) has the same records with the same block
     digests, the new step gets that file by a hard link (a server-side copy on an object store)
-    instead of a write. Returns what is in the frozen file now (None when there is none)."""
+    instead of a write. Returns what is in the frozen file now (None when there is none).
+
+    With ``health``, every tensor record's NaN and Inf are counted as it is written and its data
+    digest kept; the index carries this rank's findings (``health.py``)."""
     flat, paths = flatten(state, is_tensor=_is_staged_or_tensor)  # a list of staged tensors is traversed, as one of tensors
     index = RankIndex(rank, data_file_name(rank), compress=compress)
+    tally = health.tally if health is not None else None
     written: Written | None = None
     try:
         with step_dir.child(index.file).open_write() as raw:
@@ -250,7 +263,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                         continue  # declared and stored below
                     part = _declare_part(index, key, value)
                     if part is not None:
-                        _write_local(out, index, key, *part)
+                        _write_local(out, index, key, *part, tally=tally)
                 elif rank == 0:
                     out.begin()
                     start = out.tell()
@@ -260,10 +273,13 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                         rec.write(buf.getbuffer())
                     index.objects[key] = [start, out.tell() - start]
                     index.records.append(out.row(start, out.tell() - start))
+            _write_per_rank(out, index, flat, paths)
             index.written += out.tell()
         frozen_parts = _frozen_parts(index, flat, frozen)
         if frozen_parts:
-            written = _write_frozen(step_dir, index, frozen_parts, previous)
+            written = _write_frozen(step_dir, index, frozen_parts, previous, tally)
+        if health is not None:
+            index.health = health.findings(flat, rank)
         if rank == 0:
             index.paths = {k: list(p) for k, p in paths.items()}
         if after_write is not None:
@@ -279,6 +295,39 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     return written
 
 
+def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], paths: dict[str, Any]) -> None:
+    """This rank's own record of every plain value of ``extra`` (objects and plain tensors, not
+    DTensors), under ``per_rank.<rank>.<key>``: each rank writes its own, no collective, and rank 0
+    keeps in ``.metadata`` those whose records differ between ranks (:func:`commit_metadata`)."""
+    for key, value in flat.items():
+        path = paths[key]
+        if path[0] != "extra" or (isinstance(value, HostShard) and not value.plain) or _is_dtensor(value):
+            continue
+        mine = f"{PER_RANK}.{index.rank}.{key[len('extra.'):]}"
+        if isinstance(value, (HostShard, torch.Tensor)):
+            local = value.local if isinstance(value, HostShard) else value.detach()
+            shape = tuple(local.shape)
+            _declare(index, mine, shape, local.dtype)
+            _write_local(out, index, mine, shape, local, ((0,) * len(shape), shape))
+        else:
+            out.begin()
+            start = out.tell()
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            with record_stream(out, index.compress) as rec:
+                rec.write(buf.getbuffer())
+            index.objects[mine] = [start, out.tell() - start]
+            index.records.append(out.row(start, out.tell() - start))
+        index.per_rank[key[len("extra."):]] = [mine, index.records[-1][2]]
+        index.per_rank_paths[mine] = [PER_RANK, str(index.rank), *path[1:]]
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
 def _frozen_parts(index: RankIndex, flat: dict[str, Any], frozen: frozenset[str]) -> list[tuple[str, tuple, torch.Tensor, Box]]:
     """Declare every frozen tensor; return the boxes of them this rank stores, in state order:
     (key, global shape, host-side local tensor, box)."""
@@ -292,7 +341,7 @@ def _frozen_parts(index: RankIndex, flat: dict[str, Any], frozen: frozenset[str]
 
 
 def _write_frozen(step_dir: Location, index: RankIndex, parts: list[tuple[str, tuple, torch.Tensor, Box]],
-                  previous: Written | None) -> Written:
+                  previous: Written | None, tally: Tally | None = None) -> Written:
     """This rank's file of frozen tensors: shared from ``previous`` when every record would come
     out the same, else written."""
     name = frozen_file_name(index.rank)
@@ -307,7 +356,10 @@ def _write_frozen(step_dir: Location, index: RankIndex, parts: list[tuple[str, t
                 index.tensors[key]["chunks"].append([list(offsets), list(sizes), row[0], row[1], name])
                 rows.append(list(row))
             index.shared += src.size()
-            return Written(step_dir, name, previous.records)
+            if tally is not None:  # counted when it was written: the same bytes
+                for key, counts in previous.nonfinite.items():
+                    tally.nonfinite[key] = list(counts)
+            return Written(step_dir, name, previous.records, previous.nonfinite)
     if dst.exists():  # (a failed share left a name: unlink it, never write through it into the step it came from)
         dst.remove()
     rows = index.files[name] = []
@@ -315,14 +367,15 @@ def _write_frozen(step_dir: Location, index: RankIndex, parts: list[tuple[str, t
     with dst.open_write() as raw:
         out = _HashingWriter(raw)
         for key, shape, local, box in parts:
-            _write_local(out, index, key, shape, local, box)
+            _write_local(out, index, key, shape, local, box, tally=tally)
             row = index.records.pop()  # the record's row belongs to this file
             chunk = index.tensors[key]["chunks"][-1]
             chunk.append(name)
             rows.append(row)
             records.append((key, list(box[0]), list(box[1]), str(local.dtype).removeprefix("torch."), row))
         index.written += out.tell()
-    return Written(step_dir, name, records)
+    counted = {key: list(tally.nonfinite[key]) for key, *_ in records if tally is not None and key in tally.nonfinite}
+    return Written(step_dir, name, records, counted)
 
 
 _warned: set[str] = set()
@@ -355,6 +408,11 @@ def _unchanged(parts: list[tuple[str, tuple, torch.Tensor, Box]], previous: Writ
     return True
 
 
+def publish_failure(step_dir: Location, rank: int, message: str) -> None:
+    """A rank that failed before it wrote anything: an index that carries only the error."""
+    publish_index(step_dir, RankIndex(rank, data_file_name(rank), error=message))
+
+
 def publish_index(step_dir: Location, index: RankIndex) -> None:
     """Put a rank's index in storage in one step. Rank 0 polls for the name and reads the file as
     soon as it appears, so a file written in place could be read empty or half written: locally it
@@ -385,8 +443,10 @@ def _declare_part(index: RankIndex, key: str, value: Any) -> tuple[tuple[int, ..
     return tuple(value.shape), local.detach(), box
 
 
-def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[int, ...], local: torch.Tensor, box: Box) -> None:
-    """One record: this rank's box of tensor ``key``, streamed to the host slab by slab."""
+def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[int, ...], local: torch.Tensor, box: Box,
+                 tally: Tally | None = None) -> None:
+    """One record: this rank's box of tensor ``key``, streamed to the host slab by slab (each slab's
+    NaN and Inf counted into ``tally`` on its way)."""
     entry = _declare(index, key, shape, local.dtype)
     out.begin()
     start = out.tell()
@@ -396,12 +456,16 @@ def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[i
             out.data(math.prod(box[1]) * dtype_size(local.dtype))
         with stream:
             for slab in slabs(box[1], dtype_size(local.dtype), SLAB):
-                part = local[relative(slab, ((0,) * len(box[1]), box[1]))]
-                stream.write(tensor_buffer(part.to("cpu").contiguous()))
+                part = local[relative(slab, ((0,) * len(box[1]), box[1]))].to("cpu").contiguous()
+                if tally is not None:
+                    tally.count(key, part)
+                stream.write(tensor_buffer(part))
         writer.finish(placeholder)
     length = out.tell() - start
     entry["chunks"].append([list(box[0]), list(box[1]), start, length])
     index.records.append(out.row(start, length))
+    if tally is not None:
+        tally.digest(key, box[0], index.records[-1])
 
 
 def read_rank_indexes(step_dir: Location, world_size: int, timeout: float) -> list[RankIndex]:
@@ -440,6 +504,34 @@ def _read_index(loc: Location) -> RankIndex:
         raise CorruptCheckpointError(f"a rank's index is damaged ({exc})", where=loc.url) from None
 
 
+def _keep_differing_per_rank(indexes: list[RankIndex]) -> dict[str, list[Any]]:
+    """Of every rank's own records of the plain values of ``extra``, keep (in the indexes) those
+    of the keys whose records differ between ranks, or that some rank lacks, and drop the others
+    (every rank holds the same value, which ``extra.<key>`` already holds); returns the kept
+    records' paths, rank by rank."""
+    digests: dict[str, set[str]] = {}
+    for index in indexes:
+        for sub, (_, digest) in index.per_rank.items():
+            digests.setdefault(sub, set()).add(digest)
+    differing = {sub for sub, found in digests.items()
+                 if len(found) > 1 or any(sub not in index.per_rank for index in indexes)}
+    paths: dict[str, list[Any]] = {}
+    for index in indexes:
+        for sub, (key, _) in index.per_rank.items():
+            if sub in differing:
+                paths[key] = index.per_rank_paths[key]
+            else:
+                index.objects.pop(key, None)
+                index.tensors.pop(key, None)
+    return paths
+
+
+def per_rank_keys(indexes: list[RankIndex]) -> list[str]:
+    """The keys of ``extra`` whose values differ between the ranks of a step (after commit_metadata)."""
+    return sorted({sub for index in indexes for sub, (key, _) in index.per_rank.items()
+                   if key in index.objects or key in index.tensors})
+
+
 def step_bytes(indexes: list[RankIndex]) -> dict[str, int]:
     """What the step cost to write, for its commit record: bytes written, and bytes an incremental
     save shared with the previous step instead."""
@@ -451,7 +543,8 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
     it), remove the indexes, and return the step's manifest."""
     state_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
-    order = list(indexes[0].paths)
+    per_rank_paths = _keep_differing_per_rank(indexes)
+    order = list(indexes[0].paths) + list(per_rank_paths)
     chunks: dict[str, list[tuple[Box, str, int, int]]] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for index in indexes:
@@ -481,6 +574,7 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
             md_chunks.append(ChunkStorageMetadata(offsets=torch.Size(box[0]), sizes=torch.Size(box[1])))
         state_md[key] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)), torch.Size(shape), md_chunks)
     planner_data: dict[str, ObjPath] = {k: tuple(p) for k, p in indexes[0].paths.items()}
+    planner_data.update((k, tuple(p)) for k, p in per_rank_paths.items())
     metadata = dcp_metadata(
         state_dict_metadata={k: state_md[k] for k in order if k in state_md},
         planner_data=planner_data,

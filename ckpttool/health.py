@@ -1,0 +1,163 @@
+"""A step's health, kept in its commit record: non-finite values per tensor, and trainable tensors
+that did not change since the previous step while their optimizer state did (a stale copy).
+
+Both are found where the bytes pass anyway: each rank counts NaN and Inf in the records it writes
+(on the host, slab by slab, beside the hashing), and compares the block digests of its records
+with those of its previous committed save (kept in memory; no read, no collective). Rank 0 merges
+the ranks' findings into the commit record:
+
+    "health": {"nonfinite": {key: {"nan": n, "inf": m}, ...},
+               "unchanged": [key, ...], "compared_with": previous step or null}
+
+``nonfinite`` lists only tensors with non-finite values; ``unchanged`` the trainable parameters
+whose every stored box is bitwise what the previous committed step held while some of their
+optimizer state changed (a parameter group with learning rate 0 is not listed: it is meant to stay).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (inspect reads a step's health without importing torch)
+    import torch
+
+
+def count_nonfinite(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN, Inf) in a host tensor. One pass in the common case: the sum of finite values in float64
+    is finite, so a finite sum proves there are none; otherwise they are counted."""
+    import torch
+
+    if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
+        return 0, 0
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128):
+        # float8 and friends: no arithmetic of their own on the CPU
+        t = t.float()
+    if t.is_complex():
+        total = t.sum()
+        if torch.isfinite(total).item():
+            return 0, 0
+    elif torch.isfinite(t.sum(dtype=torch.float64)).item():
+        return 0, 0
+    return int(torch.isnan(t).sum().item()), int(torch.isinf(t).sum().item())
+
+
+class Tally:
+    """One rank's findings while it writes a step: counts per key, and per record its data digest
+    (for the next save's comparison)."""
+
+    def __init__(self) -> None:
+        self.nonfinite: dict[str, list[int]] = {}
+        self.digests: dict[str, dict[str, str]] = {}  # key -> {box offsets as text: data digest}
+
+    def count(self, key: str, part: torch.Tensor) -> None:
+        nan, inf = count_nonfinite(part)
+        if nan or inf:
+            found = self.nonfinite.setdefault(key, [0, 0])
+            found[0] += nan
+            found[1] += inf
+
+    def digest(self, key: str, offsets: Any, row: list[Any]) -> None:
+        """The data digest of a record just written (its block digests, or the record's own hash)."""
+        data = row[3]["blocks"] if len(row) > 3 else row[2]
+        self.digests.setdefault(key, {})[",".join(map(str, offsets))] = data
+
+
+class Check:
+    """What a rank's write needs for the health of the step: its tally, the trainable parameters'
+    keys, and its records' digests at its previous committed save (None after a start or resume)."""
+
+    def __init__(self, trainable: set[str], before: dict[str, dict[str, str]] | None, since: int | None):
+        self.tally = Tally()
+        self.trainable = trainable
+        self.before = before
+        self.since = since if before is not None else None
+
+    def findings(self, flat: dict[str, Any], rank: int) -> dict[str, Any]:
+        """This rank's part of the commit record's health (rank 0 also names the parameters of
+        groups with learning rate 0)."""
+        out: dict[str, Any] = {"nonfinite": self.tally.nonfinite, "since": self.since}
+        if self.before is not None:
+            out["stale"] = compare(self.tally.digests, self.before, self.trainable)
+        if rank == 0:
+            out["zero_lr"] = sorted(zero_lr_params(flat))
+        return out
+
+
+def merge_ranks(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Rank 0: the commit record's ``health`` from every rank's findings (None when a rank did not
+    check, as a Checkpointer with ``health=False``)."""
+    if not parts or any(p is None for p in parts):
+        return None
+    since = parts[0].get("since")
+    if any(p.get("since") != since or "stale" not in p for p in parts) or since is None:
+        since = None
+    return merge(parts, since, set(parts[0].get("zero_lr", ())))
+
+
+def compare(now: dict[str, dict[str, str]], before: dict[str, dict[str, str]], trainable: set[str]) -> dict[str, list[str]]:
+    """This rank's part of the stale check: of the trainable parameters it stores (``model.<name>``),
+    those whose records are all as ``before``, and those whose optimizer state
+    (``optim.state.<name>.*``) changed since ``before``."""
+    same = [k for k in now if k in trainable and before.get(k) == now[k]]
+    moved = sorted({k[len("optim.state."):].rsplit(".", 1)[0] for k in now
+                    if k.startswith("optim.state.") and k in before and before[k] != now[k]})
+    return {"stored": sorted(k for k in now if k in trainable), "same": same, "moved": [f"model.{n}" for n in moved]}
+
+
+def merge(parts: list[dict[str, Any]], compared_with: int | None, frozen_lr: set[str]) -> dict[str, Any]:
+    """Rank 0: the commit record's ``health`` from every rank's findings."""
+    nonfinite: dict[str, list[int]] = {}
+    for part in parts:
+        for key, (nan, inf) in part.get("nonfinite", {}).items():
+            found = nonfinite.setdefault(key, [0, 0])
+            found[0] += nan
+            found[1] += inf
+    unchanged: list[str] = []
+    if compared_with is not None:
+        stored = {k for part in parts for k in part.get("stale", {}).get("stored", ())}
+        for key in sorted(stored):
+            holders = [p["stale"] for p in parts if key in p["stale"]["stored"]]
+            if (all(key in h["same"] for h in holders) and any(key in p["stale"]["moved"] for p in parts)
+                    and key not in frozen_lr):
+                unchanged.append(key)
+    return {"nonfinite": {k: {"nan": v[0], "inf": v[1]} for k, v in sorted(nonfinite.items())},
+            "unchanged": unchanged, "compared_with": compared_with}
+
+
+def zero_lr_params(flat: dict[str, Any]) -> set[str]:
+    """``model.<name>`` of every parameter in an optimizer group whose learning rate is 0 (from the
+    saved ``optim.param_groups.<i>.lr`` and ``.params``)."""
+    import torch
+
+    out: set[str] = set()
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith("optim.param_groups."):
+            group, _, field = key[len("optim.param_groups."):].partition(".")
+            groups.setdefault(group, {})[field] = value
+    for group in groups.values():
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor):
+            lr = lr.item() if lr.numel() == 1 else None
+        if lr == 0 and isinstance(group.get("params"), list):
+            out |= {f"model.{p}" for p in group["params"] if isinstance(p, str)}
+    return out
+
+
+def problems(health: Any) -> list[str]:
+    """What a step's ``health`` says is wrong, one phrase per tensor (empty: healthy)."""
+    if not isinstance(health, dict):
+        return []
+    out = []
+    for key, counts in sorted((health.get("nonfinite") or {}).items()):
+        if isinstance(counts, dict):
+            parts = [f"{counts.get(kind)} {label}" for kind, label in (("nan", "NaN"), ("inf", "Inf")) if counts.get(kind)]
+            out.append(f"{key}: {', '.join(parts) or 'non-finite values'}")
+    since = health.get("compared_with")
+    for key in health.get("unchanged") or ():
+        out.append(f"{key}: unchanged since step {since} while its optimizer state moved")
+    return out
+
+
+def nonfinite_keys(health: Any) -> list[str]:
+    return sorted((health or {}).get("nonfinite") or {}) if isinstance(health, dict) else []

@@ -1,0 +1,206 @@
+"""Keeping an async save's snapshot exact while training goes on: write guards for the copies in flight.
+
+An async ``save()`` returns before its tensors are in host memory: their copy runs beside forward
+and backward. Anything that writes one of those tensors in place before its copy is done would
+tear the snapshot. Two guards make every such write wait for the copy of what it writes:
+
+- **Every optimizer's step** (torch's global step pre-hook, so a second optimizer that was not
+  passed to ``save`` is covered too) finishes all copies in flight first.
+- **Any other in-place write on the thread that called ``save()``** (an EMA written back into the
+  model, a manual edit, ``p.data.copy_``, a ``_foreach`` op, ``load_state_dict``): while copies are
+  in flight a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sits on that thread's
+  dispatch stack, finds the ops whose schema writes a tensor argument (``Tensor(a!)``) and, when
+  one of those shares memory with a tensor still being copied, copies that tensor first (on CUDA:
+  makes the current stream wait for the side-stream copies). The op then runs as the user wrote
+  it; the copy holds the values of the call. Other ops pass through untouched. Once nothing is
+  in flight it is a pass-through, and it leaves the stack at the next optimizer step, ``save``,
+  ``wait``, ``close`` or ``load``.
+
+What no guard sees (a write from another thread, through ``.numpy()`` or a raw pointer, or inside
+code compiled by ``torch.compile``) is caught where torch's version counter shows it: a tensor
+whose version moved before its copy was done makes the save fail, never commit
+(:class:`~ckpttool.errors.SnapshotError`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class InFlight(Protocol):
+    """What a guard protects: copies that can be finished (or ordered) before a write."""
+
+    def before_write(self, storages: set[int] | None) -> None:
+        """Finish (or order) the copy of every tensor over one of ``storages`` (None: all of them)."""
+
+    def pending(self) -> bool:
+        """Whether any copy is still in flight."""
+
+
+_lock = threading.Lock()
+_in_flight: weakref.WeakSet = weakref.WeakSet()  # every InFlight with copies pending, on any thread
+_hook: Any = None  # the global optimizer step pre-hook, registered on first use
+_local = threading.local()  # .guard: the WriteGuard pushed on this thread, if any; .own: inside ckpttool's own copy
+
+
+def watch(copies: InFlight) -> bool:
+    """Guard ``copies`` until they are done: every optimizer step fences them, and writes on this
+    thread are guarded. Returns False (nothing is guarded) when another dispatch mode is active on
+    this thread: a mode of ours pushed above it would be popped by its ``__exit__``; the caller
+    then copies at the call instead."""
+    guard = getattr(_local, "guard", None)
+    if guard is None or not _on_stack(guard):
+        if torch._C._len_torch_dispatch_stack() > 0:
+            return False
+        guard = WriteGuard()
+        guard.__enter__()
+        _local.guard = guard
+    _ensure_hook()
+    with _lock:
+        _in_flight.add(copies)
+    guard.watching = True
+    return True
+
+
+def fence_all() -> None:
+    """Finish every copy in flight (an optimizer is about to step; a Checkpointer call on the
+    training thread), then take this thread's guard off its stack if nothing is left to guard."""
+    with _lock:
+        pending = list(_in_flight)
+    for copies in pending:
+        copies.before_write(None)
+    release()
+
+
+def forget(copies: InFlight) -> None:
+    """``copies`` are done (or abandoned): nothing guards them any more."""
+    with _lock:
+        _in_flight.discard(copies)
+
+
+def release() -> None:
+    """Take this thread's guard off the dispatch stack once nothing it guards is in flight (only
+    when it is on top: a mode the user pushed after it is theirs to pop first)."""
+    guard = getattr(_local, "guard", None)
+    if guard is None:
+        return
+    with _lock:
+        busy = any(c.pending() for c in _in_flight)
+    if busy:
+        return
+    guard.watching = False
+    if _on_top(guard):
+        guard.__exit__(None, None, None)
+        _local.guard = None
+    elif not _on_stack(guard):
+        _local.guard = None
+
+
+class own_copy:
+    """ckpttool's own copies on this thread (a fence finishing the copy) pass the guard unchecked:
+    they write host buffers, never a tensor being copied."""
+
+    def __enter__(self) -> None:
+        self.before = getattr(_local, "own", False)
+        _local.own = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.own = self.before
+
+
+def guarded() -> bool:
+    """Whether this thread's dispatch stack holds a write guard (tests read it)."""
+    guard = getattr(_local, "guard", None)
+    return guard is not None and _on_stack(guard)
+
+
+def _on_top(mode: TorchDispatchMode) -> bool:
+    n = torch._C._len_torch_dispatch_stack()
+    return n > 0 and torch._C._get_dispatch_stack_at(n - 1) is mode
+
+
+def _on_stack(mode: TorchDispatchMode) -> bool:
+    return any(torch._C._get_dispatch_stack_at(i) is mode for i in range(torch._C._len_torch_dispatch_stack()))
+
+
+def _ensure_hook() -> None:
+    global _hook
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        with _lock:
+            if _hook is None:
+                _hook = register_optimizer_step_pre_hook(lambda *_: fence_all() if _in_flight else None)
+
+
+#: per op: the positions and keyword names of the arguments its schema writes (``Tensor(a!)``)
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written(func: Any) -> tuple[tuple[int, str], ...]:
+    found = _WRITES.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = ()
+        if schema is not None:
+            found = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                          if a.alias_info is not None and a.alias_info.is_write)
+        _WRITES[func] = found
+    return found
+
+
+def _storages(values: list[Any]) -> set[int] | None:
+    """The addresses of the storages behind ``values`` (tensors; a DTensor by its local part), or
+    None when one of them cannot be told (a tensor subclass without a storage of its own)."""
+    out: set[int] = set()
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            found = _storages(list(value))
+            if found is None:
+                return None
+            out |= found
+        elif isinstance(value, torch.Tensor):
+            local = getattr(value, "_local_tensor", value)
+            try:
+                out.add(local.untyped_storage().data_ptr())
+            except Exception:  # noqa: BLE001 - a wrapper subclass: assume it may write anything
+                return None
+    return out
+
+
+class WriteGuard(TorchDispatchMode):
+    """Finishes the copy of a tensor before an op on this thread writes it (see the module's text)."""
+
+    supports_higher_order_operators = True  # (passed through: they are not in-place ops of a tensor we copy)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watching = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # torch.compile'd code runs compiled (its forward and backward do not write parameters)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.watching and not getattr(_local, "own", False):
+            written = _written(func)
+            if written:
+                self._before(written, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _before(self, written: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
+        values = [args[i] if i < len(args) else kwargs.get(name) for i, name in written]
+        storages = _storages(values)
+        with _lock:
+            pending = [c for c in _in_flight if c.pending()]
+        if not pending:
+            self.watching = False
+            return
+        for copies in pending:
+            copies.before_write(storages)

@@ -1,0 +1,160 @@
+"""A user's training script, as the README's users write it: FSDP2, dropout, AdamW + LambdaLR, a
+stateful data loader and each rank's RNG state in ``extra``; run straight, or stopped after a save
+and resumed in new processes (module level, so ranks can import it)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .workloads import full
+
+STEPS = 6
+
+
+class ShuffledLoader:
+    """A data loader with state: each rank walks its own shuffled order of sample ids (drawn from
+    a generator of its own), ``state_dict`` / ``load_state_dict`` as torchdata's StatefulDataLoader."""
+
+    def __init__(self, rank: int, samples: int = 64):
+        gen = torch.Generator().manual_seed(1000 + rank)
+        self.order = torch.randperm(samples, generator=gen).tolist()
+        self.pos = 0
+        self.epoch = 0
+
+    def next(self) -> int:
+        if self.pos == len(self.order):
+            self.pos, self.epoch = 0, self.epoch + 1
+        sample = self.order[self.pos]
+        self.pos += 1
+        return sample
+
+    def state_dict(self) -> dict:
+        return {"order": list(self.order), "pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order, self.pos, self.epoch = list(state["order"]), state["pos"], state["epoch"]
+
+
+def _setup():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ckpttool.trainer.model import PRESETS, build_fsdp_model
+
+    import dataclasses
+
+    rank = dist.get_rank()
+    torch.manual_seed(77 + rank)  # dropout masks: each rank its own generator
+    config = dataclasses.replace(PRESETS["tiny"], dropout=0.2)
+    model = build_fsdp_model(config, init_device_mesh("cpu", (dist.get_world_size(),)), seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))  # a lambda, as users write it
+    return model, optimizer, sched, ShuffledLoader(rank)
+
+
+def _train_step(model, optimizer, sched, loader) -> tuple[float, float]:
+    from ckpttool.trainer.model import PRESETS, synthetic_batch
+
+    x, y = synthetic_batch(loader.next(), 4, PRESETS["tiny"], 0)
+    lr = optimizer.param_groups[0]["lr"]
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    optimizer.step()
+    sched.step()
+    optimizer.zero_grad()
+    return loss.item(), lr
+
+
+def _final(model, optimizer) -> dict:
+    out = {f"model.{k}": full(v) for k, v in model.state_dict().items()}
+    for i, st in enumerate(optimizer.state.values()):
+        out.update({f"optim.{i}.{k}": full(v) for k, v in st.items()})
+    return out
+
+
+def straight() -> dict:
+    model, optimizer, sched, loader = _setup()
+    steps = [_train_step(model, optimizer, sched, loader) for _ in range(STEPS)]
+    return {"steps": steps, "final": _final(model, optimizer)}
+
+
+def first_part(root: str, async_save: bool) -> dict:
+    """Train 3 steps, save step 3 (async: and at once go on training, as a job that is then
+    stopped would), stop."""
+    from ckpttool import Checkpointer
+
+    model, optimizer, sched, loader = _setup()
+    steps = [_train_step(model, optimizer, sched, loader) for _ in range(3)]
+    with Checkpointer(root, async_save=async_save) as ckpt:
+        ckpt.save(3, model, optimizer, extra={"rng": torch.get_rng_state(), "sched": sched, "loader": loader})
+        _train_step(model, optimizer, sched, loader)  # beyond the step: the save holds step 3 whatever comes next
+    return {"steps": steps}
+
+
+def resumed(root: str) -> dict:
+    """A new process: build everything afresh, load the newest step, restore the scheduler and the
+    loader in place and this rank's RNG state, and train to the end."""
+    from ckpttool import Checkpointer
+
+    model, optimizer, sched, loader = _setup()
+    with Checkpointer(root) as ckpt:
+        res = ckpt.load(model, optimizer, extra={"sched": sched, "loader": loader})
+    torch.set_rng_state(res.extra["rng"])
+    steps = [_train_step(model, optimizer, sched, loader) for _ in range(res.step, STEPS)]
+    return {"start": res.step, "steps": steps, "final": _final(model, optimizer)}
+
+
+def per_rank_save(root: str) -> None:
+    """Save values of extra that differ between ranks (an RNG state, a loader position), one that
+    is the same on every rank, and a Stateful loader."""
+    from ckpttool import Checkpointer
+
+    from .workloads import fresh_model
+
+    model, optimizer = fresh_model(seed=0)
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    with Checkpointer(root, async_save=True) as ckpt:
+        ckpt.save(1, model, optimizer, extra={"rng": torch.get_rng_state(), "loader": {"pos": 10 * rank, "epoch": 2},
+                                              "same": 5, "data": ShuffledLoader(rank)})
+
+
+def per_rank_load(root: str) -> dict:
+    """Load on this world size: this rank's values, the warning said (if any) and every saved rank's values."""
+    from ckpttool import Checkpointer
+
+    from .workloads import fresh_model
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("ckpttool").addHandler(handler)
+    try:
+        model, optimizer = fresh_model(seed=3)
+        loader = ShuffledLoader(99)
+        res = Checkpointer(root).load(model, optimizer, extra={"data": loader})
+    finally:
+        logging.getLogger("ckpttool").removeHandler(handler)
+    return {"extra": res.extra, "by_rank": res.extra_by_rank, "warnings": records, "loader": loader.state_dict()}
+
+
+def plain_dcp_load_extra(path: str) -> dict:
+    """Plain torch.distributed.checkpoint.load of a step with per-rank values: the model and rank
+    0's values of extra, as before."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from .workloads import fresh_model
+
+    model, optimizer = fresh_model(seed=3)
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd, "extra": {"rng": torch.zeros_like(torch.get_rng_state()),
+                                                    "loader": {"pos": -1, "epoch": -1}, "same": -1}}
+    dcp.load(state, checkpoint_id=path)
+    return {"extra": state["extra"]}

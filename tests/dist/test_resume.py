@@ -1,0 +1,74 @@
+"""Exact resume through the library: a user's script with dropout, a learning-rate schedule, a
+stateful loader and per-rank RNG states, stopped after a save and resumed in new processes, runs
+on as if never stopped; values of ``extra`` that differ between ranks come back to their own rank,
+and on another world size to none (with a warning and every rank's value at hand)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .harness import run_ranks
+from .resume_workloads import ShuffledLoader, first_part, per_rank_load, per_rank_save, plain_dcp_load_extra, resumed, straight
+from .snapshot_workloads import two_optimizers_load, two_optimizers_save
+from .workloads import assert_same
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_users_script_resumed_in_new_processes_runs_on_bitwise_as_if_never_stopped(tmp_path, async_save):
+    root = str(tmp_path / "run")
+    whole = run_ranks(straight, 2)
+    first = run_ranks(first_part, 2, root, async_save)
+    second = run_ranks(resumed, 2, root)
+    for rank in range(2):
+        assert first[rank]["steps"] == whole[rank]["steps"][:3]
+        assert second[rank]["start"] == 3
+        # losses and learning rates, as floats: bitwise
+        assert second[rank]["steps"] == whole[rank]["steps"][3:], f"rank {rank}"
+        assert_same(whole[rank]["final"], second[rank]["final"], f"rank {rank} final weights")
+    assert whole[0]["steps"] != whole[1]["steps"]  # the ranks' data and dropout masks are their own
+
+
+def _rng(rank: int) -> torch.Tensor:
+    torch.manual_seed(100 + rank)
+    return torch.get_rng_state()
+
+
+def test_values_of_extra_that_differ_between_ranks_come_back_to_their_own_rank(tmp_path):
+    root = str(tmp_path / "run")
+    run_ranks(per_rank_save, 2, root)
+    for rank, r in enumerate(run_ranks(per_rank_load, 2, root)):
+        extra = r["extra"]
+        assert torch.equal(extra["rng"], _rng(rank)) and extra["loader"] == {"pos": 10 * rank, "epoch": 2}
+        assert extra["same"] == 5 and r["warnings"] == []
+        assert r["loader"]["order"] != list(range(64)) and r["loader"] == extra["data"]  # restored in place, its own
+        assert set(r["by_rank"]) == {0, 1} and r["by_rank"][rank]["loader"] == {"pos": 10 * rank}
+    # plain torch still reads the step (rank 0's values)
+    for r in run_ranks(plain_dcp_load_extra, 2, f"{root}/step-1"):
+        assert torch.equal(r["extra"]["rng"], _rng(0)) and r["extra"]["loader"] == {"pos": 0, "epoch": 2}
+
+
+def test_on_another_world_size_no_rank_gets_another_ranks_value(tmp_path):
+    root = str(tmp_path / "run")
+    run_ranks(per_rank_save, 2, root)
+    results = run_ranks(per_rank_load, 3, root)
+    for rank, r in enumerate(results):
+        extra = r["extra"]
+        # the values the ranks saved alike are kept; each one saved per rank is left out
+        assert "rng" not in extra and extra["loader"] == {"epoch": 2} and extra["same"] == 5
+        assert extra["data"] == {"pos": 0, "epoch": 0}
+        assert r["loader"] == {"order": ShuffledLoader(99).order, "pos": 0, "epoch": 0}  # not restored: not wholly its own
+        by_rank = r["by_rank"]
+        assert set(by_rank) == {0, 1}
+        assert all(torch.equal(by_rank[s]["rng"], _rng(s)) and by_rank[s]["loader"] == {"pos": 10 * s} for s in (0, 1))
+    warned = results[0]["warnings"]
+    assert len(warned) == 1 and "2 ranks cannot be matched to 3 ranks" in warned[0], warned
+    assert "data.order" in warned[0] and "loader.pos" in warned[0] and "rng" in warned[0] and "same" not in warned[0]
+    assert results[1]["warnings"] == [] and results[2]["warnings"] == []
+
+
+def test_two_optimizers_saved_on_2_ranks_load_bitwise_on_3(tmp_path):
+    root = str(tmp_path / "run")
+    saved = run_ranks(two_optimizers_save, 2, root)[0]
+    for r in run_ranks(two_optimizers_load, 3, root):
+        assert_same(saved, r, "two optimizers, 2 -> 3 ranks")
