@@ -35,6 +35,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--batch-size", type=int, default=12, help="global batch size, divisible by the world size (default: 12)"
     )
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 gradient reduction")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="residual dropout; each rank draws its masks from its own generator, saved per rank (default: 0)")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="linear learning-rate warmup over N steps (a LambdaLR, saved with each step; default: 0, constant)")
     parser.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 turns clipping off (default: 1.0)")
     parser.add_argument("--keep-last", type=int, default=None, help="keep only the newest N committed steps")
     parser.add_argument("--keep-every", type=int, default=None, help="with --keep-last, also keep every step divisible by N")
@@ -76,5 +80,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             f"--batch-size {args.batch_size} does not split evenly over {world_size} ranks",
             hint="use a multiple of the world size, e.g. 12 for 1-4 ranks",
         )
+    if not 0.0 <= args.dropout < 1.0:
+        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.grad_clip < 0:
         raise UsageError(f"--grad-clip must be >= 0, got {args.grad_clip}")

@@ -24,11 +24,14 @@ class ModelConfig:
     n_layers: int
     n_heads: int
     seq_len: int
+    dropout: float = 0.0  # residual dropout after attention and MLP (drawn from the global CPU generator)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
         if self.dim % self.n_heads:
             raise ValueError(f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
 
@@ -93,10 +96,12 @@ class Block(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = nn.LayerNorm(config.dim)
         self.feed_forward = FeedForward(config)
+        # no dropout module at all at 0: a model without dropout draws nothing from the generator
+        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.dropout(self.attention(self.attention_norm(x)))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):

@@ -2,9 +2,12 @@
 
     torchrun --nproc_per_node 2 -m ckpttool.trainer.train --steps 6 --ckpt-dir runs/a --save-every 3
 
-A run that stops after step N and resumes from ``step-N`` ends bitwise equal to one that never
-stopped: the data of a step depends only on (seed, step), the model and AdamW state come back from
-the checkpoint, and there is no other random state (no dropout, constant learning rate).
+A run that stops after step N and resumes from ``step-N`` on the same world size ends bitwise equal
+to one that never stopped: the data of a step depends only on (seed, step), the model and AdamW
+state come back from the checkpoint, and so do the learning-rate schedule (``--warmup``, a
+LambdaLR saved through its state dict) and each rank's own generator state (``--dropout`` masks),
+saved per rank. On another world size every rank's generator is seeded afresh from (seed, step,
+rank): the dropout masks differ from those of an uninterrupted run, everything else is restored.
 Rank 0 prints ``step {step} loss {loss:.6f}`` per step, where ``step`` counts from 0 and the loss is
 the global mean, the same on every world size up to float reduction order.
 """
@@ -12,6 +15,7 @@ the global mean, the same on every world size up to float reduction order.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -23,7 +27,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .args import check_args, make_parser
-from .model import PRESETS, Transformer, build_fsdp_model, local_batch
+from .model import PRESETS, Transformer, build_fsdp_model, derive_seed, local_batch
 
 
 @dataclass
@@ -34,6 +38,7 @@ class TrainRun:
     start_step: int
     model: Transformer
     optimizer: torch.optim.Optimizer
+    lrs: list[float]  # the learning rate each step ran with
 
 
 def _check_resumed_extra(extra: dict, args: argparse.Namespace, path: str) -> None:
@@ -64,7 +69,9 @@ def run_training(args: argparse.Namespace) -> TrainRun:
         )
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_args(args, world_size)
-    config = PRESETS[args.model_size]
+    config = dataclasses.replace(PRESETS[args.model_size], dropout=args.dropout)
+    # each rank's dropout masks come from its own generator, seeded from (seed, rank), saved per rank
+    torch.manual_seed(derive_seed(args.seed, f"rank/{rank}"))
 
     # The mesh follows the process group's backend, so gloo ranks on a GPU machine stay on CPU.
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -78,6 +85,9 @@ def run_training(args: argparse.Namespace) -> TrainRun:
         for p in matched:
             p.requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.1)
+    # (none without --warmup: a scheduler adds ``initial_lr`` to the optimizer's groups, which a
+    # checkpoint then holds and a plain optimizer loading it does not)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(args.warmup)) if args.warmup else None
     device = next(model.parameters()).device
 
     ckpt = None
@@ -95,6 +105,12 @@ def run_training(args: argparse.Namespace) -> TrainRun:
                       else f"no committed step under {args.ckpt_dir}: starting at step 0", flush=True)
             if res is not None:
                 _check_resumed_extra(res.extra, args, res.path)
+                if scheduler is not None and "sched" in res.extra:
+                    scheduler.load_state_dict(res.extra["sched"])
+                if "rng" in res.extra:
+                    torch.set_rng_state(res.extra["rng"])  # this rank's own, saved by this rank
+                else:  # another world size (or a checkpoint without it): a fresh, deterministic generator
+                    torch.manual_seed(derive_seed(args.seed, f"rank/{rank}/step/{res.step}"))
                 if args.verify_after_load:
                     from .. import verify_loaded
 
@@ -114,7 +130,9 @@ def run_training(args: argparse.Namespace) -> TrainRun:
 
     criterion = nn.CrossEntropyLoss()
     losses: list[float] = []
+    lrs: list[float] = []
     for step in range(start, args.steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
         x, y = local_batch(step, rank, world_size, args.batch_size, config, args.seed)
         x, y = x.to(device), y.to(device)
         logits = model(x)
@@ -123,6 +141,8 @@ def run_training(args: argparse.Namespace) -> TrainRun:
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
         # Equal local batches, so the mean of local means is the global mean loss.
@@ -135,11 +155,27 @@ def run_training(args: argparse.Namespace) -> TrainRun:
 
         done = step + 1
         if ckpt is not None and args.save_every > 0 and (done % args.save_every == 0 or done == args.steps):
-            extra = {"step": done, "seed": args.seed, "batch_size": args.batch_size, "model_size": args.model_size}
+            extra = {"step": done, "seed": args.seed, "batch_size": args.batch_size, "model_size": args.model_size,
+                     "rng": torch.get_rng_state(), **({"sched": scheduler} if scheduler is not None else {})}
             ckpt.save(done, model, optimizer, extra=extra)
     if ckpt is not None:
         ckpt.close()  # an async save still running finishes (or raises) here
-    return TrainRun(losses=losses, start_step=start, model=model, optimizer=optimizer)
+    return TrainRun(losses=losses, start_step=start, model=model, optimizer=optimizer, lrs=lrs)
+
+
+def warmup(steps: int):
+    """The learning-rate factor of a linear warmup over ``steps`` steps."""
+    return _Warmup(steps)
+
+
+class _Warmup:
+    """A LambdaLR factor whose state (``steps``) the scheduler's state dict keeps."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.steps)
 
 
 def train(args: argparse.Namespace) -> list[float]:

@@ -65,3 +65,20 @@ def test_async_trainer_resume_matches_straight_run(tmp_path):
     assert second["start"] == 2
     assert_same(straight["state"], second["state"], "async saves, resumed")
     assert Checkpointer(root).steps() == [3, 4]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_the_trainer_with_dropout_and_warmup_resumes_bitwise(tmp_path, async_save):
+    """Dropout masks from each rank's own generator (saved per rank), a LambdaLR warmup (saved
+    through its state dict): stopped at step 3 and resumed in new processes, the losses, learning
+    rates and final weights are those of the run that never stopped."""
+    opts = {"dropout": 0.1, "warmup": 4}
+    straight = run_ranks(train_run, 2, steps=6, **opts)[0]
+    root = str(tmp_path / "ck")
+    first = run_ranks(train_run, 2, steps=3, ckpt_dir=root, save_every=3, async_save=async_save, **opts)[0]
+    second = run_ranks(train_run, 2, steps=6, ckpt_dir=root, save_every=3, async_save=async_save, **opts)[0]
+    assert second["start"] == 3
+    assert first["losses"] + second["losses"] == straight["losses"]
+    assert first["lrs"] + second["lrs"] == straight["lrs"] and len(set(straight["lrs"])) == 4  # it warmed up
+    assert_same(straight["state"], second["state"], "dropout + warmup, resumed")
+    assert straight["losses"] != run_ranks(train_run, 2, steps=6, warmup=4)[0]["losses"]  # dropout did something

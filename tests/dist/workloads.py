@@ -43,7 +43,7 @@ def train_run(**overrides) -> dict[str, object]:
     from ckpttool.trainer.train import run_training
 
     run = run_training(trainer_args(**overrides))
-    return {"losses": run.losses, "start": run.start_step, "state": full_state(run.model, run.optimizer)}
+    return {"losses": run.losses, "start": run.start_step, "state": full_state(run.model, run.optimizer), "lrs": run.lrs}
 
 
 def fresh_model(seed: int = 123, model_size: str = "tiny", mesh_shape: tuple[int, ...] | None = None, config=None):
