@@ -14,15 +14,16 @@ __version__ = "0.1.0"
 
 _WHERE = {
     "Checkpointer": "checkpointer",
-    "LoadResult": "checkpointer",
-    "load": "checkpointer",
+    "LoadResult": "restore",
+    "load": "restore",
     "convert": "commands",
     "CkptError": "errors",
     "verify_loaded": "loaded",
 }
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer, LoadResult, load
+    from .checkpointer import Checkpointer
+    from .restore import LoadResult, load
     from .errors import CkptError
     from .commands import convert
     from .loaded import verify_loaded

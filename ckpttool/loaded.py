@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import dist, formats
-from .checkpointer import training_state
+from .restore import training_state
 from .compare import bits_differ, unravel
 from .compat import local_shard_box
 from .errors import CkptError

@@ -166,6 +166,16 @@ def _manifest_ok(manifest: Any) -> bool:
             and isinstance(files, dict) and all(isinstance(v, list) and len(v) == 2 and row_ok([0, *v]) for v in files.values()))
 
 
+def step_health(step_dir: Location) -> dict[str, Any] | None:
+    """The ``health`` of a committed step's record (None when it has none, or the record is damaged)."""
+    try:
+        record = read_commit_record(step_dir)
+    except CkptError:
+        return None
+    found = (record or {}).get("health")
+    return found if isinstance(found, dict) else None
+
+
 def refuse_step(step_dir: Location, message: str) -> None:
     """Rank 0: say in the step's (uncommitted) directory why it was not committed, so every other
     rank's background save stops waiting for the commit and raises the same message. Best effort:

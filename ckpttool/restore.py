@@ -1,0 +1,251 @@
+"""Loading one checkpoint into live training state: a model (and its optimizers) on any mesh,
+and the saved ``extra`` given back to each rank as its own, Stateful values restored in place.
+
+Every rank reads only its own boxes (``formats/dcp/load.py``); keys and shapes are checked first;
+values of ``extra`` saved per rank (``per_rank.<rank>.*``) go back to their own rank on the world
+size that saved them and to none on another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+from . import dist, formats
+from .errors import CkptError, FormatError, MismatchError, UsageError
+from .formats import dcp as dcp_format
+from .formats.dcp.metadata import PER_RANK
+from .index import Index, TensorEntry, unflatten
+from .state_cache import optimizers_of, torch_state
+from .steps import parse_step, read_commit_record
+from .storage import Location, resolve
+
+log = logging.getLogger("ckpttool")
+#: what ``save`` and ``load`` take as ``optimizer``: none, one, or a list of them
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a load restored. ``extra``: this rank's values of the saved ``extra`` (a Stateful
+    value as its state dict). ``extra_by_rank``: every saved rank's own value of each key of
+    ``extra`` whose values differed between the ranks that saved it (rank -> the same nesting as
+    ``extra``), for a loader that re-partitions them on another world size (where ``extra`` leaves
+    those keys out)."""
+
+    step: int | None
+    extra: dict[str, Any]
+    path: str
+    extra_by_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def training_state(model: torch.nn.Module, optimizer: Optimizers, extra: dict | None) -> dict[str, Any]:
+    state = torch_state(model, optimizers_of(optimizer))
+    if extra:
+        state["extra"] = extra_state(extra)
+    return state
+
+
+def extra_state(extra: dict[str, Any]) -> dict[str, Any]:
+    """What is saved of ``extra``: each Stateful value (``state_dict()`` and ``load_state_dict()``:
+    an LR scheduler, a stateful data loader, the user's own) as its state dict, as ``dcp.save``
+    treats a Stateful; everything else as it is."""
+    if not isinstance(extra, dict):
+        raise UsageError(f"extra must be a dict, got {type(extra).__name__}")
+    return {k: v.state_dict() if _stateful(v) else v for k, v in extra.items()}
+
+
+def _stateful(value: Any) -> bool:
+    return (not isinstance(value, (torch.Tensor, type)) and callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None)))
+
+
+def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: Optimizers = None, *,
+         verify: bool = True, storage_options: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> LoadResult:
+    """Load one DCP checkpoint directory (or a per-rank ``torch.save`` folder, as FSDP2's manual
+    sharded checkpointing writes it) into ``model``/``optimizer`` on the current mesh.
+
+    Every rank reads only its own boxes (any world size, any mesh). Checks keys and shapes first (a
+    :class:`MismatchError` names the key and both shapes), reads ``.metadata`` and every object
+    through the allow-listed unpickler, refuses a tensor whose chunks leave a gap, and with
+    ``verify`` (the default) checks every record it reads: torch's CRC-32 of its tensor data, and
+    the manifest of a ckpttool step (:class:`ChecksumError` names the key, the file and the rank).
+    Every rank raises the same error when any rank fails.
+
+    ``extra``: objects with ``load_state_dict`` (an LR scheduler, a stateful data loader) to
+    restore in place from the saved ``extra`` values of the same names. Values saved per rank come
+    back to their own rank on the same world size; on another world size no rank gets another
+    rank's value: those keys are left out of ``extra`` (and their objects not restored), said in
+    one line, and every saved rank's value is in ``LoadResult.extra_by_rank``.
+    """
+    from .index import flatten
+
+    loc = resolve(path, storage_options)
+    optimizers = optimizers_of(optimizer)
+    state = training_state(model, optimizers, None)
+    record: dict | None = None
+    saved_leaves: list[tuple] = []
+    error: BaseException | None = None
+    try:
+        record = read_commit_record(loc)
+        fmt = formats.detect(loc)
+        if not fmt.ranked:
+            raise FormatError(f"load reads DCP checkpoints and per-rank torch.save folders; this is {fmt.name}",
+                              where=loc.url, hint=f"convert it first: ckpttool convert {loc.url} DIR --to dcp")
+        opened = dcp_format.DcpSource(loc, verify=verify, rank=dist.rank()) if fmt.name == "dcp" else fmt.open_source(loc, verify)
+        with opened as source:
+            index = source.index()
+            _check_fits(state, index, loc)
+            for top in ("extra", PER_RANK):  # shaped like what was saved: a template built from the index
+                template = _template(source, top)
+                if template:
+                    state[top] = template
+            flat, paths = flatten(state)
+            dcp_format.load_into(source, flat)
+            state = unflatten(flat, paths)
+            saved_leaves = [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
+    except CkptError as exc:
+        error = exc
+    error = dist.first_error(error)
+    if error is not None:
+        raise error
+    if optimizers:
+        set_state_dict(model, optimizers if len(optimizers) > 1 else optimizers[0], model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    step = record["step"] if record is not None else parse_step(loc.name)
+    by_rank = {int(r): v for r, v in state.get(PER_RANK, {}).items() if str(r).isdigit()}
+    leaves: dict[int, list[tuple]] = {}  # per saved rank: the paths in extra of its own values
+    for rank_key, *path in saved_leaves:
+        if str(rank_key).isdigit():
+            leaves.setdefault(int(rank_key), []).append(tuple(path))
+    saved_world = record.get("world_size") if record is not None else None
+    values, unmatched = _own_values(state.get("extra", {}), by_rank, leaves, saved_world, loc)
+    _restore_in_place(extra, values, unmatched, loc)
+    return LoadResult(step=step, extra=values, path=loc.url, extra_by_rank=by_rank)
+
+
+def _check_fits(state: dict[str, Any], index: Index, loc: Location) -> None:
+    from .index import flatten
+
+    flat, _ = flatten(state)
+    for key, value in flat.items():
+        if key not in index:
+            raise MismatchError(
+                f"key {key!r} of the model is not in the checkpoint",
+                where=loc.url,
+                hint="was the checkpoint saved from a different model? `ckpttool inspect` lists its keys",
+            )
+        if isinstance(value, torch.Tensor):
+            entry = index[key]
+            if not isinstance(entry, TensorEntry):
+                raise MismatchError(f"key {key!r} is a tensor in the model but an object in the checkpoint", where=loc.url)
+            if tuple(entry.shape) != tuple(value.shape):
+                raise MismatchError(
+                    f"shape mismatch for {key!r}: checkpoint has {tuple(entry.shape)}, model has {tuple(value.shape)}",
+                    where=loc.url,
+                    hint="build the model with the configuration it was saved with",
+                )
+
+
+def _template(source: Any, top: str) -> dict[str, Any]:
+    """A dict shaped like the saved top-level ``top`` (the load fills a template), built from the
+    index; its tensors are allocated only once the checkpoint's bytes are known to back their size."""
+    index = source.index()
+    flat: dict[str, Any] = {}
+    sub_paths = {}
+    for key in index:
+        path = index.path(key)
+        if path[0] != top:
+            continue
+        entry = index[key]
+        if isinstance(entry, TensorEntry):
+            source.checked_entry(key)
+            flat[key] = torch.empty(entry.shape, dtype=entry.dtype)
+        else:
+            flat[key] = None
+        sub_paths[key] = path
+    return unflatten(flat, sub_paths).get(top, {})
+
+
+def _own_values(extra: dict[str, Any], by_rank: dict[int, dict[str, Any]], leaves: dict[int, list[tuple]],
+                saved_world: int | None, loc: Location) -> tuple[dict[str, Any], set[str]]:
+    """This rank's values of ``extra``, and the top-level keys of those it could not be given: on
+    the world size that saved them, each value saved per rank is this rank's own (a key some ranks
+    saved and this one did not is left out); on another, every value saved per rank is left out
+    (said in one line): no rank gets another rank's value."""
+    if not leaves:
+        return extra, set()
+    saved = saved_world if isinstance(saved_world, int) and saved_world > 0 else max(leaves) + 1
+    rank, world = dist.rank(), dist.world_size()
+    everyone = {path for paths in leaves.values() for path in paths}
+    own = set(leaves.get(rank, ())) if saved == world else set()
+    for path in everyone - own:
+        drop_path(extra, path)
+    for path in own:
+        put_path(extra, path, get_path(by_rank[rank], path))
+    if saved != world and rank == 0:
+        log.warning("%s: extra values saved per rank on %d ranks cannot be matched to %d ranks, left out of "
+                    "LoadResult.extra: %s (every saved rank's value is in LoadResult.extra_by_rank)",
+                    loc.url, saved, world, ", ".join(sorted(".".join(map(str, p)) for p in everyone)))
+    return extra, {str(path[0]) for path in everyone - own}
+
+
+def _restore_in_place(objects: dict[str, Any] | None, values: dict[str, Any], unmatched: set[str], loc: Location) -> None:
+    """``obj.load_state_dict(saved value)`` for every object given to the load (a Stateful value of
+    ``extra``, saved through its state dict); one whose saved state is not wholly this rank's (saved
+    per rank on another world size) is not restored: the warning above names it."""
+    for key, obj in (objects or {}).items():
+        if not callable(getattr(obj, "load_state_dict", None)):
+            raise UsageError(f"extra[{key!r}] has no load_state_dict(): only such objects are restored in place",
+                             hint="the saved values are in LoadResult.extra")
+        if key in unmatched:
+            continue
+        if key not in values:
+            raise MismatchError(f"extra key {key!r} is not in the checkpoint", where=loc.url,
+                                hint=f"saved extra keys: {sorted(values) or 'none'}")
+        obj.load_state_dict(values[key])
+
+
+def get_path(tree: Any, path: tuple) -> Any:
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+def put_path(tree: Any, path: tuple, value: Any) -> None:
+    for i, part in enumerate(path[:-1]):
+        nxt = path[i + 1]
+        if isinstance(tree, dict):
+            tree = tree.setdefault(part, [] if isinstance(nxt, int) else {})
+        else:
+            while len(tree) <= part:
+                tree.append(None)
+            if tree[part] is None:
+                tree[part] = [] if isinstance(nxt, int) else {}
+            tree = tree[part]
+    if isinstance(tree, dict):
+        tree[path[-1]] = value
+    else:
+        while len(tree) <= path[-1]:
+            tree.append(None)
+        tree[path[-1]] = value
+
+
+def drop_path(tree: Any, path: tuple) -> None:
+    for part in path[:-1]:
+        if isinstance(tree, dict):
+            tree = tree.get(part)
+        elif isinstance(tree, list) and isinstance(part, int) and part < len(tree):
+            tree = tree[part]
+        else:
+            return
+    if isinstance(tree, dict):
+        tree.pop(path[-1], None)
