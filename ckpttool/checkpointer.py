@@ -98,9 +98,10 @@ class Checkpointer:
         self._lease = Lease(self.root, stale_after=lease_stale_after)  # taken by rank 0 at the first save
         self._pending: Job | None = None  # the async save being written
         self._pending_error: BaseException | None = None
+        self._outcome: tuple[Location, Location] | None = None  # (ranks > 0) the last async step whose commit is not yet seen
         self._group: Any = None  # checkpoint-only process group, made on the first async save
         self._staged: Any = None  # the last async save's copy of the state, reused by the next (DCP fallback)
-        self._stager = Stager(lambda: dist.pause_point("stage-copy"))  # host buffers of async saves, reused while shapes hold
+        self._stager = self._new_stager()  # host buffers of async saves, reused while shapes hold
         self._states = StateCache()  # get_state_dict's answer, kept while the model's and optimizer's structure holds
         self.on_commit = on_commit  # rank 0, once a step is committed: on_commit(step, its URL) (a save's background thread for async saves)
         # on_phase(name, start, end) after each phase of a save (time.perf_counter(), in the thread
@@ -200,6 +201,7 @@ class Checkpointer:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         optimizers = optimizers_of(optimizer)
         blocking = not self.async_save if blocking is None else blocking
+        self._stager.fence()  # the last save's copy ends first (and its write guard leaves this thread)
         final = self.root.child(step_name(step))
         tmp = self._timed("prepare", self._begin_save, step, final)
         state, buffers = self._timed("state", self._training_state, model, optimizers, extra)
@@ -270,7 +272,7 @@ class Checkpointer:
                         _say_failed(tmp, rank, exc)  # rank 0 stops waiting for this rank's part
                     raise
                 if rank != 0:
-                    await_outcome(tmp, final, self.commit_timeout)  # so wait() and close() tell whether the step counts
+                    self._outcome = (tmp, final)  # wait() and close() learn from storage whether rank 0 committed it
             else:
                 self._write_and_commit_dcp(staged, step, tmp, final, group=self._group)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
@@ -377,11 +379,21 @@ class Checkpointer:
         self._commit_dcp(step, tmp, final, manifest, group, per_rank, found)
         self._apply_retention()
 
-    def _join_pending(self) -> BaseException | None:
+    def _join_pending(self, outcome: bool = False) -> BaseException | None:
+        """Wait for this rank's background save; its error, if it failed. With ``outcome`` (wait and
+        close), a rank other than 0 also waits until rank 0 committed the step or refused it (its
+        reason is then this rank's error): every rank tells the same story, with no collective.
+        (``save`` needs not: its agreement raises any rank's error on every rank.)"""
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
         error, self._pending_error = self._pending_error, None
+        pending, self._outcome = self._outcome, None
+        if outcome and error is None and pending is not None:
+            try:
+                await_outcome(*pending, self.commit_timeout)
+            except CkptError as exc:
+                error = exc
         return error
 
     @property
@@ -400,7 +412,7 @@ class Checkpointer:
         its error if it failed."""
         self._not_from_the_writer("wait")
         self._stager.fence()  # the copy's rest runs here if the copy thread has not done it (and the write guard goes)
-        error = self._timed("wait", self._join_pending)
+        error = self._timed("wait", self._join_pending, True)
         if error is not None:
             raise error
 
@@ -414,7 +426,7 @@ class Checkpointer:
         finally:
             self._staged = None
             self._states.clear()
-            self._stager = Stager(lambda: dist.pause_point("stage-copy"))
+            self._stager = self._new_stager()
             self._copier.close()
             self._writer.close()  # joins a write still running (wait() interrupted): then the lease may go
             self._lease.release()
@@ -430,6 +442,10 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _new_stager(self) -> Stager:
+        # (a write that waits for the copy, an optimizer step or a guarded edit, is the phase "fence")
+        return Stager(lambda: dist.pause_point("stage-copy"), on_fence=lambda start, end: self._phase("fence", start, end))
 
     def _not_from_the_writer(self, what: str) -> None:
         """``on_commit`` of an async save runs in the writer thread: a ``save``, ``wait`` or
@@ -530,7 +546,7 @@ class Checkpointer:
         :class:`MismatchError` when the checkpoint does not fit the model, and with ``verify`` (the
         default) :class:`ChecksumError` when a record read does not match its checksum.
         """
-        self._timed("fence", self._stager.fence)  # a pending async save's copy reads the tensors this load overwrites
+        self._stager.fence()  # a pending async save's copy reads the tensors this load overwrites
         self._states.clear()  # the load replaces the optimizer's state (the signature would notice; nothing to keep)
         self._check_root()
         listing = list_root(self.root)

@@ -23,20 +23,18 @@ if TYPE_CHECKING:  # (inspect reads a step's health without importing torch)
 
 
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int]:
-    """(NaN, Inf) in a host tensor. One pass in the common case: the sum of finite values in float64
-    is finite, so a finite sum proves there are none; otherwise they are counted."""
+    """(NaN, Inf) in a host tensor. One pass in the common case: a finite sum proves there are none
+    (a NaN or an Inf makes the sum NaN or infinite). Summing in the tensor's own dtype runs at
+    memory speed (23-29 GB/s on one core here; asking for a float64 or float32 sum converts each
+    element and runs at 1 GB/s). A sum that overflows is told from a real Inf by summing ``t * 0``
+    (0 for every finite value, NaN for the others); only then are they counted."""
     import torch
 
     if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
         return 0, 0
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128):
-        # float8 and friends: no arithmetic of their own on the CPU
-        t = t.float()
-    if t.is_complex():
-        total = t.sum()
-        if torch.isfinite(total).item():
-            return 0, 0
-    elif torch.isfinite(t.sum(dtype=torch.float64)).item():
+        t = t.float()  # float8 and friends: no arithmetic of their own on the CPU
+    if torch.isfinite(t.sum()).item() or torch.isfinite((t * 0).sum()).item():
         return 0, 0
     return int(torch.isnan(t).sum().item()), int(torch.isinf(t).sum().item())
 

@@ -135,7 +135,9 @@ def _ensure_hook() -> None:
 
         with _lock:
             if _hook is None:
-                _hook = register_optimizer_step_pre_hook(lambda *_: fence_all() if _in_flight else None)
+                # (also when nothing is in flight: this thread's guard leaves the stack here once
+                # its copies are done, or every later op would pass through it)
+                _hook = register_optimizer_step_pre_hook(lambda *_: fence_all() if _in_flight or guarded() else None)
 
 
 #: per op: the positions and keyword names of the arguments its schema writes (``Tensor(a!)``)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,7 +46,8 @@ _ALIGN = 64  # bytes: each buffer in the block starts at a multiple (any dtype's
 class Stager:
     """The host buffers of one Checkpointer's async saves, and the copy in flight."""
 
-    def __init__(self, before_copy: Callable[[], None] | None = None) -> None:
+    def __init__(self, before_copy: Callable[[], None] | None = None,
+                 on_fence: Callable[[float, float], None] | None = None) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         self._stream: Any = None  # the side CUDA stream, made on first use
         self._copied: Any = None  # the CUDA event recorded after the side-stream copies
@@ -55,6 +57,7 @@ class Stager:
         self._copy_error: BaseException | None = None
         self._torn: list[str] = []  # keys written before their copy was done (the save fails)
         self._before_copy = before_copy  # tests slow the background copy down here
+        self._on_fence = on_fence  # on_fence(start, end): a write (an optimizer step, ...) waited for the copy
         self._plans: dict[str, _Plan] = {}  # per key: what the last save found and made for it
         self._boxes: dict[str, tuple[Any, Any, Box, bool]] = {}  # per key: ((shape, placements), mesh, box, store)
         self._layout: dict[str, tuple[torch.Size, torch.dtype]] = {}  # per key: what its view of the CPU block holds
@@ -193,15 +196,21 @@ class Stager:
         finished first (CPU: in the calling thread, or waited for), or (CUDA) the current stream
         is made to wait for the side-stream copies. Called by the write guards."""
         cpu = self._pending
+        start = time.perf_counter()
+        waited = False
         if cpu is not None and not cpu.done.is_set():
+            waited = True
             cpu.finish(storages)
         if not self._fenced:
+            waited = True
             self._fenced = True
             self._torn += _moved(self._side)  # launched before this fence: it may have raced the copy
             self._side = []
             torch.cuda.current_stream().wait_event(self._copied)
         if not self.pending():
             snapshot.forget(self)
+        if waited and self._on_fence is not None:
+            self._on_fence(start, time.perf_counter())
 
     def _plan(self, key: str, value: torch.Tensor, local: torch.Tensor, rank: int, stores: Any) -> _Plan:
         """What a tensor needs: its box in the global tensor, whether this rank stores it

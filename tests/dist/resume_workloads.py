@@ -158,3 +158,29 @@ def plain_dcp_load_extra(path: str) -> dict:
                                                     "loader": {"pos": -1, "epoch": -1}, "same": -1}}
     dcp.load(state, checkpoint_id=path)
     return {"extra": state["extra"]}
+
+
+def fallback_save_and_load(root: str) -> dict:
+    """A placement ckpttool's own writer does not lay out (a strided shard, as FSDP2 + TP makes)
+    sends an async save through DCP's writer: per-rank values and NaN counts must hold there too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckpttool import Checkpointer
+
+    from .workloads import fresh_model
+
+    rank = dist.get_rank()
+    model, optimizer = fresh_model(seed=0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # (split factor 1 lays out as Shard(0) for DCP; ckpttool's own writer takes Shard and Replicate only)
+    strided = DTensor.from_local(torch.arange(4.0) + 4 * rank, mesh, [_StridedShard(0, split_factor=1)])
+    if rank == 1:
+        with torch.no_grad():
+            model.norm.weight.to_local()[0] = float("nan")
+    with Checkpointer(root, async_save=True) as ckpt:
+        ckpt.save(1, model, optimizer, extra={"z": strided, "mine": torch.full((3,), float(rank)), "same": 1})
+    fresh, fopt = fresh_model(seed=3)
+    res = Checkpointer(root).load(fresh, fopt)
+    return {"extra": res.extra}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from .harness import run_ranks
-from .resume_workloads import ShuffledLoader, first_part, per_rank_load, per_rank_save, plain_dcp_load_extra, resumed, straight
+from .resume_workloads import ShuffledLoader, fallback_save_and_load, first_part, per_rank_load, per_rank_save, plain_dcp_load_extra, resumed, straight
 from .snapshot_workloads import two_optimizers_load, two_optimizers_save
 from .workloads import assert_same
 
@@ -72,3 +72,18 @@ def test_two_optimizers_saved_on_2_ranks_load_bitwise_on_3(tmp_path):
     saved = run_ranks(two_optimizers_save, 2, root)[0]
     for r in run_ranks(two_optimizers_load, 3, root):
         assert_same(saved, r, "two optimizers, 2 -> 3 ranks")
+
+
+def test_dcp_s_own_writer_keeps_per_rank_values_and_counts_nan_too(tmp_path):
+    """A strided-shard DTensor sends the async save through DCP's writer (collective): each rank's
+    own value of extra still comes back to it, and the commit record counts the NaN."""
+    from ckpttool.steps import read_commit_record
+    from ckpttool.storage import resolve
+
+    root = tmp_path / "run"
+    for rank, r in enumerate(run_ranks(fallback_save_and_load, 2, str(root))):
+        assert torch.equal(r["extra"]["mine"], torch.full((3,), float(rank))) and r["extra"]["same"] == 1
+        assert torch.equal(r["extra"]["z"], torch.arange(8.0))
+    record = read_commit_record(resolve(str(root / "step-1")))
+    assert record["per_rank"] == ["mine"]
+    assert record["health"]["nonfinite"] == {"model.norm.weight": {"nan": 1, "inf": 0}}
