@@ -20,8 +20,8 @@ $(VENV)/.installed: pyproject.toml
 # Train the tiny model on 2 CPU ranks with async checkpoints, stop, resume (and check what was loaded), then look at, convert, reshard and verify what was saved.
 demo: setup
 	rm -rf $(DEMO)
-	$(CKPT) train --nproc 2 --steps 4 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2 --async-save
-	$(CKPT) train --nproc 2 --steps 8 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2 --async-save --verify-after-load
+	$(CKPT) train --nproc 2 --steps 4 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2 --async-save --dropout 0.1 --warmup 3
+	$(CKPT) train --nproc 2 --steps 8 --save-every 2 --ckpt-dir $(DEMO)/run --keep-last 2 --async-save --dropout 0.1 --warmup 3 --verify-after-load
 	$(CKPT) inspect $(DEMO)/run
 	$(CKPT) inspect $(DEMO)/run/step-8 | head -12
 	$(CKPT) convert $(DEMO)/run/step-8 $(DEMO)/full.pt
