@@ -98,7 +98,17 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
         if not fmt.ranked:
             raise FormatError(f"load reads DCP checkpoints and per-rank torch.save folders; this is {fmt.name}",
                               where=loc.url, hint=f"convert it first: ckpttool convert {loc.url} DIR --to dcp")
-        opened = dcp_format.DcpSource(loc, verify=verify, rank=dist.rank()) if fmt.name == "dcp" else fmt.open_source(loc, verify)
+        if fmt.name == "dcp":
+            opened = dcp_format.DcpSource(loc, verify=verify, rank=dist.rank())
+        elif fmt.name == "torch-ranks" and optimizers:
+            # its optimizer state is keyed by index: paired through the live optimizers' own groups
+            from .formats.torch_ranks import RanksSource
+
+            fqn = {id(p): n for n, p in model.named_parameters()}
+            opened = RanksSource(loc, verify, optimizer_names=[[fqn.get(id(p), "?") for p in g["params"]]
+                                                               for o in optimizers for g in o.param_groups])
+        else:
+            opened = fmt.open_source(loc, verify)
         with opened as source:
             index = source.index()
             _check_fits(state, index, loc)

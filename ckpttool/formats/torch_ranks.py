@@ -7,11 +7,16 @@ any other ``NAME.pt`` beside them as the top-level key ``NAME``.
 Each DTensor is read as data (:mod:`ckpttool.safe_dtensor`): the box a rank holds follows from its
 placements, the mesh's shape and the rank's coordinate, and the boxes of all ranks make the
 tensor's chunks (a replicated box, as HSDP stores it, is read from the lowest rank holding it).
-Plain tensors (buffers, AdamW's ``step``) and other values are taken from rank 0. The optimizer's
-parameter indices are mapped to the model's parameter names in the order the model file lists its
-DTensors, which is ``model.parameters()``'s order for an optimizer built from it (what
-``get_optimizer_state_dict`` does with the live objects); where that cannot be told (no single
-model group, a count or a shape that disagrees) the indices are kept and a note says why.
+Plain tensors (buffers, AdamW's ``step``) and other values are taken from rank 0.
+
+An optimizer's state is keyed by parameter index, and torch numbers the parameters group by group
+(``optimizer.state_dict()``). The indices are mapped to the model's parameter names only where the
+mapping is proven: by the names torch records in each group (``param_names``: an optimizer built
+from ``named_parameters()``), or for a single group holding every parameter, in the order the
+model file lists them (``model.parameters()``'s order, which an optimizer built from it follows);
+with a live optimizer (``optimizer_names``: ``ckpttool.load``), through its own groups, position by
+position, exactly as ``optimizer.load_state_dict`` pairs them. Anywhere else (several groups
+without names: layer-wise LR decay, a weight-decay split) the indices are kept and a note says why.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CkptError, CorruptCheckpointError, FormatError, NotACheckpointError
+from ..errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, flatten
 from ..index import unflatten
 from ..layout import Box, FsdpLayout, rank_box, relative, whole
@@ -75,9 +80,12 @@ class RanksSource(Source):
 
     format = "torch-ranks"
 
-    def __init__(self, location: Location, verify: bool = True):
+    def __init__(self, location: Location, verify: bool = True, optimizer_names: list[list[str]] | None = None):
+        """``optimizer_names``: the parameter names of a live optimizer's groups, in its order (for
+        the folder's one optimizer group file); its indices are then paired through them."""
         super().__init__(location)
         self._verify = verify
+        self._live_names = optimizer_names
         self._files: dict[str, TorchFile] = {}
         self._placements: dict[str, str] = {}  # key -> how its DTensor was laid out (for inspect)
         try:
@@ -231,44 +239,85 @@ class RanksSource(Source):
         return tuple(boxes.values())
 
     def _map_optimizers(self, trees: dict[str, Any]) -> None:
-        """Key every optimizer group's state by parameter name (see the module docstring)."""
+        """Key every optimizer group's state by parameter name where the mapping is proven (see the
+        module docstring)."""
         optims = [p for p, (obj, _, _) in trees.items() if _is_optimizer(obj)]
         if not optims:
             return
         models = [p for p, (obj, _, _) in trees.items() if p not in optims
                   and any(isinstance(v, DTensorRef) for v in flatten(obj, is_tensor=_is_ref)[0].values())]
         model = "model" if "model" in models else (models[0] if len(models) == 1 else None)
+        if self._live_names is not None and len(optims) != 1:
+            raise FormatError(f"the folder holds {len(optims)} optimizer groups ({', '.join(optims)}): which of them the "
+                              "optimizer given to the load is cannot be told", where=self.location.url,
+                              hint="load the model alone, then each optimizer with its own file")
         for prefix in optims:
             obj, chunks, name = trees[prefix]
-            why = self._why_unmapped(obj, trees[model][0] if model else None, models)
-            if why:
-                self.notes.append(f"the {prefix} state stays keyed by parameter index: {why}")
+            if model is None:
+                self.notes.append(f"the {prefix} state stays keyed by parameter index: no single model group to name the "
+                                  f"parameters ({len(models)} groups hold DTensors)")
                 continue
-            params = [k for k, v in flatten(trees[model][0], is_tensor=_is_ref)[0].items() if isinstance(v, DTensorRef)]
-            state = {params[i]: obj["state"][i] for i in sorted(obj["state"], key=lambda i: i)}
-            groups = [{**g, "params": [params[i] for i in g["params"]]} for g in obj["param_groups"]]
+            params = {k: v for k, v in flatten(trees[model][0], is_tensor=_is_ref)[0].items() if isinstance(v, DTensorRef)}
+            names, how = self._index_names(prefix, obj, params, model)
+            if names is None:
+                self.notes.append(f"the {prefix} state stays keyed by parameter index: {how}")
+                continue
+            state = {names[i]: obj["state"][i] for i in sorted(obj["state"], key=lambda i: i)}
+            groups = [{**g, "params": [names[i] for i in g["params"]]} for g in obj["param_groups"]]
             trees[prefix] = ({"state": state, "param_groups": groups}, chunks, name)
-            self.notes.append(f"{prefix}: parameter indices mapped to the names of {model}'s {len(params)} DTensor parameters, "
-                              "in the order its file lists them")
+            self.notes.append(f"{prefix}: parameter indices mapped to the names of {model}'s parameters {how}")
 
-    @staticmethod
-    def _why_unmapped(optim: Mapping[str, Any], model: Mapping[str, Any] | None, models: list[str]) -> str | None:
-        if model is None:
-            return f"no single model group to name the parameters ({len(models)} groups hold DTensors)"
-        params = {i: v for i, (k, v) in enumerate((k, v) for k, v in flatten(model, is_tensor=_is_ref)[0].items()
-                                                  if isinstance(v, DTensorRef))}
-        ids = [i for g in optim["param_groups"] for i in g["params"]]
-        if sorted(ids) != list(range(len(params))) or not all(type(i) is int for i in ids):
-            return (f"its param_groups list {len(ids)} parameter indices, the model has {len(params)} DTensor parameters "
-                    "(tied or frozen parameters, or an optimizer over part of the model)")
-        if not all(type(i) is int and i in params for i in optim["state"]):
-            return "its state names indices that are no parameter"
+    def _index_names(self, prefix: str, optim: Mapping[str, Any], params: dict[str, Any],
+                     model: str) -> tuple[dict[int, str] | None, str]:
+        """Index -> parameter name, proven (and how), or None and why not."""
+        groups = optim["param_groups"]
+        ids = [i for g in groups for i in g["params"]]
+        if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids):
+            return None, "its param_groups list indices that are not distinct integers"
+        if self._live_names is not None:
+            live = self._live_names
+            if [len(g["params"]) for g in groups] != [len(g) for g in live]:
+                raise MismatchError(
+                    f"the {prefix} state was saved by an optimizer with {len(groups)} param group(s) of "
+                    f"{[len(g['params']) for g in groups]} parameters; the optimizer given has {len(live)} of "
+                    f"{[len(g) for g in live]}", where=self.location.url,
+                    hint="build the optimizer with the param groups of the job that saved it (torch pairs them position by position)")
+            names = {i: n for g, names in zip(groups, live) for i, n in zip(g["params"], names)}
+            how = "of the optimizer given, group by group, as optimizer.load_state_dict pairs them"
+        elif all(isinstance(g.get("param_names"), list) and len(g["param_names"]) == len(g["params"]) for g in groups):
+            names = {i: n for g in groups for i, n in zip(g["params"], g["param_names"])}
+            how = "that torch recorded in its param groups (param_names)"
+            if len(set(names.values())) != len(names) or not all(isinstance(n, str) and n in params for n in names.values()):
+                return None, (f"the names its param groups record ({', '.join(map(repr, list(names.values())[:3]))}, ...) "
+                              f"are not all distinct names of {model}'s parameters")
+        elif len(groups) == 1 and len(ids) == len(params):
+            order = list(params)
+            names = {i: order[n] for n, i in enumerate(groups[0]["params"])}
+            how = "in the order its file lists them (one param group holding every parameter)"
+        elif len(groups) > 1:
+            return None, (f"its {len(groups)} param groups number the parameters group by group, so which parameter an "
+                          "index is cannot be told from the folder (ckpttool.load(FOLDER, model, optimizer) pairs them "
+                          "through the live optimizer's groups, as optimizer.load_state_dict does; an optimizer built from "
+                          "model.named_parameters() records the names)")
+        else:
+            return None, (f"its param group lists {len(ids)} parameter indices, {model} has {len(params)} DTensor parameters "
+                          "(tied or frozen parameters, or an optimizer over part of the model): which is which cannot be told "
+                          "from the folder (ckpttool.load(FOLDER, model, optimizer) pairs them through the live optimizer)")
+        if not all(type(i) is int and i in names for i in optim["state"]):
+            return None, "its state names indices that are no parameter of its groups"
         for i, entry in optim["state"].items():
-            for value in (entry.values() if isinstance(entry, Mapping) else ()):
-                if isinstance(value, DTensorRef) and value.shape != params[i].shape:
-                    return (f"parameter {i}'s state has shape {list(value.shape)} but the model's parameter {i} has "
-                            f"{list(params[i].shape)}")
-        return None
+            if names[i] not in params:
+                raise MismatchError(f"the optimizer given holds parameter {names[i]!r}, which {model}'s files do not",
+                                    where=self.location.url, hint="load with the model the folder was saved from")
+            for key, value in (entry.items() if isinstance(entry, Mapping) else ()):
+                if isinstance(value, DTensorRef) and value.shape != params[names[i]].shape:
+                    why = (f"index {i}'s state {key!r} has shape {list(value.shape)} but parameter {names[i]!r} has "
+                           f"{list(params[names[i]].shape)}")
+                    if self._live_names is not None:
+                        raise MismatchError(f"the {prefix} state does not fit the optimizer given: {why}", where=self.location.url,
+                                            hint="build the optimizer with the param groups of the job that saved it")
+                    return None, why
+        return names, how
 
     # --- reading ---------------------------------------------------------------------------------
     def index(self) -> Index:
