@@ -83,6 +83,11 @@ class Backend(ABC):
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Create ``path`` holding ``data`` unless it exists; False when it did."""
 
+    def version(self, path: str) -> tuple | None:
+        """What changes when the file's bytes are rewritten (not when it gains or loses a link):
+        the identity and modification time the storage keeps. None where there is none to read."""
+        return None
+
     def islink(self, path: str) -> bool:
         return False
 
@@ -174,6 +179,10 @@ class LocalDisk(Backend):
 
     def local_path(self, path: str) -> str | None:
         return path
+
+    def version(self, path: str) -> tuple | None:
+        st = os.stat(path)
+        return ("local", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         # Whole or not at all: the content goes to a hidden file that is then hard-linked to the
@@ -313,6 +322,11 @@ class Fsspec(Backend):
 
     def size(self, path: str) -> int:
         return int(self.fs.size(path))
+
+    def version(self, path: str) -> tuple | None:
+        info = self.fs.info(path)
+        tag = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
+        return None if tag is None else ("fsspec", info.get("size"), str(tag))
 
     def listdir(self, path: str) -> list[str]:
         # fsspec caches listings (s3fs's dircache); files another process wrote since (the other

@@ -163,6 +163,15 @@ class Location:
         tmp.write_bytes(data)
         tmp.rename_to(self)
 
+    def version(self) -> tuple | None:
+        """What changes when this file's bytes are rewritten (a local file's device, inode, size
+        and modification time; an object's size and ETag), or None where the storage keeps none.
+        Damage that keeps it (a disk's own bit rot) is not seen here: only by reading the bytes."""
+        try:
+            return self._backend.version(self.path)
+        except (OSError, NotImplementedError, ValueError, KeyError):
+            return None
+
     def share_from(self, source: Location) -> bool:
         """Make this (absent) file hold ``source``'s bytes without them passing through this
         process: a hard link on a local disk (both names share the bytes; removing either leaves

@@ -110,3 +110,47 @@ def resume_and_save(root: str, expected_dir: str, steps: tuple[int, ...]) -> dic
             torch.save(state, os.path.join(expected_dir, f"{step}.pt"))
     ckpt.close()
     return {"resumed": resumed}
+
+
+def damaged_shared_files(root: str, expected_dir: str) -> dict[str, object]:
+    """Save step 1; every rank flips a bit in its frozen file of step 1; save step 2 (which would have
+    shared that file); flip a bit in step 2's; save step 3; save step 4 (shares step 3's again).
+    Returns the warnings each rank logged."""
+    import logging
+
+    from ckpttool import Checkpointer
+
+    from ..helpers import flip_bit
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("ckpttool").addHandler(handler)
+    rank = dist.get_rank()
+    loaded: list[object] = []
+    try:
+        model, optimizer = frozen_model()
+        ckpt = Checkpointer(root, incremental=True)
+        for i, step in enumerate((1, 2, 3, 4)):
+            _train_steps(model, optimizer, i, 1)
+            ckpt.save(step, model, optimizer, extra={"step": step})
+            ckpt.wait()
+            state = full_state(model, optimizer)
+            if rank == 0:
+                torch.save(state, os.path.join(expected_dir, f"{step}.pt"))
+            newest = ckpttool_load(root, step)  # the newest step, as a resume would take it now
+            loaded.append(newest.get("error") or all(
+                torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(state.values(), newest["state"].values())))
+            dist.barrier()
+            if step in (1, 2):  # damage after the step committed, before the next save
+                path = os.path.join(root, f"step-{step}", f"__{rank}_1.distcp")
+                flip_bit(path, os.path.getsize(path) // 3)
+            dist.barrier()
+        ckpt.close()
+    finally:
+        logging.getLogger("ckpttool").removeHandler(handler)
+    return {"warnings": said, "loaded": loaded, "inodes": [os.stat(os.path.join(root, f"step-{s}", f"__{rank}_1.distcp")).st_ino for s in (1, 2, 3, 4)]}

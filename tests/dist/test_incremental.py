@@ -18,7 +18,8 @@ from ckpttool import Checkpointer
 
 from ..helpers import cli, flip_bit
 from .harness import run_ranks, spawn_ranks, wait_then_kill
-from .incremental_workloads import ckpttool_load, crash_during_incremental_save, incremental_run, plain_load, resume_and_save
+from .incremental_workloads import (ckpttool_load, crash_during_incremental_save, damaged_shared_files, incremental_run, plain_load,
+                                   resume_and_save)
 from .workloads import assert_same
 
 
@@ -120,3 +121,25 @@ def test_a_resume_on_another_world_size_writes_a_full_step_then_shares_again(tmp
     for step in (3, 4):
         for r in run_ranks(plain_load, 3, os.path.join(root, f"step-{step}")):
             assert_same(expected_state(expected, step), r["state"], f"dcp.load of step {step} on 3 ranks")
+
+
+def test_a_damaged_shared_file_is_never_linked_again(tmp_path):
+    """A bit flips in a step's frozen file after it committed (after step 1, and again after step
+    2): the next save finds it, writes its frozen tensors afresh from memory and says so; every
+    newest step loads bitwise, and verify ROOT names the damaged steps only."""
+    root, expected = str(tmp_path / "run"), str(tmp_path / "expected")
+    os.makedirs(expected)
+    results = run_ranks(damaged_shared_files, 2, root, expected)
+    for rank, r in enumerate(results):
+        inodes = r["inodes"]
+        assert inodes[0] != inodes[1] != inodes[2] and inodes[2] == inodes[3], f"rank {rank}: {inodes}"
+        warned = [w for w in r["warnings"] if "no longer holds what was written" in w]
+        assert len(warned) == 2 and f"step-1/__{rank}_1.distcp" in warned[0] and f"step-2/__{rank}_1.distcp" in warned[1], warned
+        assert "afresh" in warned[0]
+        assert r["loaded"] == [True] * 4, r["loaded"]  # each step, loaded when it was the newest
+    for step in (3, 4):
+        for r in run_ranks(ckpttool_load, 2, root, step):
+            assert_same(expected_state(expected, step), r["state"], f"step {step}")
+    report = json.loads(cli("verify", root, "--json", code=1))
+    text = json.dumps(report)
+    assert "step-1" in text and "step-2" in text and "step-3/" not in text and "step-4/" not in text, text[:2000]

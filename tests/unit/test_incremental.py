@@ -130,3 +130,41 @@ def test_a_rank_index_that_names_another_file_is_refused_at_commit(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="not its own"):
         commit_metadata(step, read_rank_indexes(step, 1, timeout=5))
     assert not (tmp_path / "step" / ".metadata").exists()
+
+
+def test_a_shared_file_whose_version_moved_is_read_and_checked_before_a_link(tmp_path, caplog):
+    """The link trusts an unchanged storage version; a moved one (touched, copied back) is read and
+    every record checked: intact, it is linked; a record that differs from its digest, it is not
+    (the frozen tensors are written afresh, said in one line)."""
+    from ckpttool.formats.dcp import save as dcp_save
+
+    root = str(tmp_path / "run")
+    m = model()
+    ck = Checkpointer(root, incremental=True)
+    ck.save(1, m)
+    first = os.path.join(root, "step-1", "__0_1.distcp")
+    os.utime(first, ns=(1, 1))  # the version moves, the bytes do not
+    reads = []
+    real = dcp_save.hash_range
+    dcp_save.hash_range = lambda *a: reads.append(a[1]) or real(*a)
+    try:
+        ck.save(2, m)
+    finally:
+        dcp_save.hash_range = real
+    assert reads, "a moved version must be checked by reading the records"
+    assert os.stat(os.path.join(root, "step-2", "__0_1.distcp")).st_ino == os.stat(first).st_ino
+    assert not [r for r in caplog.records if "no longer holds" in r.getMessage()]
+    size = os.path.getsize(first)
+    with open(first, "r+b") as fh:  # damage, then the modification time put back as it was
+        st = os.stat(first)
+        fh.seek(size // 2)
+        byte = fh.read(1)
+        fh.seek(size // 2)
+        fh.write(bytes([byte[0] ^ 1]))
+    os.utime(first, ns=(st.st_atime_ns, 5))  # (another mtime than the proof's: read again, found)
+    ck.save(3, m)
+    assert os.stat(os.path.join(root, "step-3", "__0_1.distcp")).st_ino != os.stat(first).st_ino
+    assert [r for r in caplog.records if "no longer holds what was written" in r.getMessage()]
+    fresh = model(seed=5)
+    Checkpointer(root).load(fresh, step=3)
+    assert same(fresh, m)

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, new_hasher
+from ...checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
 from ...compat import dcp_metadata, dump_metadata, local_shard_box
 from ...errors import CkptError, CorruptCheckpointError, StorageError
 from ...health import Check, Tally
@@ -227,6 +227,9 @@ class Written:
     file: str
     records: list[tuple[str, list[int], list[int], str, list[Any]]]  # (key, offsets, sizes, dtype, manifest row)
     nonfinite: dict[str, list[int]] = field(default_factory=dict)  # NaN and Inf counted in its records, per key
+    # the file's storage version (Location.version) when its records were last known to hold these
+    # digests (written, or read and checked): an unchanged version is what a later link trusts
+    proof: tuple | None = None
 
 
 def frozen_file_name(rank: int) -> str:
@@ -343,12 +346,16 @@ def _frozen_parts(index: RankIndex, flat: dict[str, Any], frozen: frozenset[str]
 def _write_frozen(step_dir: Location, index: RankIndex, parts: list[tuple[str, tuple, torch.Tensor, Box]],
                   previous: Written | None, tally: Tally | None = None) -> Written:
     """This rank's file of frozen tensors: shared from ``previous`` when every record would come
-    out the same, else written."""
+    out the same and the file still holds what was written (:func:`_intact`), else written."""
     name = frozen_file_name(index.rank)
     dst = step_dir.child(name)
     if index.compress is None and previous is not None and previous.file == name and _unchanged(parts, previous):
         src = previous.step_dir.child(name)
-        if not dst.share_from(src):
+        damage = _intact(src, previous)
+        if damage is not None:
+            log.warning("ckpttool: %s no longer holds what was written (%s): this step writes its frozen tensors afresh "
+                        "from memory; the steps that hold it fail verify", src.url, damage)
+        elif not dst.share_from(src):
             _cannot_share(dst)
         else:
             rows = index.files[name] = []
@@ -359,7 +366,7 @@ def _write_frozen(step_dir: Location, index: RankIndex, parts: list[tuple[str, t
             if tally is not None:  # counted when it was written: the same bytes
                 for key, counts in previous.nonfinite.items():
                     tally.nonfinite[key] = list(counts)
-            return Written(step_dir, name, previous.records, previous.nonfinite)
+            return Written(step_dir, name, previous.records, previous.nonfinite, dst.version())
     if dst.exists():  # (a failed share left a name: unlink it, never write through it into the step it came from)
         dst.remove()
     rows = index.files[name] = []
@@ -375,7 +382,33 @@ def _write_frozen(step_dir: Location, index: RankIndex, parts: list[tuple[str, t
             records.append((key, list(box[0]), list(box[1]), str(local.dtype).removeprefix("torch."), row))
         index.written += out.tell()
     counted = {key: list(tally.nonfinite[key]) for key, *_ in records if tally is not None and key in tally.nonfinite}
-    return Written(step_dir, name, records, counted)
+    return Written(step_dir, name, records, counted, dst.version())
+
+
+def _intact(src: Location, previous: Written) -> str | None:
+    """Why the previous step's frozen file cannot be shared (None: it can). A link never spreads a
+    damaged file: the file must still be the one this rank wrote (or last read and checked), told by
+    its storage version (inode, size and modification time; an object's ETag), or else by reading
+    every record again and matching the digests written at the time. What an unchanged version
+    cannot show (the disk's own bit rot, with no write) is what verify and every load check."""
+    version = src.version()
+    if version is not None and version == previous.proof:
+        return None
+    try:
+        if src.size() != sum(row[1] for *_, row in previous.records) or not previous.records:
+            return "its size changed"
+        reader = src.open_reader()
+        try:
+            buf = new_block()
+            for key, _offsets, _sizes, _dtype, row in previous.records:
+                if hash_range(reader, row[0], row[1], buf) != row[2]:
+                    return f"the record of {key!r} at byte {row[0]} does not match its digest"
+        finally:
+            reader.close()
+    except (CkptError, OSError) as exc:
+        return f"it cannot be read: {exc}"
+    previous.proof = src.version()  # read and checked: the proof from this read
+    return None
 
 
 _warned: set[str] = set()
