@@ -12,7 +12,7 @@ from typing import Any
 
 from . import dist, formats
 from .choices import DEFAULT_BUDGET
-from .errors import CkptError, UnsafePickleError, UsageError
+from .errors import CkptError, FormatError, UnsafePickleError, UsageError
 from .formats.base import Progress, SlabBuffers, Source
 from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import slabs, whole
@@ -59,7 +59,7 @@ def _verify_path(path: str | Location, only: str | None, storage_options: dict[s
     report = Report(loc.url, "integrity")
     try:
         source = fmt.open_source(loc, verify=False)  # check_integrity reports what it finds instead
-    except UnsafePickleError:
+    except (UnsafePickleError, FormatError):  # input ckpttool cannot read as asked (exit 2): no difference found
         raise
     except CkptError as exc:
         report.add(exc.what, exc.where, hint=exc.hint or "restore the checkpoint from a good copy")

@@ -15,16 +15,21 @@ part                                                        top-level key
 ``scheduler.pt`` / ``scheduler.bin``, ``scaler.pt``          ``scheduler``, ``scaler``
 ``rng_state.pth``, ``rng_state_<R>.pth``                    ``rng_state``, ``rng_state_<R>``
 ``random_states_<R>.pkl`` (accelerate)                       ``random_states_<R>``
-``trainer_state.json``                                       ``trainer_state`` (its JSON values)
+``custom_checkpoint_<N>.pkl`` (accelerate)                   ``custom_checkpoint_<N>``
+``adapter_model.safetensors`` / ``.bin`` (PEFT)              ``adapter``
+``trainer_state.json``, ``adapter_config.json``              ``trainer_state``, ``adapter_config`` (JSON)
 ``pytorch_model_fsdp_<N>/``, ``optimizer_<N>/`` (DCP)        the DCP's own keys (``model.*``,
                                                             ``optimizer.*``)
 ==========================================================  =====================================
 
-``training_args.bin`` (a pickled ``TrainingArguments``, which the allow-list refuses) and any part
-holding a value the allow-list refuses are named by :meth:`TrainerSource.unreadable` with the
-reason (verify fails over them; the other commands go on with the rest and say so); a damaged part
-is an error, as in any checkpoint. Files that are no checkpoint state (``config.json``, tokenizer
-files) are named in the notes. Nothing in the folder is passed over without a word.
+``training_args.bin`` (a pickled ``TrainingArguments``, which the allow-list refuses), any part
+holding a value the allow-list refuses, and checkpoint data whose place in the state cannot be
+told (a weights-shaped file of another name: ``ema.pt``, a second model file, a directory) are named
+by :meth:`TrainerSource.unreadable` with the reason (verify fails over them unless ``--only``
+narrows the check; the other commands go on with the rest and say so); a damaged part is an
+error, as in any checkpoint, and two files for one part (``optimizer.pt`` and ``optimizer.bin``) are
+refused as ambiguous. Files that are no checkpoint state (``config.json``, tokenizer files) are
+named in the notes. Nothing in the folder is passed over without a word.
 """
 
 from __future__ import annotations
@@ -45,11 +50,15 @@ if TYPE_CHECKING:
 
 #: single files: name -> top-level key
 _FILES = {"optimizer.pt": "optimizer", "optimizer.bin": "optimizer", "scheduler.pt": "scheduler", "scheduler.bin": "scheduler",
-          "scaler.pt": "scaler", "rng_state.pth": "rng_state"}
-_NUMBERED = re.compile(r"^(?P<stem>rng_state_\d+)\.pth$|^(?P<stem2>random_states_\d+)\.pkl$")
+          "scaler.pt": "scaler", "rng_state.pth": "rng_state", "adapter_model.safetensors": "adapter",
+          "adapter_model.bin": "adapter"}
+_NUMBERED = re.compile(r"^(?P<stem>rng_state_\d+)\.pth$|^(?P<stem2>(random_states|custom_checkpoint)_\d+)\.pkl$")
 _DCP_DIRS = re.compile(r"^(pytorch_model_fsdp|optimizer|model)_\d+$")
 _MODEL_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
-_STATE_JSON = {"trainer_state.json": "trainer_state"}
+_STATE_JSON = {"trainer_state.json": "trainer_state", "adapter_config.json": "adapter_config"}
+#: files that hold tensors or pickled state by their kind: one of another name is checkpoint data
+#: whose place in the state cannot be told (never "not state")
+_DATA = re.compile(r".*\.(pt|pth|bin|safetensors|pkl|pickle|ckpt|npy|npz|h5|msgpack|gguf|distcp)$")
 #: what a trainer folder holds beside its state, never read: said so, by name
 _NOT_STATE = re.compile(r".*\.(json|txt|model|md|py|jinja)$|^training_args\.bin$")
 _MAX_JSON = 64 << 20
@@ -58,7 +67,7 @@ _MAX_JSON = 64 << 20
 def is_trainer_folder(names: tuple[str, ...] | list[str]) -> bool:
     """A folder with the trainer's own files beside (or instead of) a model: its state, optimizer,
     scheduler or RNG states, or accelerate's per-process DCP directories."""
-    return any(n in _FILES or n in _STATE_JSON or _NUMBERED.match(n) or _DCP_DIRS.match(n) for n in names)
+    return any(n in _FILES or n == "trainer_state.json" or _NUMBERED.match(n) or _DCP_DIRS.match(n) for n in names)
 
 
 class TrainerSource(Source):
@@ -99,6 +108,15 @@ class TrainerSource(Source):
                 used |= {n for n in names if n.startswith(stem[0] + "-") and n.endswith("." + stem[1])} | {model}
             else:
                 used.add(model)
+        tops: dict[str, list[str]] = {}
+        for name in names:
+            if name in _FILES and name not in used:
+                tops.setdefault(_FILES[name], []).append(name)
+        for top, claim in tops.items():
+            if len(claim) > 1:
+                raise FormatError(f"two files for one part: {' and '.join(claim)} are both the {top} (which one the trainer "
+                                  "wrote last cannot be told)", where=self.location.url,
+                                  hint="move the stale one out of the folder, or convert the file you want on its own")
         for name in names:
             if name in used:
                 continue
@@ -115,11 +133,15 @@ class TrainerSource(Source):
                 self._unreadable.append((name, "a pickled TrainingArguments (the run's settings, not its state): the "
                                               "allow-list refuses it; nothing from it was run"))
                 continue
+            elif _DATA.match(name) or (not _NOT_STATE.match(name) and self.location.child(name).isdir()):
+                self._unreadable.append((name, "checkpoint data ckpttool does not read: which part of the state it is "
+                                               "cannot be told from its name"))
+                continue
             else:
                 not_state.append(name)
                 continue
             used.add(name)
-        tops: set[str] = set()
+        added: set[str] = set()
         for top, name, loc in plan:
             if loc is None:
                 self._add_json(top, name)
@@ -132,7 +154,7 @@ class TrainerSource(Source):
             except UnsafePickleError as exc:  # a value the allow-list refuses: named, the rest read
                 self._unreadable.append((name, exc.what))
                 continue  # (a damaged part is an error: nothing goes on without it unannounced)
-            self._add(top, name, source, tops)
+            self._add(top, name, source, added)
         if not self._parts and not self._objects:
             raise NotACheckpointError("trainer folder holds no part ckpttool can read", where=self.location.url,
                                       hint="; ".join(f"{n}: {why}" for n, why in self._unreadable) or None)

@@ -151,3 +151,84 @@ def test_a_damaged_part_stops_every_command_instead_of_being_skipped(tmp_path):
         out = run(*args, code=code)
         assert "optimizer.pt" in out, (args, out)
     assert not (tmp_path / "out.pt").exists()
+
+
+# --- parts that must never pass as "not checkpoint state" (issue 39) ------------------------------
+
+
+def _hf_trainer_with(tmp_path, name: str = "hf"):
+    path = tmp_path / name
+    shutil.copytree(os.path.join(FOLDERS, "hf-trainer"), path)
+    return path
+
+
+def _lora(path, binary: bool = False) -> dict:
+    """A PEFT adapter as save_pretrained writes it: LoRA tensors keyed by their full names, and its config."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = {f"base_model.model.layers.{i}.attn.q_proj.lora_{ab}.weight": torch.randn(4 if ab == "A" else 16, 16 if ab == "A" else 4,
+                                                                                          generator=gen)
+               for i in range(2) for ab in "AB"}
+    if binary:
+        torch.save(tensors, path / "adapter_model.bin")
+    else:
+        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                          "target_modules": ["q_proj"]}))
+    return tensors
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["safetensors", "bin"])
+def test_a_peft_trainer_folder_keeps_its_adapter_weights(tmp_path, binary):
+    """A PEFT checkpoint has adapter_model.* and no model.safetensors: the adapter is read under
+    its own key (its config too), verified and converted bitwise."""
+    path = _hf_trainer_with(tmp_path)
+    (path / "model.safetensors").unlink()
+    tensors = _lora(path, binary)
+    report = json.loads(run("inspect", path, "--json"))
+    keys = {e["key"] for e in report["entries"]}
+    assert {f"adapter.{k}" for k in tensors} <= keys and "adapter_config.r" in keys
+    assert "adapter_model" not in " ".join(report["notes"])  # not passed over as "not state"
+    out = run("verify", path, "--only", "adapter")
+    assert "OK: 4 tensors" in out, out
+    run("convert", path, tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    for k, v in tensors.items():
+        assert torch.equal(full["adapter"][k], v), k
+    assert full["adapter_config"]["target_modules"] == ["q_proj"]
+
+
+@pytest.mark.parametrize("name,make", [
+    ("ema.pt", lambda p: torch.save({"shadow": torch.ones(3)}, p / "ema.pt")),
+    ("pytorch_model.bin", lambda p: torch.save({"w": torch.ones(3)}, p / "pytorch_model.bin")),  # a second weights file
+    ("global_step7", lambda p: (p / "global_step7").mkdir()),  # a directory of someone's shards
+])
+def test_checkpoint_data_the_reader_does_not_know_is_named_and_fails_verify_unless_narrowed(tmp_path, name, make):
+    path = _hf_trainer_with(tmp_path)
+    make(path)
+    report = json.loads(run("inspect", path, "--json"))
+    unread = [p for p in report["parts"] if p.get("not_read")]
+    assert any(p["file"] == name and "checkpoint data" in p["not_read"] for p in unread), unread
+    assert name not in " ".join(n for n in report["notes"] if "not checkpoint state" in n)
+    out = run("verify", path, code=2)
+    assert f"{name}: cannot be read: checkpoint data" in out and "OK" not in out, out
+    assert run("verify", path, "--only", "model").splitlines()[-1].startswith("OK: ")
+
+
+def test_accelerate_custom_checkpoints_are_read_under_their_own_key(tmp_path):
+    path = tmp_path / "acc"
+    shutil.copytree(os.path.join(FOLDERS, "accelerate-cpu"), path)
+    torch.save({"step": 7, "ema": torch.arange(5.0)}, path / "custom_checkpoint_0.pkl")  # accelerate's save_custom_state
+    report = json.loads(run("inspect", path, "--json"))
+    assert {"custom_checkpoint_0.ema", "custom_checkpoint_0.step"} <= {e["key"] for e in report["entries"]}
+    run("convert", path, tmp_path / "full.pt")
+    assert torch.equal(torch.load(tmp_path / "full.pt", weights_only=False)["custom_checkpoint_0"]["ema"], torch.arange(5.0))
+
+
+def test_two_files_for_one_part_are_ambiguous_input_not_damage(tmp_path):
+    path = _hf_trainer_with(tmp_path)
+    shutil.copy(path / "optimizer.pt", path / "optimizer.bin")
+    for args in (("verify", path), ("inspect", path), ("convert", path, tmp_path / "out.pt")):
+        out = run(*args, code=2)
+        assert "two files for one part: optimizer.bin and optimizer.pt" in out and "restore" not in out, (args, out)
