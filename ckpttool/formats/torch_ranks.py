@@ -88,6 +88,11 @@ class RanksSource(Source):
         self._live_names = optimizer_names
         self._files: dict[str, TorchFile] = {}
         self._placements: dict[str, str] = {}  # key -> how its DTensor was laid out (for inspect)
+        # values every rank (or every replica) stores that are not the same on all of them:
+        # (group, key, what, the ranks that differ from the first holder, that holder)
+        self._differences: list[tuple[str, str, str, list[int], int]] = []
+        self._unexpected: list[str] = []
+        self._index_names_of: dict[str, dict[int, str]] = {}  # optimizer group -> index -> parameter name
         try:
             self._index = self._read()
         except BaseException:
@@ -125,6 +130,7 @@ class RanksSource(Source):
                                       where=part.location.url, hint="name it for its rank, or move it out of the folder")
                 trees[m["name"]] = (obj, {}, name)
         self._map_optimizers(trees)
+        self._say_differences(trees)
         idx = Index()
         for top, (obj, chunks, _) in trees.items():
             flat, paths = flatten({top: obj}, is_tensor=_is_ref)
@@ -171,7 +177,6 @@ class RanksSource(Source):
             trees.append(flatten(obj, is_tensor=_is_ref)[0])
         first = trees[0]
         chunks: dict[int, tuple[Chunk, ...]] = {}
-        differ = []
         for rank, (part, flat) in enumerate(zip(parts, trees)):
             if list(flat) != list(first):
                 extra, lacking = sorted(set(flat) - set(first)), sorted(set(first) - set(flat))
@@ -189,11 +194,13 @@ class RanksSource(Source):
                         raise CorruptCheckpointError(f"key {where!r} is a {value.element_type} tensor of shape {list(value.shape)} on rank 0 "
                                                      f"but not on rank {rank}", where=parts[rank].location.url)
                 chunks[id(value)] = parts[0].location.name
-            elif any(not same_value(value, flat[key]) for flat in trees[1:]):
-                differ.append(where)
-        if differ:
-            self.notes.append(f"{len(differ)} non-tensor value(s) differ between the ranks' {prefix} files and are read from "
-                              f"rank 0's: {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''}")
+                ranks = self._differing(where, [(r, flat[key], parts[r]) for r, flat in enumerate(trees)])
+                if ranks:
+                    self._differences.append((prefix, where, "a plain tensor", ranks, 0))
+            else:
+                ranks = [r for r, flat in enumerate(trees) if r and not same_value(value, flat[key])]
+                if ranks:
+                    self._differences.append((prefix, where, "a value", ranks, 0))
         tree = parts[0].archive.obj
         return tree, chunks, parts[0].location.name
 
@@ -202,6 +209,7 @@ class RanksSource(Source):
         base = refs[0]
         seen: dict[tuple[int, ...], list[int]] = {}
         boxes: dict[Box, Chunk] = {}
+        holders: dict[Box, list[tuple[int, Any, TorchFile]]] = {}
         for rank, (ref, part) in enumerate(zip(refs, parts)):
             where = f"{part.location.url} (key {key!r})"
             if not isinstance(ref, DTensorRef):
@@ -235,8 +243,65 @@ class RanksSource(Source):
                                              f"{list(box[1])} at mesh coordinate {list(coord)}", where=where)
             if box not in boxes:
                 boxes[box] = Chunk(box[0], box[1], (part.location.name, ref.local))
+            holders.setdefault(box, []).append((rank, ref.local, part))
+        for box, held in holders.items():  # a replicated box: every replica must hold the same bytes
+            ranks = self._differing(key, held) if len(held) > 1 else []
+            if ranks:
+                self._differences.append((key.split(".", 1)[0], key, f"the replicas of box {list(box[0])}+{list(box[1])}",
+                                          ranks, held[0][0]))
         self._placements[key] = f"{', '.join(str(p) for p in base.placements)} on mesh {'x'.join(map(str, base.mesh_shape))}"
         return tuple(boxes.values())
+
+    def _differing(self, key: str, held: list[tuple[int, Any, TorchFile]]) -> list[int]:
+        """The ranks whose tensor data differs from the first holder's: equal when the stored
+        records' CRC-32, size and the view on them are equal; otherwise the viewed bytes are read
+        (each checked against its CRC-32) and compared."""
+        import torch
+
+        first_rank, first_ref, first_part = held[0]
+
+        def view(ref: Any, part: TorchFile) -> tuple:
+            storage = part.storage_of(ref, key)
+            return (storage.crc32, storage.nbytes, ref.storage_offset, tuple(ref.shape), tuple(ref.stride), ref.element_type)
+
+        def data(ref: Any, part: TorchFile) -> torch.Tensor:
+            return part.read(ref, key, whole(tuple(ref.shape))).reshape(-1).view(torch.uint8)
+
+        first, first_bytes, out = view(first_ref, first_part), None, []
+        for rank, ref, part in held[1:]:
+            if view(ref, part) == first:
+                continue
+            if first_bytes is None:
+                first_bytes = data(first_ref, first_part)
+            if not torch.equal(data(ref, part), first_bytes):
+                out.append(rank)
+        return out
+
+    def _say_differences(self, trees: dict[str, Any]) -> None:
+        """One note naming every value that is not the same on every rank holding it, and whether
+        that is expected: in a group of plain values saved per rank (an RNG state, a data loader's
+        position) it is; in a group holding DTensors (the model) or an optimizer it is not."""
+        self._unexpected = []
+        for group, key, what, ranks, holder in self._differences:
+            names = self._index_names_of.get(group)
+            if names:  # the key the checkpoint names it by (a mapped optimizer's state: by parameter name)
+                index, _, rest = key[len(f"{group}.state."):].partition(".")
+                if key.startswith(f"{group}.state.") and index.isdigit() and int(index) in names:
+                    key = f"{group}.state.{names[int(index)]}.{rest}"
+            obj = trees.get(group, (None,))[0]
+            per_rank = not _is_optimizer(obj) and not any(isinstance(v, DTensorRef) for v in flatten(obj, is_tensor=_is_ref)[0].values())
+            line = f"{key} ({what}): rank(s) {', '.join(map(str, ranks))} differ from rank {holder}"
+            if per_rank:
+                self.notes.append(f"differs between ranks, as a per-rank group's value may (rank {holder}'s is read): {line}")
+            else:
+                self._unexpected.append(line)
+                self.notes.append(f"differs between ranks, which it must not (rank {holder}'s is read; the folder mixes "
+                                  f"saves, or the ranks diverged): {line}")
+
+    def rank_differences(self) -> list[str]:
+        """The values of the model or optimizer groups that are not the same on every rank holding
+        them (each with the ranks that differ): problems verify reports."""
+        return list(self._unexpected)
 
     def _map_optimizers(self, trees: dict[str, Any]) -> None:
         """Key every optimizer group's state by parameter name where the mapping is proven (see the
@@ -262,6 +327,7 @@ class RanksSource(Source):
             if names is None:
                 self.notes.append(f"the {prefix} state stays keyed by parameter index: {how}")
                 continue
+            self._index_names_of[prefix] = names
             state = {names[i]: obj["state"][i] for i in sorted(obj["state"], key=lambda i: i)}
             groups = [{**g, "params": [names[i] for i in g["params"]]} for g in obj["param_groups"]]
             trees[prefix] = ({"state": state, "param_groups": groups}, chunks, name)
@@ -538,6 +604,12 @@ class RanksFormat(Format):
 
         check_tensor_records(source.index(), report, only, progress,
                              lambda key, entry: [(source.part(c.location[0]), c.location[1]) for c in entry.chunks], tiling)
+        for line in source.rank_differences():
+            key = line.split(" ", 1)[0]
+            if only is None or key.split(".", 1)[0] == only:
+                report.add(f"differs between ranks: {line}", source.location.url, key,
+                           hint="a value of the model or the optimizer must be the same on every rank that holds it: the folder "
+                                "mixes files of different saves, or the ranks diverged")
 
 
 FORMAT = RanksFormat()

@@ -127,3 +127,38 @@ def load_with_other_groups(path: str, layout: str) -> str:
     except (CkptError, RuntimeError) as exc:
         return str(exc)
     return "loaded"
+
+
+def folder_with_rank_values(path: str, case: str) -> None:
+    """A per-rank folder, the guide's way, whose values differ between ranks as ``case`` says:
+    ``buffer`` (a plain tensor of the model), ``replica`` (a Replicate DTensor), ``rng`` (a per-rank
+    group of RNG states: expected), ``mixed`` (rank 1's files from a run with one step more)."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    rank = dist.get_rank()
+    if case == "mixed":  # two runs, one step apart; the test puts rank 0 of one beside rank 1 of the other
+        folder_with_rank_values(path, "plain")
+        folder_with_rank_values(path + "-longer", "longer")
+        return
+    model = build(seed=0)
+    optimizer = optimizer_for(model, "single")
+    for step in range(3 if case == "longer" else 2):
+        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()
+    if case == "buffer":
+        state["counts"] = torch.arange(3.0) + rank  # a buffer each rank updated alone
+    if case == "replica":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        state["scale"] = DTensor.from_local(torch.ones(3) * (1.0 if rank == 0 else 1.5), mesh, [Replicate()], run_check=False)
+    os.makedirs(path, exist_ok=True)
+    torch.save(state, f"{path}/model_rank_{rank}.pt")
+    torch.save(optimizer.state_dict(), f"{path}/optim_rank_{rank}.pt")
+    if case == "rng":
+        torch.manual_seed(100 + rank)
+        torch.save({"cpu": torch.get_rng_state(), "epoch": 3}, f"{path}/rng_rank_{rank}.pt")
+    dist.barrier()

@@ -5,6 +5,7 @@ only for a single group built from it (layer-wise LR decay and weight-decay spli
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -58,3 +59,35 @@ def test_an_optimizer_built_with_other_groups_is_refused_saying_so(folder):
     for message in run_ranks(load_with_other_groups, 2, path, "single"):
         assert "saved by an optimizer with 3 param group(s) of [2, 2, 2] parameters" in message, message
         assert "the optimizer given has 1 of [6]" in message and "param groups of the job that saved it" in message
+
+
+@pytest.mark.parametrize("case,key,expected", [
+    ("buffer", "model.counts", False),
+    ("replica", "model.scale", False),
+    ("mixed", "optim.state.blocks.0.weight.step", False),
+    ("rng", "rng.cpu", True),
+])
+def test_every_value_that_differs_between_ranks_is_named(case, key, expected, tmp_path):
+    """Values every rank stores (plain tensors, a Replicate DTensor's replicas, objects) are compared
+    across the ranks' files: each that differs is named by inspect (text and --json) and verify;
+    verify fails (exit 1) unless the group is per-rank by nature (a group of plain values such as
+    rng_rank_<R>.pt), where it says so and passes."""
+    from .rank_folder_workloads import folder_with_rank_values
+
+    path = str(tmp_path / case)
+    run_ranks(folder_with_rank_values, 2, path, case)
+    if case == "mixed":  # rank 1's files from a run one step longer
+        for name in ("model_rank_1.pt", "optim_rank_1.pt"):
+            os.replace(os.path.join(path + "-longer", name), os.path.join(path, name))
+    text = cli("inspect", path)
+    assert f"{key} (" in text and "rank(s) 1 differ from rank 0" in text, text[-1500:]
+    notes = " ".join(json.loads(cli("inspect", path, "--json"))["notes"])
+    assert key in notes
+    if expected:
+        out = cli("verify", path)
+        assert "as a per-rank group's value may" in out and key in out and "OK: " in out, out
+    else:
+        out = cli("verify", path, code=1)
+        assert f"differs between ranks: {key}" in out and "which it must not" in out, out
+        report = json.loads(cli("verify", path, "--json", code=1))
+        assert any(p["key"] == key for p in report["problems"]), report["problems"]
