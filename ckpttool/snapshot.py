@@ -24,6 +24,8 @@ whose version moved before its copy was done makes the save fail, never commit
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import weakref
 from typing import Any, Protocol
@@ -35,8 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 class InFlight(Protocol):
     """What a guard protects: copies that can be finished (or ordered) before a write."""
 
-    def before_write(self, storages: set[int] | None) -> None:
-        """Finish (or order) the copy of every tensor over one of ``storages`` (None: all of them)."""
+    def before_write(self, spans: list[tuple[int, int]] | None) -> None:
+        """Finish (or order) the copy of every tensor whose memory meets one of ``spans`` (byte
+        address ranges ``[start, end)``; None: all of them)."""
 
     def pending(self) -> bool:
         """Whether any copy is still in flight."""
@@ -69,12 +72,28 @@ def watch(copies: InFlight) -> bool:
 
 def fence_all() -> None:
     """Finish every copy in flight (an optimizer is about to step; a Checkpointer call on the
-    training thread), then take this thread's guard off its stack if nothing is left to guard."""
+    training thread), then take this thread's guard off its stack if nothing is left to guard
+    (not from inside code torch.compile runs: its frame restores the dispatch state it entered
+    with, and a mode popped under it leaves torch's Python dispatch key on with no mode)."""
     with _lock:
         pending = list(_in_flight)
     for copies in pending:
         copies.before_write(None)
-    release()
+    if not _under_dynamo():
+        release()
+
+
+def _under_dynamo() -> bool:
+    """Whether a frame of torch._dynamo (a compiled function being run or traced) is on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _DYNAMO in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_DYNAMO = f"{os.sep}torch{os.sep}_dynamo{os.sep}"
 
 
 def forget(copies: InFlight) -> None:
@@ -150,29 +169,44 @@ def _written(func: Any) -> tuple[tuple[int, str], ...]:
         schema = getattr(func, "_schema", None)
         found = ()
         if schema is not None:
+            # torch.distributed's collectives (c10d::allreduce_, broadcast_, ...) write their tensors
+            # in place without saying so in their schemas: every tensor they take counts as written
+            collective = getattr(func, "namespace", None) == "c10d"
             found = tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                          if a.alias_info is not None and a.alias_info.is_write)
+                          if (a.alias_info is not None and a.alias_info.is_write) or (collective and "Tensor" in str(a.type)))
         _WRITES[func] = found
     return found
 
 
-def _storages(values: list[Any]) -> set[int] | None:
-    """The addresses of the storages behind ``values`` (tensors; a DTensor by its local part), or
-    None when one of them cannot be told (a tensor subclass without a storage of its own)."""
-    out: set[int] = set()
+def _spans(values: list[Any]) -> list[tuple[int, int]] | None:
+    """The byte address ranges the tensors ``values`` view (a DTensor by its local part): what a
+    write to them may touch. None when one of them cannot be told (a tensor subclass without
+    memory of its own): then anything may be written."""
+    out: list[tuple[int, int]] = []
     for value in values:
         if isinstance(value, (list, tuple)):
-            found = _storages(list(value))
+            found = _spans(list(value))
             if found is None:
                 return None
-            out |= found
+            out += found
         elif isinstance(value, torch.Tensor):
             local = getattr(value, "_local_tensor", value)
             try:
-                out.add(local.untyped_storage().data_ptr())
+                span = memory_span(local)
             except Exception:  # noqa: BLE001 - a wrapper subclass: assume it may write anything
                 return None
+            if span is not None:
+                out.append(span)
     return out
+
+
+def memory_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first byte, past the last byte)`` of the memory a tensor views (None when it views none)."""
+    if t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 1) + 1
+    return start, start + extent * t.element_size()
 
 
 class WriteGuard(TorchDispatchMode):
@@ -198,11 +232,11 @@ class WriteGuard(TorchDispatchMode):
 
     def _before(self, written: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> None:
         values = [args[i] if i < len(args) else kwargs.get(name) for i, name in written]
-        storages = _storages(values)
+        spans = _spans(values)
         with _lock:
             pending = [c for c in _in_flight if c.pending()]
         if not pending:
             self.watching = False
             return
         for copies in pending:
-            copies.before_write(storages)
+            copies.before_write(spans)

@@ -25,6 +25,7 @@ copy was done (a write no guard saw) fails the save (:class:`SnapshotError`).
 
 from __future__ import annotations
 
+import bisect
 import copy
 import threading
 import time
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from . import snapshot
+from .snapshot import memory_span
 from .compat import Box, local_shard_box
 from .errors import CorruptCheckpointError, SnapshotError
 from .formats.dcp import HostShard
@@ -191,16 +193,16 @@ class Stager:
         cpu = self._pending
         return (cpu is not None and not cpu.done.is_set()) or not self._fenced
 
-    def before_write(self, storages: set[int] | None) -> None:
-        """Something is about to write the tensors over ``storages`` (None: any): their copies are
-        finished first (CPU: in the calling thread, or waited for), or (CUDA) the current stream
-        is made to wait for the side-stream copies. Called by the write guards."""
+    def before_write(self, spans: list[tuple[int, int]] | None) -> None:
+        """Something is about to write the memory ``spans`` (None: any): the copies of the tensors
+        there are finished first (CPU: in the calling thread, or waited for), or (CUDA) the current
+        stream is made to wait for the side-stream copies. Called by the write guards."""
         cpu = self._pending
         start = time.perf_counter()
         waited = False
         if cpu is not None and not cpu.done.is_set():
             waited = True
-            cpu.finish(storages)
+            cpu.finish(spans)
         if not self._fenced:
             waited = True
             self._fenced = True
@@ -285,6 +287,7 @@ class Stager:
             self._copied.synchronize()
             if not self._fenced:  # no fence came: a version that moved by now is a write no guard saw
                 torn += _moved(self._side)
+        torn = list(dict.fromkeys(torn))  # (a fence moved the copy's findings into _torn: once each)
         if torn:
             raise SnapshotError(
                 f"{len(torn)} tensor(s) were changed in place after save() returned and before their copy was done, "
@@ -298,7 +301,7 @@ class _Item:
     counter tells whether it was written since the call (a DTensor's own: its in-place ops do
     not move its local tensor's)."""
 
-    __slots__ = ("key", "src", "dst", "owner", "version", "state")
+    __slots__ = ("key", "src", "dst", "owner", "version", "local_version", "state")
 
     def __init__(self, key: str, src: torch.Tensor, dst: torch.Tensor, owner: torch.Tensor, version: int):
         self.key = key
@@ -306,6 +309,7 @@ class _Item:
         self.dst = dst
         self.owner = owner
         self.version = version
+        self.local_version = src._version  # (a DTensor's to_local() written in place moves only this one)
         self.state = _PENDING
 
 
@@ -313,7 +317,7 @@ _PENDING, _COPYING, _DONE = 0, 1, 2
 
 
 def _moved(items: list[_Item]) -> list[str]:
-    return [item.key for item in items if item.owner._version != item.version]
+    return [item.key for item in items if item.owner._version != item.version or item.src._version != item.local_version]
 
 
 class _Copy:
@@ -330,7 +334,10 @@ class _Copy:
         self._cond = threading.Condition()
         self._before_run = before_run  # tests slow the copy thread down here
         self._owner = owner  # the Stager, forgotten by the guards once every tensor is copied
-        self._by_storage: dict[int, list[int]] | None = None
+        self._spans: list[tuple[int, int] | None] = [None] * len(items)  # each tensor's memory, found on demand
+        self._starts: list[int] | None = None  # (sorted by start, for the guard's lookups)
+        self._order: list[int] = []
+        self._widest = 0
 
     def run(self) -> None:
         """Copy every tensor not taken yet, in order, then wait for those others took."""
@@ -341,19 +348,40 @@ class _Copy:
                 self.error = self.error or exc
         self._take(range(len(self.items)))
 
-    def finish(self, storages: set[int] | None) -> None:
-        """Copy (or wait for) the tensors over ``storages`` (None: all of them) in this thread."""
-        if storages is None:
+    def finish(self, spans: list[tuple[int, int]] | None) -> None:
+        """Copy (or wait for) the tensors whose memory meets ``spans`` (None: all of them) in this
+        thread. A copy made for a write the guard saw coming is not checked against the tensor's
+        version: the write has not run yet, and some ops move the counter before they run
+        (``torch.library`` custom ops with ``mutates_args``)."""
+        if spans is None:
             self._take(range(len(self.items)))
             return
-        if self._by_storage is None:
-            by: dict[int, list[int]] = {}
-            for i, item in enumerate(self.items):
-                by.setdefault(item.src.untyped_storage().data_ptr(), []).append(i)
-            self._by_storage = by
-        self._take(sorted(i for s in storages for i in self._by_storage.get(s, ())))
+        if self._starts is None:
+            order = sorted(range(len(self.items)), key=lambda i: self._span(i)[0])
+            self._order = order
+            self._starts = [self._span(i)[0] for i in order]
+        hit = set()
+        for lo, hi in spans:
+            k = bisect.bisect_left(self._starts, hi)  # items that start before the write ends
+            while k > 0:
+                k -= 1
+                i = self._order[k]
+                start, end = self._span(i)
+                if end > lo:
+                    hit.add(i)
+                elif start + self._widest <= lo:
+                    break  # (no item is wider than the widest: none that starts earlier reaches lo)
+        if hit:
+            self._take(sorted(hit), check=False)
 
-    def _take(self, which: Any) -> None:
+    def _span(self, i: int) -> tuple[int, int]:
+        span = self._spans[i]
+        if span is None:
+            span = self._spans[i] = memory_span(self.items[i].src) or (0, 0)
+            self._widest = max(self._widest, span[1] - span[0])
+        return span
+
+    def _take(self, which: Any, check: bool = True) -> None:
         items = self.items
         cond = self._cond
         waiting = []
@@ -369,7 +397,7 @@ class _Copy:
                 if self.error is None:
                     with torch.no_grad(), snapshot.own_copy():
                         item.dst.copy_(item.src)
-                    if item.owner._version != item.version:
+                    if check and _moved([item]):
                         self.torn.append(item.key)
             except BaseException as exc:  # noqa: BLE001 - raised by the writer's wait()
                 self.error = self.error or exc

@@ -370,3 +370,57 @@ def test_a_placement_the_writer_does_not_lay_out_falls_back_and_the_next_save_is
         assert ckpt.steps() == [1, 2, 3]
     _assert_same(_loaded(root, 1), expected1)
     _assert_same(_loaded(root, 3), expected3)
+
+
+# In-place writes the write guard must see although no schema or storage object says so plainly
+# (each found by a red-team run on the first version of the guard): the step stays exact.
+
+@torch.library.custom_op("ckpttool_test::lerp_", mutates_args=("x",))
+def _lerp_(x: torch.Tensor, y: torch.Tensor, weight: float) -> None:
+    x.lerp_(y, weight)
+
+
+def _in_place_by_custom_op(model, optimizer) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            _lerp_(p, torch.zeros_like(p), 0.5)  # an EMA-like custom op: its own kernel moves the version first
+
+
+def _in_place_through_an_offset_alias(model, optimizer) -> None:
+    # a tensor over the same memory from past the start of the weight's storage, not the same storage object
+    torch.from_dlpack(model[0].weight.detach()[1:]).mul_(2.0)
+
+
+@pytest.mark.parametrize("edit", [_in_place_by_custom_op, _in_place_through_an_offset_alias], ids=["custom op", "offset alias"])
+def test_writes_the_guard_must_see_on_the_saving_thread_keep_the_step_exact(tmp_path, held_copy, edit):
+    # (a collective's write, c10d::allreduce_, is one of EDITS in tests/dist/test_snapshot.py)
+    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+        expected = _snapshot_and_save(ckpt, 1, model, optimizer)
+        assert ckpt.staging.copying
+        edit(model, optimizer)
+        after = _snapshot(model, optimizer)
+        held_copy.set()
+        ckpt.wait()  # no SnapshotError: the guard copied before the write
+    _assert_same(_loaded(root, 1), expected)
+    assert not torch.equal(after["model.0.weight"], expected["model.0.weight"])
+
+
+def test_a_compiled_optimizer_step_while_the_copy_is_in_flight_breaks_nothing(tmp_path, held_copy):
+    """A guard taken off the dispatch stack inside a compiled frame left torch's Python dispatch key
+    on with no mode: every later factory op failed with an internal assert."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+        step = torch.compile(optimizer.step, backend="eager")
+        expected = _snapshot_and_save(ckpt, 1, model, optimizer)
+        model(torch.randn(16, 64)).square().mean().backward()
+        step()  # the pre-step fence runs inside the compiled frame
+        optimizer.zero_grad()
+        torch.empty(2)  # (the failure)
+        held_copy.set()
+        expected2 = _snapshot_and_save(ckpt, 2, model, optimizer)
+        _step(model, optimizer)
+    _assert_same(_loaded(root, 1), expected)
+    _assert_same(_loaded(root, 2), expected2)
+    torch._dynamo.reset()
