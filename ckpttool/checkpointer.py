@@ -36,11 +36,12 @@ from .errors import (CkptError, CorruptCheckpointError, NotFoundError, OutputExi
 from .formats import dcp as dcp_format
 from .formats.dcp import check_compress, dcp_writer, hash_records, metadata_row
 from .formats.dcp.metadata import PER_RANK
+from .formats.dcp.save import Whole
 from .lease import Lease
 from .staging import Stager, frozen
 from .state_cache import StateCache, optimizers_of
 from .steps import COMMIT_FILE, await_outcome, commit_record, list_root, refuse_step, retention_victims, step_health, step_name
-from .restore import LoadResult, Optimizers, extra_state, load, put_path
+from .restore import LoadResult, Optimizers, _holds_dtensor, extra_state, load
 from .storage import Location, resolve
 
 log = logging.getLogger("ckpttool")
@@ -655,33 +656,32 @@ def _same_layout(t: torch.Tensor, other: Any) -> bool:
 
 def _with_per_rank(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], list[str]]:
     """DCP's writer keeps rank 0's value of every plain value of ``extra``: here (its path is
-    collective anyway) the ranks' values are gathered, and those that differ between ranks are
-    added under ``per_rank.<rank>``, as ckpttool's own writer lays them out."""
-    from .index import flatten
-
+    collective anyway) each rank's digest of every top-level value of ``extra`` without a DTensor
+    is gathered, and each value that differs between ranks is added whole under
+    ``per_rank.<rank>.<key>``, as ckpttool's own writer lays them out. DCP's writer traverses every
+    value: one kept whole (:class:`Whole`) is handed to it as it is (its non-string keys come back
+    as strings, as from plain ``dcp.save``)."""
     extra = state.get("extra")
-    if not extra or not dist.active():
+    if not extra:
         return state, []
-    flat, paths = flatten({"extra": extra})
+    extra = {k: v.value if isinstance(v, Whole) else v for k, v in extra.items()}
+    state = {**state, "extra": extra}
+    if not dist.active():
+        return state, []
     mine = {}
-    for key, value in flat.items():
-        if not _is_dtensor(value):
+    for top, value in extra.items():
+        if not _holds_dtensor(value):
             buf = io.BytesIO()
             torch.save(value, buf)
-            mine[key[len("extra."):]] = (tuple(paths[key][1:]), hash_bytes(buf.getvalue()), value)
+            mine[top] = (hash_bytes(buf.getvalue()), value)
+    # every rank gets every rank's values: DCP's planner has rank 0 alone write objects
     everyone = dist.all_gather(mine, group)
-    differing = sorted({sub for values in everyone for sub in values
-                        if any(sub not in v or v[sub][1] != values[sub][1] for v in everyone)})
+    differing = sorted({top for values in everyone for top in values
+                        if any(top not in v or v[top][0] != values[top][0] for v in everyone)})
     if not differing:
         return state, []
-    tree: dict[str, Any] = {}
-    for r, values in enumerate(everyone):
-        mine_r: dict[str, Any] = {}
-        for sub in differing:
-            if sub in values:
-                put_path(mine_r, values[sub][0], values[sub][2])
-        tree[str(r)] = mine_r
-    return {**state, PER_RANK: tree}, differing
+    return {**state, PER_RANK: {str(r): {top: values[top][1] for top in differing if top in values}
+                                for r, values in enumerate(everyone)}}, differing
 
 
 def _fallback_health(state: dict[str, Any], group: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from . import dist, formats
 from .errors import CkptError, FormatError, MismatchError, UsageError
 from .formats import dcp as dcp_format
 from .formats.dcp.metadata import PER_RANK
+from .formats.dcp.save import Whole
 from .index import Index, TensorEntry, unflatten
 from .state_cache import optimizers_of, torch_state
 from .steps import parse_step, read_commit_record
@@ -58,7 +59,35 @@ def extra_state(extra: dict[str, Any]) -> dict[str, Any]:
     treats a Stateful; everything else as it is."""
     if not isinstance(extra, dict):
         raise UsageError(f"extra must be a dict, got {type(extra).__name__}")
-    return {k: v.state_dict() if _stateful(v) else v for k, v in extra.items()}
+    out = {}
+    for key, value in extra.items():
+        stateful = _stateful(value)
+        value = value.state_dict() if stateful else value
+        # a Stateful's state dict, or a value keyed by anything but strings (an optimizer's state
+        # is keyed by int), is stored as one object: DCP's flattened keys would give its keys back
+        # as strings; one holding a DTensor is sharded state and stays traversed
+        out[key] = Whole(value) if (stateful or _odd_keys(value)) and not _holds_dtensor(value) else value
+    return out
+
+
+def _odd_keys(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(not isinstance(k, str) for k in value) or any(_odd_keys(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_odd_keys(v) for v in value)
+    return False
+
+
+def _holds_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(v) for v in value)
+    return False
 
 
 def _stateful(value: Any) -> bool:
@@ -187,25 +216,27 @@ def _template(source: Any, top: str) -> dict[str, Any]:
 
 def _own_values(extra: dict[str, Any], by_rank: dict[int, dict[str, Any]], leaves: dict[int, list[tuple]],
                 saved_world: int | None, loc: Location) -> tuple[dict[str, Any], set[str]]:
-    """This rank's values of ``extra``, and the top-level keys of those it could not be given: on
-    the world size that saved them, each value saved per rank is this rank's own (a key some ranks
-    saved and this one did not is left out); on another, every value saved per rank is left out
-    (said in one line): no rank gets another rank's value."""
-    if not leaves:
+    """This rank's values of ``extra``, and the top-level keys of those it could not be given. A
+    value saved per rank is a whole top-level key (each rank's own tree, as that rank saved it): on
+    the world size that saved it this rank's own replaces the shared one (a key some ranks saved
+    and this one did not is left out); on another, every key saved per rank is left out (said in
+    one line): no rank gets another rank's value."""
+    tops = {rank: {path[0] for path in paths if path} for rank, paths in leaves.items()}
+    everyone = set().union(*tops.values()) if tops else set()
+    if not everyone:
         return extra, set()
     saved = saved_world if isinstance(saved_world, int) and saved_world > 0 else max(leaves) + 1
     rank, world = dist.rank(), dist.world_size()
-    everyone = {path for paths in leaves.values() for path in paths}
-    own = set(leaves.get(rank, ())) if saved == world else set()
-    for path in everyone - own:
-        drop_path(extra, path)
-    for path in own:
-        put_path(extra, path, get_path(by_rank[rank], path))
+    own = tops.get(rank, set()) if saved == world else set()
+    for top in everyone:
+        extra.pop(top, None)
+    for top in own:
+        extra[top] = by_rank[rank][top]
     if saved != world and rank == 0:
         log.warning("%s: extra values saved per rank on %d ranks cannot be matched to %d ranks, left out of "
                     "LoadResult.extra: %s (every saved rank's value is in LoadResult.extra_by_rank)",
-                    loc.url, saved, world, ", ".join(sorted(".".join(map(str, p)) for p in everyone)))
-    return extra, {str(path[0]) for path in everyone - own}
+                    loc.url, saved, world, ", ".join(sorted(map(str, everyone))))
+    return extra, {str(top) for top in everyone - own}
 
 
 def _restore_in_place(objects: dict[str, Any] | None, values: dict[str, Any], unmatched: set[str], loc: Location) -> None:

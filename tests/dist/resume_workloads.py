@@ -184,3 +184,46 @@ def fallback_save_and_load(root: str) -> dict:
     fresh, fopt = fresh_model(seed=3)
     res = Checkpointer(root).load(fresh, fopt)
     return {"extra": res.extra}
+
+
+def _side(rank: int) -> tuple[torch.optim.Optimizer, object]:
+    """A second model's optimizer (SGD with momentum: state keyed by int) and its LR scheduler,
+    stepped so that their state is this rank's own."""
+    torch.manual_seed(50 + rank)
+    side = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(side.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(rank + 1):
+        side(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    return opt, sched
+
+
+def extra_kinds(rank: int) -> dict:
+    """Values of extra whose kind, length or key types differ between ranks."""
+    opt, sched = _side(rank)
+    return {"mixed": torch.arange(3.0) if rank == 0 else f"rank {rank}'s note",  # a tensor on one rank, a str on another
+            "lst": [torch.full((2,), float(i + rank)) for i in range(rank + 2)],  # one more entry on rank 1
+            "ints": {1: "a", 2: torch.tensor([rank])},  # int keys
+            "opt": opt, "sched": sched, "same": {"k": 1}}
+
+
+def extra_kinds_save_and_load(root: str, async_save: bool) -> dict:
+    """Save extra_kinds on every rank, then load into fresh objects: what each rank got back."""
+    from ckpttool import Checkpointer
+
+    from .workloads import fresh_model
+
+    rank = dist.get_rank()
+    model, optimizer = fresh_model(seed=0)
+    saved = extra_kinds(rank)
+    with Checkpointer(root, async_save=async_save) as ckpt:
+        ckpt.save(1, model, optimizer, extra=saved)
+    fresh, fopt = fresh_model(seed=3)
+    opt, sched = _side(7)
+    res = Checkpointer(root).load(fresh, fopt, extra={"opt": opt, "sched": sched})
+    return {"extra": {k: v for k, v in res.extra.items() if k not in ("opt", "sched")},
+            "opt": opt.state_dict(), "sched": sched.state_dict(),
+            "want": {**{k: v for k, v in saved.items() if k not in ("opt", "sched")},
+                     "opt_state": saved["opt"].state_dict(), "sched_state": saved["sched"].state_dict()}}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from .harness import run_ranks
-from .resume_workloads import ShuffledLoader, fallback_save_and_load, first_part, per_rank_load, per_rank_save, plain_dcp_load_extra, resumed, straight
+from .resume_workloads import ShuffledLoader, extra_kinds_save_and_load, fallback_save_and_load, first_part, per_rank_load, per_rank_save, plain_dcp_load_extra, resumed, straight
 from .snapshot_workloads import two_optimizers_load, two_optimizers_save
 from .workloads import assert_same
 
@@ -42,7 +42,9 @@ def test_values_of_extra_that_differ_between_ranks_come_back_to_their_own_rank(t
         assert torch.equal(extra["rng"], _rng(rank)) and extra["loader"] == {"pos": 10 * rank, "epoch": 2}
         assert extra["same"] == 5 and r["warnings"] == []
         assert r["loader"]["order"] != list(range(64)) and r["loader"] == extra["data"]  # restored in place, its own
-        assert set(r["by_rank"]) == {0, 1} and r["by_rank"][rank]["loader"] == {"pos": 10 * rank}
+        # a value saved per rank is its whole top-level key, as that rank had it
+        assert set(r["by_rank"]) == {0, 1} and r["by_rank"][rank]["loader"] == {"pos": 10 * rank, "epoch": 2}
+        assert "same" not in r["by_rank"][rank]
     # plain torch still reads the step (rank 0's values)
     for r in run_ranks(plain_dcp_load_extra, 2, f"{root}/step-1"):
         assert torch.equal(r["extra"]["rng"], _rng(0)) and r["extra"]["loader"] == {"pos": 0, "epoch": 2}
@@ -54,17 +56,46 @@ def test_on_another_world_size_no_rank_gets_another_ranks_value(tmp_path):
     results = run_ranks(per_rank_load, 3, root)
     for rank, r in enumerate(results):
         extra = r["extra"]
-        # the values the ranks saved alike are kept; each one saved per rank is left out
-        assert "rng" not in extra and extra["loader"] == {"epoch": 2} and extra["same"] == 5
-        assert extra["data"] == {"pos": 0, "epoch": 0}
+        # the values the ranks saved alike are kept; each one saved per rank is left out, whole
+        assert set(extra) == {"same"} and extra["same"] == 5
         assert r["loader"] == {"order": ShuffledLoader(99).order, "pos": 0, "epoch": 0}  # not restored: not wholly its own
         by_rank = r["by_rank"]
         assert set(by_rank) == {0, 1}
-        assert all(torch.equal(by_rank[s]["rng"], _rng(s)) and by_rank[s]["loader"] == {"pos": 10 * s} for s in (0, 1))
+        assert all(torch.equal(by_rank[s]["rng"], _rng(s)) and by_rank[s]["loader"] == {"pos": 10 * s, "epoch": 2}
+                   and by_rank[s]["data"] == ShuffledLoader(s).state_dict() for s in (0, 1))
     warned = results[0]["warnings"]
     assert len(warned) == 1 and "2 ranks cannot be matched to 3 ranks" in warned[0], warned
-    assert "data.order" in warned[0] and "loader.pos" in warned[0] and "rng" in warned[0] and "same" not in warned[0]
+    assert warned[0].endswith("left out of LoadResult.extra: data, loader, rng (every saved rank's value is in "
+                              "LoadResult.extra_by_rank)"), warned
     assert results[1]["warnings"] == [] and results[2]["warnings"] == []
+
+
+def _same(a, b, where: str) -> None:
+    """Equal, and of the same kinds all the way down (int keys stay int, tensors stay tensors)."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {list(a)} vs {list(b)}"  # (1 != "1")
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}.{i}")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_values_whose_kind_length_or_key_types_differ_between_ranks_come_back_as_they_were(tmp_path, async_save):
+    """A tensor on one rank and a str on another, lists of different lengths, int keys, an optimizer
+    and a scheduler in extra: each rank gets back its own, kinds and key types included."""
+    for rank, r in enumerate(run_ranks(extra_kinds_save_and_load, 2, str(tmp_path / "run"), async_save)):
+        want = r["want"]
+        _same({k: want[k] for k in ("mixed", "lst", "ints", "same")}, r["extra"], f"rank {rank} extra")
+        _same(want["opt_state"], r["opt"], f"rank {rank} optimizer in extra")
+        _same(want["sched_state"], r["sched"], f"rank {rank} scheduler in extra")
 
 
 def test_two_optimizers_saved_on_2_ranks_load_bitwise_on_3(tmp_path):

@@ -271,7 +271,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                     out.begin()
                     start = out.tell()
                     buf = io.BytesIO()
-                    torch.save(value, buf)
+                    torch.save(value.value if isinstance(value, Whole) else value, buf)
                     with record_stream(out, compress) as rec:
                         rec.write(buf.getbuffer())
                     index.objects[key] = [start, out.tell() - start]
@@ -299,30 +299,61 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
 
 
 def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], paths: dict[str, Any]) -> None:
-    """This rank's own record of every plain value of ``extra`` (objects and plain tensors, not
-    DTensors), under ``per_rank.<rank>.<key>``: each rank writes its own, no collective, and rank 0
+    """This rank's own record of every value of ``extra`` that holds no DTensor, each top-level key's
+    value as one object (``torch.save`` of it whole: its containers, key types and tensors as
+    they are), under ``per_rank.<rank>.<key>``: every rank writes its own, no collective, and rank 0
     keeps in ``.metadata`` those whose records differ between ranks (:func:`commit_metadata`)."""
+    tops: dict[str, list[tuple[tuple, Any]]] = {}
     for key, value in flat.items():
         path = paths[key]
-        if path[0] != "extra" or (isinstance(value, HostShard) and not value.plain) or _is_dtensor(value):
-            continue
-        mine = f"{PER_RANK}.{index.rank}.{key[len('extra.'):]}"
-        if isinstance(value, (HostShard, torch.Tensor)):
-            local = value.local if isinstance(value, HostShard) else value.detach()
-            shape = tuple(local.shape)
-            _declare(index, mine, shape, local.dtype)
-            _write_local(out, index, mine, shape, local, ((0,) * len(shape), shape))
-        else:
-            out.begin()
-            start = out.tell()
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            with record_stream(out, index.compress) as rec:
-                rec.write(buf.getbuffer())
-            index.objects[mine] = [start, out.tell() - start]
-            index.records.append(out.row(start, out.tell() - start))
-        index.per_rank[key[len("extra."):]] = [mine, index.records[-1][2]]
-        index.per_rank_paths[mine] = [PER_RANK, str(index.rank), *path[1:]]
+        if path[0] == "extra" and len(path) > 1:
+            tops.setdefault(str(path[1]), []).append((tuple(path[2:]), value))
+    for top, leaves in tops.items():
+        if any((isinstance(v, HostShard) and not v.plain) or _is_dtensor(v) for _, v in leaves):
+            continue  # sharded state, not a rank's own value
+        mine = f"{PER_RANK}.{index.rank}.{top}"
+        out.begin()
+        start = out.tell()
+        buf = io.BytesIO()
+        torch.save(_rebuilt(leaves), buf)
+        with record_stream(out, index.compress) as rec:
+            rec.write(buf.getbuffer())
+        index.objects[mine] = [start, out.tell() - start]
+        index.records.append(out.row(start, out.tell() - start))
+        index.per_rank[top] = [mine, index.records[-1][2]]
+        index.per_rank_paths[mine] = [PER_RANK, str(index.rank), top]
+
+
+def _rebuilt(leaves: list[tuple[tuple, Any]]) -> Any:
+    """One top-level value of ``extra`` from its flattened leaves (staged tensors as their host copies;
+    a value kept whole, as it was)."""
+    from ...index import unflatten
+
+    def plain(v: Any) -> Any:
+        v = v.local if isinstance(v, HostShard) else v
+        return v.value if isinstance(v, Whole) else v
+
+    if len(leaves) == 1 and leaves[0][0] == ():
+        return plain(leaves[0][1])
+    keys = [f"k{i}" for i in range(len(leaves))]
+    return unflatten({k: plain(v) for k, (_, v) in zip(keys, leaves)}, {k: ("v", *p) for k, (p, _) in zip(keys, leaves)})["v"]
+
+
+class Whole:
+    """A value of ``extra`` stored as one object, not entry by entry: a Stateful's state dict (an
+    optimizer's is keyed by int), or any value whose dict keys are not all strings, which DCP's
+    flattened keys cannot give back. Exists only between ``save()`` and the write: the record holds
+    ``value`` itself, so plain ``dcp.load`` and ckpttool read back exactly what was saved."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __deepcopy__(self, memo: dict) -> Whole:
+        import copy
+
+        return Whole(copy.deepcopy(self.value, memo))
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -464,13 +495,16 @@ def _declare_part(index: RankIndex, key: str, value: Any) -> tuple[tuple[int, ..
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, HostShard):  # staged by an async save
+        if value.plain and index.rank != 0:
+            return None  # (as below)
         _declare(index, key, value.shape, value.local.dtype)
         return (value.shape, value.local, value.box) if value.store else None
+    if not isinstance(value, DTensor) and index.rank != 0:
+        # a plain tensor: rank 0 stores it and alone declares it (another rank's value of the key
+        # may be anything, an object included: it is that rank's, kept by _write_per_rank)
+        return None
     _declare(index, key, tuple(value.shape), value.dtype)
-    if isinstance(value, DTensor):
-        if not stores(value):
-            return None
-    elif index.rank != 0:  # a plain tensor is the same on every rank: rank 0 stores it
+    if isinstance(value, DTensor) and not stores(value):
         return None
     local, box = local_shard_box(value)
     return tuple(value.shape), local.detach(), box
@@ -538,31 +572,28 @@ def _read_index(loc: Location) -> RankIndex:
 
 
 def _keep_differing_per_rank(indexes: list[RankIndex]) -> dict[str, list[Any]]:
-    """Of every rank's own records of the plain values of ``extra``, keep (in the indexes) those
-    of the keys whose records differ between ranks, or that some rank lacks, and drop the others
-    (every rank holds the same value, which ``extra.<key>`` already holds); returns the kept
-    records' paths, rank by rank."""
+    """Of every rank's own records of the values of ``extra`` (one per top-level key), keep (in the
+    indexes) those of the keys whose records differ between ranks, or that some rank lacks, and
+    drop the others (every rank holds the same value, which ``extra.<key>`` already holds);
+    returns the kept records' paths, rank by rank."""
     digests: dict[str, set[str]] = {}
     for index in indexes:
-        for sub, (_, digest) in index.per_rank.items():
-            digests.setdefault(sub, set()).add(digest)
-    differing = {sub for sub, found in digests.items()
-                 if len(found) > 1 or any(sub not in index.per_rank for index in indexes)}
+        for top, (_, digest) in index.per_rank.items():
+            digests.setdefault(top, set()).add(digest)
+    differing = {top for top, found in digests.items() if len(found) > 1 or any(top not in index.per_rank for index in indexes)}
     paths: dict[str, list[Any]] = {}
     for index in indexes:
-        for sub, (key, _) in index.per_rank.items():
-            if sub in differing:
+        for top, (key, _) in index.per_rank.items():
+            if top in differing:
                 paths[key] = index.per_rank_paths[key]
             else:
                 index.objects.pop(key, None)
-                index.tensors.pop(key, None)
     return paths
 
 
 def per_rank_keys(indexes: list[RankIndex]) -> list[str]:
     """The keys of ``extra`` whose values differ between the ranks of a step (after commit_metadata)."""
-    return sorted({sub for index in indexes for sub, (key, _) in index.per_rank.items()
-                   if key in index.objects or key in index.tensors})
+    return sorted({top for index in indexes for top, (key, _) in index.per_rank.items() if key in index.objects})
 
 
 def step_bytes(indexes: list[RankIndex]) -> dict[str, int]:
