@@ -30,7 +30,7 @@ from ..helpers import FIXTURES, output_name, time_limit
 
 HOSTILE = os.path.join(FIXTURES, "hostile")
 sys.path.insert(0, FIXTURES)
-from make_hostile import CASES  # noqa: E402
+from make_hostile import CASES, NOTED  # noqa: E402
 
 
 def tree_digest(path: str) -> str:
@@ -83,7 +83,7 @@ def test_the_corpus_is_what_the_script_builds(tmp_path):
 
     make_hostile.build(str(tmp_path / "hostile"))
     assert sorted(os.listdir(tmp_path / "hostile")) == sorted(os.listdir(HOSTILE))
-    for name in CASES:
+    for name in [*CASES, *NOTED]:
         assert os.path.lexists(os.path.join(HOSTILE, name)), name
 
 
@@ -104,6 +104,17 @@ def test_every_command_refuses_the_case(name, tmp_path):
     code, out, err = run_cli("inspect", path)  # inspect reads metadata only: it may succeed
     if code != 0:
         assert_refused(code, out, err, fragment, ("inspect", path))
+
+
+@pytest.mark.parametrize("name", sorted(NOTED))
+def test_verify_never_calls_a_case_read_past_with_a_note_ok(name, tmp_path):
+    kind, fragment, exit_code, note = NOTED[name]
+    path = os.path.join(HOSTILE, name)
+    code, out, err = run_cli("verify", path)
+    assert code == exit_code and fragment in out, (code, out, err)
+    assert "Traceback" not in out + err and not any(line.startswith("OK") for line in out.splitlines()), out
+    code, out, err = run_cli("convert", path, tmp_path / "full.pt")  # converts what it reads, saying what it did not
+    assert code == 0 and note in err, (code, out, err)
 
 
 def _model_for(path: str) -> torch.nn.Module:
