@@ -41,6 +41,17 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 DCP_VERSION = "1.0.0"
 
 
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, read from the attribute ``to_local()`` returns without running its
+    autograd function (one per tensor per save; measured at 24 us a call), or a plain tensor itself."""
+    local = getattr(value, "_local_tensor", None)
+    if local is not None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def local_shard_box(value: torch.Tensor) -> tuple[torch.Tensor, Box]:
     """(local tensor, its box in the global tensor) for a DTensor shard or a plain tensor.
 

@@ -37,7 +37,7 @@ import torch
 
 from . import snapshot
 from .snapshot import memory_span
-from .compat import Box, local_shard_box
+from .compat import Box, local_shard_box, local_tensor
 from .errors import CorruptCheckpointError, SnapshotError
 from .formats.dcp import HostShard
 
@@ -92,9 +92,7 @@ class Stager:
             if key in seen:  # as index.flatten: two entries may not share a key
                 raise CorruptCheckpointError(f"two entries flatten to the same key {key!r}")
             seen.add(key)
-            local = getattr(value, "_local_tensor", None)  # a DTensor's local shard (to_local() runs an autograd function)
-            if local is None:
-                local = _local(value)
+            local = local_tensor(value)
             plan = plans.get(key)
             if (plan is None or plan.value() is not value or plan.spec is not getattr(value, "_spec", None)
                     or plan.shape != local.shape or plan.dtype is not local.dtype or plan.cuda is not local.is_cuda):
@@ -346,43 +344,48 @@ class _Copy:
                 self._before_run()
             except BaseException as exc:  # noqa: BLE001 - raised by the writer's wait()
                 self.error = self.error or exc
-        self._take(range(len(self.items)))
+        items = self.items
+        self._take(range(len(items)), items)
 
     def finish(self, spans: list[tuple[int, int]] | None) -> None:
         """Copy (or wait for) the tensors whose memory meets ``spans`` (None: all of them) in this
         thread. A copy made for a write the guard saw coming is not checked against the tensor's
         version: the write has not run yet, and some ops move the counter before they run
-        (``torch.library`` custom ops with ``mutates_args``)."""
+        (``torch.library`` custom ops with ``mutates_args``). Runs on the saving thread only (the
+        guards'); the copy thread may finish meanwhile and let go of ``self.items``: this call
+        keeps its own reference."""
+        items = self.items
         if spans is None:
-            self._take(range(len(self.items)))
+            self._take(range(len(items)), items)
             return
+        if not items:
+            return  # every tensor is copied
         if self._starts is None:
-            order = sorted(range(len(self.items)), key=lambda i: self._span(i)[0])
+            order = sorted(range(len(items)), key=lambda i: self._span(i, items)[0])
             self._order = order
-            self._starts = [self._span(i)[0] for i in order]
+            self._starts = [self._span(i, items)[0] for i in order]
         hit = set()
         for lo, hi in spans:
             k = bisect.bisect_left(self._starts, hi)  # items that start before the write ends
             while k > 0:
                 k -= 1
                 i = self._order[k]
-                start, end = self._span(i)
+                start, end = self._span(i, items)
                 if end > lo:
                     hit.add(i)
                 elif start + self._widest <= lo:
                     break  # (no item is wider than the widest: none that starts earlier reaches lo)
         if hit:
-            self._take(sorted(hit), check=False)
+            self._take(sorted(hit), items, check=False)
 
-    def _span(self, i: int) -> tuple[int, int]:
+    def _span(self, i: int, items: list[_Item]) -> tuple[int, int]:
         span = self._spans[i]
         if span is None:
-            span = self._spans[i] = memory_span(self.items[i].src) or (0, 0)
+            span = self._spans[i] = memory_span(items[i].src) or (0, 0)
             self._widest = max(self._widest, span[1] - span[0])
         return span
 
-    def _take(self, which: Any, check: bool = True) -> None:
-        items = self.items
+    def _take(self, which: Any, items: list[_Item], check: bool = True) -> None:
         cond = self._cond
         waiting = []
         for i in which:
@@ -433,18 +436,6 @@ class _Plan:
         self.dtype = local.dtype
         self.cuda = local.is_cuda
         self.shard = shard
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """A tensor's local part, detached: a DTensor's local shard (read from the attribute that
-    ``to_local()`` returns, without running its autograd function: 24 us a call here), or a plain
-    tensor itself."""
-    local = getattr(value, "_local_tensor", None)
-    if local is None:
-        from torch.distributed.tensor import DTensor
-
-        local = value.to_local() if isinstance(value, DTensor) else value
-    return local
 
 
 def _map_tensors(value: Any, key: str, fn: Callable[[str, torch.Tensor], Any]) -> Any:

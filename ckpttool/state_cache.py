@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from .compat import local_tensor
+
 #: the FSDP2 state-dict pre-hook (it reshards a module's parameters before a state dict is taken)
 _FSDP2_HOOK = "to_sharded_hook"
 
@@ -61,7 +63,7 @@ class StateCache:
         self._entry = None
         state = torch_state(model, optimizers)
         sig = _signature(model, optimizers)  # after torch's call: its hooks may have resharded the model
-        buffers = {_local(b).data_ptr() for b in model.buffers()}
+        buffers = {local_tensor(b).data_ptr() for b in model.buffers()}
         if sig is not None:
             self._entry = _Entry.build(model, optimizers, state, sig, buffers)
         return state, buffers
@@ -148,21 +150,10 @@ class _Entry:
         return {"model": model_state, "optim": {"state": state, "param_groups": groups}}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor without the autograd function ``to_local()`` runs (24 us a call
-    here, and one per parameter); a plain tensor itself."""
-    local = getattr(t, "_local_tensor", None)
-    if local is not None:
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _where(t: torch.Tensor, keep: list[Any]) -> tuple:
     """Where a tensor's values live, and as what: a tensor given new memory, a new shape or
     another layout has another answer."""
-    local = _local(t)
+    local = local_tensor(t)
     keep.append(local)
     if local is t:
         return (id(local), local.data_ptr(), tuple(local.shape), local.stride(), local.storage_offset(), local.dtype, local.device)
@@ -239,16 +230,16 @@ def _aliases_live_tensors(model: torch.nn.Module, msd: dict[str, Any]) -> bool:
     signature holds); a computed value (extra state, a hook's tensor) is not."""
     live = {}
     for t in [*model.parameters(), *model.buffers()]:
-        local = _local(t)
+        local = local_tensor(t)
         live[(local.data_ptr(), tuple(local.shape), local.stride(), local.dtype, local.device)] = t
     for value in msd.values():
         if not isinstance(value, torch.Tensor):
             return False
-        local = _local(value)
+        local = local_tensor(value)
         if local.numel() == 0:
             continue
         t = live.get((local.data_ptr(), tuple(local.shape), local.stride(), local.dtype, local.device))
-        if t is None or tuple(t.shape) != tuple(value.shape) or (local is not value) != (_local(t) is not t):
+        if t is None or tuple(t.shape) != tuple(value.shape) or (local is not value) != (local_tensor(t) is not t):
             return False
     return True
 

@@ -424,3 +424,27 @@ def test_a_compiled_optimizer_step_while_the_copy_is_in_flight_breaks_nothing(tm
     _assert_same(_loaded(root, 1), expected)
     _assert_same(_loaded(root, 2), expected2)
     torch._dynamo.reset()
+
+
+def test_a_write_guarded_while_the_copy_thread_finishes_copies_nothing_twice_and_fails_nothing(tmp_path, held_copy, monkeypatch):
+    """The copy thread may finish (and let go of its list of tensors) while the saving thread's
+    guard looks up what a write touches: found by torch 2.7's FSDP all-gather in a forward right
+    after save() (an IndexError in the training thread)."""
+    from ckpttool import staging
+
+    real = staging.memory_span
+    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+        expected = _snapshot_and_save(ckpt, 1, model, optimizer)
+        copy = ckpt.staging._pending
+
+        def span_as_the_copy_finishes(t):
+            if copy.items:  # the copy thread finishes at this very moment
+                held_copy.set()
+                copy.run()
+            return real(t)
+
+        monkeypatch.setattr(staging, "memory_span", span_as_the_copy_finishes)
+        with torch.no_grad():
+            model[0].weight.mul_(2.0)
+        ckpt.wait()
+    _assert_same(_loaded(root, 1), expected)
