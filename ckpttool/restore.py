@@ -17,14 +17,14 @@ from typing import Any, Union
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-from . import dist, formats
-from .errors import CkptError, FormatError, MismatchError, UsageError
+from . import dist, formats, health
+from .errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotFoundError, UsageError
 from .formats import dcp as dcp_format
 from .formats.dcp.metadata import PER_RANK
 from .formats.dcp.save import Whole
 from .index import Index, TensorEntry, unflatten
 from .state_cache import optimizers_of, torch_state
-from .steps import parse_step, read_commit_record
+from .steps import list_root, parse_step, read_commit_record, step_health, step_name
 from .storage import Location, resolve
 
 log = logging.getLogger("ckpttool")
@@ -66,7 +66,7 @@ def extra_state(extra: dict[str, Any]) -> dict[str, Any]:
         # a Stateful's state dict, or a value keyed by anything but strings (an optimizer's state
         # is keyed by int), is stored as one object: DCP's flattened keys would give its keys back
         # as strings; one holding a DTensor is sharded state and stays traversed
-        out[key] = Whole(value) if (stateful or _odd_keys(value)) and not _holds_dtensor(value) else value
+        out[key] = Whole(value) if (stateful or _odd_keys(value)) and not holds_dtensor(value) else value
     return out
 
 
@@ -78,15 +78,15 @@ def _odd_keys(value: Any) -> bool:
     return False
 
 
-def _holds_dtensor(value: Any) -> bool:
+def holds_dtensor(value: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
         return True
     if isinstance(value, dict):
-        return any(_holds_dtensor(v) for v in value.values())
+        return any(holds_dtensor(v) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_holds_dtensor(v) for v in value)
+        return any(holds_dtensor(v) for v in value)
     return False
 
 
@@ -290,3 +290,44 @@ def drop_path(tree: Any, path: tuple) -> None:
             return
     if isinstance(tree, dict):
         tree.pop(path[-1], None)
+
+
+def load_committed(root: Location, model: torch.nn.Module, optimizer: Optimizers, step: int | None, *, verify: bool,
+                   storage_options: dict[str, Any] | None, extra: dict[str, Any] | None) -> LoadResult | None:
+    """``Checkpointer.load``: the newest (or the given) committed step under ``root``, loaded; None
+    when ``step`` is None and nothing was committed yet."""
+    listing = list_root(root)
+    committed = listing.committed
+    if step is None:
+        newer_damaged = [s for s in listing.damaged if not committed or s > committed[-1]]
+        if newer_damaged and dist.rank() == 0:
+            log.warning("not loading step(s) %s under %s: commit record damaged (%s)", newer_damaged, root.url,
+                        listing.damaged[newer_damaged[-1]])
+        if not committed:
+            return None
+        step = committed[-1]
+    elif step in listing.damaged:
+        raise CorruptCheckpointError(f"step {step} cannot be loaded: {listing.damaged[step]}",
+                                     where=root.child(step_name(step)).url, hint=f"committed steps: {committed or 'none'}")
+    elif step not in committed:
+        raise NotFoundError(f"step {step} is not a committed checkpoint", where=root.url,
+                            hint=f"committed steps: {committed or 'none'}")
+    _warn_if_unhealthy(root, step, committed)
+    result = load(root.child(step_name(step)), model, optimizer, verify=verify, storage_options=storage_options, extra=extra)
+    return LoadResult(step=step, extra=result.extra, path=result.path, extra_by_rank=result.extra_by_rank)
+
+
+def _warn_if_unhealthy(root: Location, step: int, committed: list[int]) -> None:
+    """One line (rank 0) when the step to load holds non-finite values, naming the newest
+    committed step that does not (from the commit records' health)."""
+    if dist.rank() != 0:
+        return
+    found = step_health(root.child(step_name(step)))
+    bad = health.nonfinite_keys(found)
+    if not bad:
+        return
+    older = next((s for s in reversed(committed) if s < step and step_health(root.child(step_name(s))) is not None
+                  and not health.nonfinite_keys(step_health(root.child(step_name(s))))), None)
+    log.warning("ckpttool: loading step %d, which holds non-finite values (%s%s); %s", step,
+                "; ".join(health.problems(found)[:2]), f" and {len(bad) - 2} more" if len(bad) > 2 else "",
+                f"the newest step without any is step {older}" if older is not None else "no earlier step is known to be without any")

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from .backends import PARALLEL_PARTS, PART_BYTES, SYNC_FILE_RANGE, WRITEBACK_WINDOW, Backend, Fsspec, LocalDisk
 from .commit import CommitPolicy, InPlaceCommit, RenameCommit, temp_sibling
-from .location import BytesReader, Location, RangeReader, describe_os_error, resolve
+from .location import BytesReader, Location, RangeReader, describe_os_error, resolve, save_error
 
 __all__ = ["PARALLEL_PARTS", "PART_BYTES", "SYNC_FILE_RANGE", "WRITEBACK_WINDOW", "Backend", "BytesReader", "CommitPolicy",
-           "Fsspec", "InPlaceCommit", "Location", "LocalDisk", "RangeReader", "RenameCommit", "describe_os_error", "resolve",
+           "Fsspec", "InPlaceCommit", "Location", "LocalDisk", "RangeReader", "RenameCommit", "describe_os_error", "resolve", "save_error",
            "temp_sibling"]

@@ -14,7 +14,7 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CorruptCheckpointError, NotACheckpointError, NotFoundError, StorageError, UnsafePathError
+from ..errors import CkptError, CorruptCheckpointError, NotACheckpointError, NotFoundError, StorageError, UnsafePathError
 from .backends import Backend, Fsspec, LocalDisk, NoBucket, NotRegular
 from .commit import CommitPolicy, temp_sibling
 
@@ -225,12 +225,54 @@ class Location:
             raise StorageError(describe_os_error(exc, verb), where=self.url) from None
 
 
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def _kind(errnos: set, text: str) -> str | None:
+    """"full", "denied" or None: what an OS error (its errnos, its text lower-cased) says about the storage."""
+    if errnos & _FULL or any(t in text for t in ("no space left", "errno 28", "file too large", "errno 27", "quota")):
+        return "full"
+    if errnos & _DENIED or "permission denied" in text or "read-only file system" in text:
+        return "denied"
+    return None
+
+
 def describe_os_error(exc: OSError, verb: str = "access") -> str:
-    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+    kind = _kind({exc.errno}, "")
+    if kind == "full":
         return f"no space left on device while writing ({exc.strerror}); free space or write elsewhere"
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if kind == "denied":
         return f"permission denied: cannot {verb} here ({exc.strerror})"
     return exc.strerror or str(exc)
+
+
+def save_error(exc: BaseException, step_dir: Location) -> CkptError:
+    """One typed error for a failed save, from any exception (torch's writers wrap the OSError,
+    sometimes in text only). torch's zip writer reports a refused write as "unexpected pos ..."
+    without the errno, so a nearly full disk is also checked for directly."""
+    if isinstance(exc, CkptError):
+        return exc
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(chain) < 20:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    text = " ".join(str(e) for e in chain).lower()
+    kind = _kind({getattr(e, "errno", None) for e in chain}, text)
+    if kind is None and "unexpected pos" in text and step_dir.local_path is not None:
+        try:
+            st = os.statvfs(step_dir.local_path)
+            kind = "full" if st.f_bavail * st.f_frsize < (1 << 20) else None
+        except OSError:
+            pass
+    if kind == "full":
+        return StorageError("no space left on device while saving", where=step_dir.url, hint="free space; earlier steps are intact")
+    if kind == "denied":
+        return StorageError("permission denied while saving", where=step_dir.url,
+                            hint="check the directory's permissions; earlier steps are intact")
+    last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    return StorageError(f"save failed: {last}", where=step_dir.url)
 
 
 class RangeReader:

@@ -1,0 +1,165 @@
+"""The save path for placements ckpttool's own writer does not lay out (``_StridedShard``, as
+FSDP2 + TP makes): torch's own DCP writer, whose planning and commit are collectives over a
+process group. What ckpttool's writer does rank by rank without a collective is done here over
+that group: each rank's differing values of ``extra`` kept per rank, the NaN/Inf count, and the
+records' manifest for the commit record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import dist, health
+from .checksums import hash_bytes
+from .compat import local_tensor
+from .formats import dcp as dcp_format
+from .formats.dcp import dcp_writer, hash_records
+from .formats.dcp.metadata import PER_RANK
+from .formats.dcp.save import Whole
+from .restore import holds_dtensor
+from .staging import frozen
+from .storage import Location, save_error
+
+# DCP raises CheckpointException, a BaseException, for failures on any rank.
+_DCP_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+
+class Unsupported(Exception):
+    """A tensor of the state has a placement ckpttool's writer does not lay out (found while staging)."""
+
+
+def stores(value: Any) -> bool:
+    """Whether this rank stores its box of a DTensor (``dcp.stores``), raising :class:`Unsupported`
+    for a placement the writer does not lay out, so that an async save falls back to DCP's writer.
+    Called by the stager only for a tensor it has not seen: a kept tensor was checked then."""
+    if not dcp_format.supports({"t": value}):
+        raise Unsupported
+    return dcp_format.stores(value)
+
+
+def write(state: dict[str, Any], step_dir: Location, storage_options: dict[str, Any], compress: str | None, group: Any,
+          count_health: bool) -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
+    """Write ``state`` into ``step_dir`` with DCP's writer (collective over ``group``); returns the
+    manifest of every rank's records, the keys of ``extra`` kept per rank and the health counts."""
+    state, per_rank = _with_per_rank(state, group)
+    found = _health(state, group) if count_health else None
+    try:
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=dcp_writer(step_dir, storage_options, compress), process_group=group)
+    except _DCP_ERRORS as exc:
+        raise save_error(exc, step_dir) from None
+    dist.pause_point("after-write")
+    return _manifest_of_own_file(step_dir, group), per_rank, found
+
+
+def stage(state: Any, previous: Any = None) -> Any:
+    """A copy of every tensor (DTensors stay DTensors), so the caller may change the originals.
+
+    ``previous`` is the last save's copy, no longer in use once that save committed: tensors of
+    the same shape, dtype and layout are copied into it, so async saves keep one copy of the
+    rank's state in host memory and do not fault in fresh pages every time.
+    """
+    if isinstance(state, torch.Tensor):
+        if _same_layout(state, previous):
+            local_tensor(previous).copy_(local_tensor(state))
+            return previous
+        return state.detach().clone()
+    if isinstance(state, dict):
+        prev = previous if isinstance(previous, dict) else {}
+        return {k: stage(v, prev.get(k)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        prev = previous if isinstance(previous, (list, tuple)) and len(previous) == len(state) else [None] * len(state)
+        staged = [stage(v, p) for v, p in zip(state, prev)]
+        return staged if isinstance(state, list) else tuple(staged)
+    return frozen(state)
+
+
+def _same_layout(t: torch.Tensor, other: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(other, torch.Tensor) or type(other) is not type(t) or other.dtype != t.dtype or other.shape != t.shape:
+        return False
+    if isinstance(t, DTensor):
+        return (other.placements == t.placements and other.device_mesh == t.device_mesh
+                and local_tensor(other).shape == local_tensor(t).shape)
+    return other.device == t.device
+
+
+def _with_per_rank(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], list[str]]:
+    """DCP's writer keeps rank 0's value of every plain value of ``extra``: here (its path is
+    collective anyway) each rank's digest of every top-level value of ``extra`` without a DTensor
+    is gathered, and each value that differs between ranks is added whole under
+    ``per_rank.<rank>.<key>``, as ckpttool's own writer lays them out. DCP's writer traverses every
+    value: one kept whole (:class:`Whole`) is handed to it as it is (its non-string keys come back
+    as strings, as from plain ``dcp.save``)."""
+    extra = state.get("extra")
+    if not extra:
+        return state, []
+    extra = {k: v.value if isinstance(v, Whole) else v for k, v in extra.items()}
+    state = {**state, "extra": extra}
+    if not dist.active():
+        return state, []
+    mine = {}
+    for top, value in extra.items():
+        if not holds_dtensor(value):
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            mine[top] = (hash_bytes(buf.getvalue()), value)
+    # every rank gets every rank's values: DCP's planner has rank 0 alone write objects
+    everyone = dist.all_gather(mine, group)
+    differing = sorted({top for values in everyone for top in values
+                        if any(top not in v or v[top][0] != values[top][0] for v in everyone)})
+    if not differing:
+        return state, []
+    return {**state, PER_RANK: {str(r): {top: values[top][1] for top in differing if top in values}
+                                for r, values in enumerate(everyone)}}, differing
+
+
+def _health(state: dict[str, Any], group: Any) -> dict[str, Any]:
+    """DCP's writer passes no bytes through ckpttool: each rank counts NaN and Inf in the local
+    shards it holds (each box once: a replicated one on its first holder; a ``Partial`` sum, which
+    is no value yet, not at all), and rank 0 adds them up. No stale check on this path."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from .index import flatten
+
+    flat, _ = flatten(state)
+    tally = health.Tally()
+    rank = dist.rank()
+    for key, value in flat.items():
+        if isinstance(value, DTensor):
+            coordinate = value.device_mesh.get_coordinate()
+            if coordinate is None or any(isinstance(p, Partial) or (isinstance(p, Replicate) and c != 0)
+                                         for p, c in zip(value.placements, coordinate)):
+                continue
+            tally.count(key, value._local_tensor.detach())
+        elif isinstance(value, torch.Tensor) and rank == 0:
+            tally.count(key, value.detach())
+    parts = [{"nonfinite": counts} for counts in dist.all_gather(tally.nonfinite, group)]
+    return health.merge(parts, None, set())
+
+
+def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
+    """Each rank hashes the records of its own data file (read back while the page cache still
+    holds them); rank 0 gets them all for the commit record. Documented in docs/format.md."""
+    mine = hash_records(step_dir, dist.rank())
+    records: dict[str, Any] = {}
+    for part in dist.all_gather(mine, group):
+        records.update(part["records"])
+    return {"algorithm": mine["algorithm"], "records": records}
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group DCP warns on every call that it assumes one process; that is our intent."""
+    with warnings.catch_warnings():
+        if not dist.active():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -1,0 +1,386 @@
+"""What a :class:`~ckpttool.Checkpointer` save does, behind its front: the step's temporary
+directory and the ranks' agreement on it, the state and its staging, this rank's write
+(ckpttool's writer, or DCP's for placements it does not lay out: ``fallback.py``), rank 0's
+commit (``.metadata``, health, the commit record written last, the rename), retention, and the
+background threads of async saves with their errors and outcomes.
+
+No collective runs in ckpttool's write or commit: rank 0 learns the other ranks' parts from
+storage (their indexes), and the other ranks learn the step's fate from storage (the commit
+record, or rank 0's ``.ckpttool-failed.json``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from . import dist, fallback, health
+from .background import Job, Worker
+from .errors import CkptError, OutputExistsError, SnapshotError, UnhealthyStepError, UsageError
+from .formats import dcp as dcp_format
+from .formats.dcp import metadata_row
+from .lease import Lease
+from .restore import extra_state
+from .staging import Stager
+from .state_cache import StateCache
+from .steps import COMMIT_FILE, await_outcome, commit_record, list_root, refuse_step, retention_victims, step_name
+from .storage import Location, save_error
+
+log = logging.getLogger("ckpttool")
+T = TypeVar("T")
+
+
+@dataclass
+class Options:
+    """A Checkpointer's settings, as its constructor documents them (checked there)."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    storage_options: dict[str, Any] | None = None
+    commit_timeout: float = 1800.0
+    compress: str | None = None
+    on_commit: Callable[[int, str], None] | None = None
+    on_phase: Callable[[str, float, float], None] | None = None
+    writer_nice: int | None = None
+    incremental: bool = False
+    on_nonfinite: str = "warn"
+    health: bool = True
+
+
+class Saves:
+    """The saves of one Checkpointer (one per rank): see the module's text."""
+
+    def __init__(self, root: Location, options: Options, lease: Lease):
+        self.root = root
+        self.o = options
+        self.lease = lease
+        self.pending: Job | None = None  # the async save being written
+        self._pending_error: BaseException | None = None
+        self._outcome: tuple[Location, Location] | None = None  # (ranks > 0) the last async step whose commit is not yet seen
+        self._group: Any = None  # checkpoint-only process group, made on the first async save through DCP's writer
+        self._staged: Any = None  # the last such save's copy of the state, reused by the next
+        self.stager = self._new_stager()  # host buffers of async saves, reused while shapes hold
+        self.states = StateCache()  # get_state_dict's answer, kept while the model's and optimizer's structure holds
+        self._frozen: frozenset[str] = frozenset()  # the state keys of this save's frozen parameters (incremental)
+        self._trainable: set[str] = set()  # the state keys of this save's trainable parameters
+        self._last_digests: Any = None  # (step, its final place, this rank's record digests) of its last save
+        self._written: Any = None  # what this rank put in its frozen file at its last save (dcp_format.Written)
+        # the copy into host memory, at the training thread's priority (the optimizer's next step
+        # may wait for it), and the writer, at nice ``writer_nice`` (Linux: per thread)
+        self.copier = Worker("ckpttool-stage")
+        self.writer = Worker("ckpttool-save", nice=options.writer_nice)
+
+    # --- one save -------------------------------------------------------------------------------
+
+    def save(self, step: int, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], extra: dict | None,
+             blocking: bool) -> str:
+        self.stager.fence()  # the last save's copy ends first (and its write guard leaves this thread)
+        final = self.root.child(step_name(step))
+        tmp = self.timed("prepare", self._begin_save, step, final)
+        state, buffers = self.timed("state", self._training_state, model, optimizers, extra)
+        # (read by this save's writer only: the next save() sets them after joining this one)
+        frozen = [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]
+        self._frozen = frozenset(frozen) if self.o.incremental else frozenset()
+        self._trainable = {f"model.{n}" for n, _ in model.named_parameters()} - set(frozen)
+        staged = None
+        if not blocking:
+            try:
+                # a forward may change module buffers in place: copied at the call (``buffers``: the
+                # addresses of their local tensors); the rest is copied in the background, guarded
+                staged = self.timed("stage", self.stager.stage, state, dist.rank(), fallback.stores, in_order=buffers,
+                                    background=True)
+            except fallback.Unsupported:
+                staged = None  # a placement ckpttool's writer does not lay out: DCP's own writer
+        own = staged is not None or (blocking and dcp_format.supports(state))  # else DCP's writer, which needs the process group
+        if blocking:
+            if own:
+                self.timed("sync save", self._save_own_sync, state, step, tmp, final)
+            else:
+                self._save_through_dcp(state, step, tmp, final, group=None)
+            return final.url
+        if not own:
+            self._make_group()
+            staged = self._staged = fallback.stage(state, self._staged)  # copied at the call
+        dist.pause_point("after-stage")
+        if own and self.stager.copying:
+            self.copier.submit(self.stager.copy, name="ckpttool-stage")
+        rank, world_size = dist.rank(), dist.world_size()
+        self.pending = self.writer.submit(lambda: self._background(staged, step, tmp, final, own, rank, world_size),
+                                          name=f"ckpttool-save-{step}")
+        return final.url
+
+    def _training_state(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
+                        extra: dict | None) -> tuple[dict[str, Any], set[int]]:
+        """This save's ``{"model", "optim", "extra"}`` and the addresses of the model's buffers:
+        torch's ``get_state_dict`` answer, kept from the last save while the structure holds."""
+        base, buffers = self.states.state(model, optimizers)
+        state = dict(base)
+        if extra:
+            state["extra"] = extra_state(extra)
+        return state, buffers
+
+    def _make_group(self) -> None:
+        if self._group is None and dist.active():
+            import torch.distributed as tdist
+
+            # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
+            # default group): a group of their own, used only by the background thread.
+            self._group = tdist.new_group(backend="gloo")
+
+    def _background(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, own: bool, rank: int,
+                    world_size: int) -> None:
+        try:
+            if own:
+                self._write_and_commit_own(staged, step, tmp, final, rank, world_size)
+            else:
+                self._save_through_dcp(staged, step, tmp, final, group=self._group)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
+            self._pending_error = exc
+            # also said now: a process whose last save fails and that never calls save/wait/close again
+            log.error("ckpttool: the background save of step %d failed: %s", step, exc)
+        finally:
+            now = time.perf_counter()
+            self.phase("done", now, now)  # the background save is over (rank 0: committed, or failed)
+
+    def _write_and_commit_own(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, rank: int,
+                              world_size: int) -> None:
+        try:
+            self.stager.wait(run=False)  # the copies are in host memory (CUDA: issued on a side stream)
+            self.timed("write", self._write_own, staged, tmp, rank, final, step)
+            if rank == 0:
+                self.timed("commit", self._commit_own, step, tmp, final, world_size)
+        except BaseException as exc:
+            if rank == 0:  # the other ranks wait for the commit: tell them why it will not come
+                refuse_step(tmp, exc.message() if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}")
+            elif isinstance(exc, SnapshotError):
+                with contextlib.suppress(Exception):  # rank 0 stops waiting for this rank's part
+                    dcp_format.publish_failure(tmp, rank, exc.message())
+            raise
+        if rank != 0:
+            self._outcome = (tmp, final)  # wait() and close() learn from storage whether rank 0 committed it
+
+    def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
+        dist.agreed(lambda: self.timed("write", self._write_own, state, tmp, dist.rank(), final, step))
+        dist.agreed(lambda: self.timed("commit", self._commit_own, step, tmp, final, dist.world_size()), rank0_only=True)
+
+    def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location, step: int) -> None:
+        previous = self._written
+        if previous is not None and not previous.step_dir.child(COMMIT_FILE).exists():
+            previous = None  # its step never committed, or retention removed it: nothing to share
+        last = self._last_digests
+        if last is not None and not last[1].child(COMMIT_FILE).exists():
+            last = None  # the stale check compares with the previous committed step only
+        check = health.Check(self._trainable, last[2] if last else None, last[0] if last else None) if self.o.health else None
+        self._written = None
+        self._last_digests = None
+        try:
+            written = dcp_format.write_rank(tmp, rank, state, after_write=lambda: dist.pause_point("after-write"),
+                                            compress=self.o.compress, frozen=self._frozen, previous=previous, health=check)
+            if written is not None:
+                written.step_dir = final  # where its files are once the step is committed
+        except CkptError:
+            raise
+        except Exception as exc:  # a write the storage refused: one line naming the step
+            raise save_error(exc, tmp) from None
+        self._written = written
+        if check is not None:
+            self._last_digests = (step, final, check.tally.digests)
+
+    def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int) -> None:
+        """Rank 0: wait for every rank's index in storage, write .metadata, then the commit record
+        (last), publish the step and apply retention."""
+        indexes = dcp_format.read_rank_indexes(tmp, world_size, self.o.commit_timeout)
+        manifest = dcp_format.commit_metadata(tmp, indexes)
+        record = {"manifest": manifest, **dcp_format.step_bytes(indexes)}  # bytes written, and shared with the step before
+        per_rank = dcp_format.per_rank_keys(indexes)
+        if per_rank:
+            record["per_rank"] = per_rank  # keys of extra whose values differ between ranks: each rank's own is kept
+        found = health.merge_ranks([index.health for index in indexes])
+        if found is not None:
+            record["health"] = found
+            self._judge_health(step, found)
+        self._publish(step, tmp, final, world_size, record)
+        self._apply_retention()
+
+    def _save_through_dcp(self, state: dict[str, Any], step: int, tmp: Location, final: Location, group: Any) -> None:
+        """DCP's writer (``fallback.py``), then the commit, agreed over ``group``."""
+        manifest, per_rank, found = fallback.write(state, tmp, self.o.storage_options or {}, self.o.compress, group,
+                                                   self.o.health)
+        dist.barrier("ckpttool.commit", group)
+
+        def commit() -> None:
+            record: dict[str, Any] = {"manifest": {**manifest, "files": metadata_row(tmp)}}  # .metadata's row too
+            if per_rank:
+                record["per_rank"] = per_rank
+            if found is not None:
+                record["health"] = found
+                self._judge_health(step, found)
+            self._publish(step, tmp, final, dist.world_size(), record)
+
+        dist.agreed(commit, rank0_only=True, group=group)
+        self._apply_retention()
+
+    def _publish(self, step: int, tmp: Location, final: Location, world_size: int, record: dict[str, Any]) -> None:
+        """Rank 0: the commit record, written last, then the step renamed into place; ``on_commit``
+        told (an error in it is logged: the step is committed whatever it does)."""
+        tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, record))
+        dist.pause_point("before-rename")
+        self.root.commit_policy.publish(tmp, final)
+        if self.o.on_commit is not None:
+            try:
+                self.o.on_commit(step, final.url)
+            except Exception:  # noqa: BLE001 - a caller's callback must not undo a commit
+                log.exception("on_commit callback failed for step %d", step)
+
+    def _judge_health(self, step: int, found: dict[str, Any]) -> None:
+        """Rank 0, before the commit: a step with non-finite values is refused with
+        ``on_nonfinite="refuse"`` (every rank raises it), else said at once in one line."""
+        bad = health.nonfinite_keys(found)
+        stale = found.get("unchanged") or []
+        if bad:
+            said = "; ".join(p for p in health.problems(found) if p.split(":")[0] in bad[:3])
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            if self.o.on_nonfinite == "refuse":
+                raise UnhealthyStepError(f"step {step} holds non-finite values ({said}{more}); not committed",
+                                         hint="the run diverged before this save; resume from an earlier step "
+                                              "(ckpttool inspect ROOT shows which are healthy)")
+            log.warning("ckpttool: step %d holds non-finite values: %s%s", step, said, more)
+        if stale:
+            log.warning("ckpttool: step %d: %d trainable tensor(s) unchanged since step %s while their optimizer state "
+                        "moved, first %s (a stale copy of the weights, or gradients that never reach them?)",
+                        step, len(stale), found.get("compared_with"), stale[0])
+
+    def _apply_retention(self) -> None:
+        if dist.rank() != 0 or self.o.keep_last is None:
+            return
+        for victim in retention_victims(list_root(self.root).committed, self.o.keep_last, self.o.keep_every):
+            loc = self.root.child(step_name(victim))
+            try:
+                # a delete cut short leaves a hidden temporary (filesystems) or an un-committed
+                # step (object stores), never something that looks like a step
+                self.root.commit_policy.retire(loc, COMMIT_FILE)
+            except CkptError as exc:
+                log.warning("retention: could not delete %s: %s", loc.url, exc)
+
+    # --- the step's directory and the lease -------------------------------------------------------
+
+    def _begin_save(self, step: int, final: Location) -> Location:
+        """Join the pending save, hold the lease and make the step's temporary directory (rank 0),
+        and agree on the outcome in one exchange: the directory's name, or the first rank's error
+        raised on every rank (a failed background save fails every rank's next save)."""
+        error = self.join_pending()
+        name = None
+        if error is None and dist.rank() == 0:
+            try:
+                self.hold_lease()
+                name = self._make_step_dir(final)
+            except CkptError as exc:
+                error = exc
+        outcomes = dist.all_gather((None if error is None else (type(error).__name__, str(error)), name))
+        failed = next((r for r, (failure, _) in enumerate(outcomes) if failure is not None), None)
+        if failed is not None:
+            if name is not None:  # made here, and no rank writes into it
+                with contextlib.suppress(CkptError):
+                    self.root.child(name).remove()
+            if error is not None:
+                raise error
+            kind, text = outcomes[failed][0]
+            raise RuntimeError(f"rank {failed} failed: {kind}: {text}")
+        return self.root.child(outcomes[0][1])
+
+    def _make_step_dir(self, final: Location) -> str:
+        check_root(self.root)
+        self.root.makedirs()
+        if final.exists():
+            raise OutputExistsError("step already exists", where=final.url, hint="save under a new step number or delete it first")
+        # Filesystems rename a finished temp directory into place; object stores have no
+        # atomic rename, so there the step is written in place and the commit record,
+        # written last, is what makes it count (the root's commit policy decides).
+        tmp = self.root.commit_policy.staging(final)
+        tmp.makedirs()
+        return tmp.name
+
+    def hold_lease(self) -> None:
+        if not self.lease.held:
+            check_root(self.root)
+            self.root.makedirs()  # a missing bucket is an error here, never created
+            self.lease.acquire()
+            atexit.register(self.lease.release)  # after the interpreter joined a pending save
+        else:
+            self.lease.check()
+
+    # --- waiting and closing -----------------------------------------------------------------------
+
+    def join_pending(self, outcome: bool = False) -> BaseException | None:
+        """Wait for this rank's background save; its error, if it failed. With ``outcome`` (wait and
+        close), a rank other than 0 also waits until rank 0 committed the step or refused it (its
+        reason is then this rank's error): every rank tells the same story, with no collective.
+        (``save`` needs not: its agreement raises any rank's error on every rank.)"""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        error, self._pending_error = self._pending_error, None
+        pending, self._outcome = self._outcome, None
+        if outcome and error is None and pending is not None:
+            try:
+                await_outcome(*pending, self.o.commit_timeout)
+            except CkptError as exc:
+                error = exc
+        return error
+
+    def close(self) -> None:
+        """After the last wait: threads joined, buffers and the process group let go."""
+        self._staged = None
+        self.states.clear()
+        self.stager = self._new_stager()
+        self.copier.close()
+        self.writer.close()  # joins a write still running (wait() interrupted): then the lease may go
+        self.lease.release()
+        if self._group is not None:
+            import torch.distributed as tdist
+
+            if dist.active():
+                tdist.destroy_process_group(self._group)
+            self._group = None
+
+    def not_from_the_writer(self, what: str) -> None:
+        """``on_commit`` of an async save runs in the writer thread: a ``save``, ``wait`` or
+        ``close`` from there would wait for the very save that runs it (forever), or tear the
+        Checkpointer down under it."""
+        if self.writer.running_here():
+            raise UsageError(f"Checkpointer.{what}() was called from the Checkpointer's own background save "
+                             "(on_commit runs there)", hint="call it from the training loop; on_commit should only record or notify")
+
+    # --- phases ------------------------------------------------------------------------------------
+
+    def _new_stager(self) -> Stager:
+        # (a write that waits for the copy, an optimizer step or a guarded edit, is the phase "fence")
+        return Stager(lambda: dist.pause_point("stage-copy"), on_fence=lambda start, end: self.phase("fence", start, end))
+
+    def timed(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, reported to ``on_phase`` as phase ``name`` (when set)."""
+        if self.o.on_phase is None:
+            return fn(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.phase(name, start, time.perf_counter())
+
+    def phase(self, name: str, start: float, end: float) -> None:
+        if self.o.on_phase is not None:
+            try:
+                self.o.on_phase(name, start, end)
+            except Exception:  # noqa: BLE001 - a caller's callback must not fail a save
+                log.exception("on_phase callback failed for phase %s", name)
+
+
+def check_root(root: Location) -> None:
+    if root.isfile():
+        raise UsageError("checkpoint root is a file, not a directory", where=root.url, hint="pass the directory that holds step-<N>")
