@@ -115,8 +115,6 @@ def convert(
                           compress=compress)
     fmt = formats.get(formats.output_format(dst_loc.name, to, sharded=options.max_shard_size is not None))
     _check_options(fmt, options)
-    if src_loc.url == dst_loc.url:
-        raise UsageError("source and destination are the same path", where=dst_loc.url)
     with formats.open_source(src_loc, src_format) as source:
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, dtype)
@@ -240,8 +238,6 @@ def reshard(
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
     budget = parse_size(memory_budget, "--memory-budget")
-    if src_loc.url == dst_loc.url:
-        raise UsageError("source and destination are the same path", where=dst_loc.url)
     with formats.open_source(src_loc) as source:
         if not formats.get(source.format).ranked:
             raise FormatError(

@@ -19,9 +19,3 @@ def bits_differ(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return a.view(view) != b.view(view)
 
 
-def unravel(flat: int, sizes) -> list[int]:
-    out = []
-    for s in reversed(sizes):
-        out.append(flat % s if s else 0)
-        flat //= s if s else 1
-    return list(reversed(out))

@@ -35,7 +35,7 @@ from .dtypes import LEGACY_STORAGE
 if TYPE_CHECKING:
     import torch
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
+from .layout import Box  # noqa: E402 - (layout imports nothing of torch)
 
 #: The DCP format version torch >= 2.9 writes into ``Metadata.version`` (``CURRENT_DCP_VERSION``).
 DCP_VERSION = "1.0.0"

@@ -160,9 +160,6 @@ class Index:
     def keys(self):
         return self._entries.keys()
 
-    def entries(self) -> Iterator[Entry]:
-        return iter(self._entries.values())
-
     def tensors(self) -> Iterator[TensorEntry]:
         return (e for e in self._entries.values() if isinstance(e, TensorEntry))
 

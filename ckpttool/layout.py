@@ -22,6 +22,16 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 MAX_WORLD_SIZE = 1 << 16
 
 
+def unravel(flat: int, sizes: Sequence[int]) -> list[int]:
+    """The coordinates of position ``flat`` in a row-major array of ``sizes`` (a rank in a mesh, an
+    element in a box)."""
+    out = []
+    for s in reversed(sizes):
+        out.append(flat % s if s else 0)
+        flat //= s if s else 1
+    return list(reversed(out))
+
+
 def box_numel(box: Box) -> int:
     return math.prod(box[1])
 

@@ -10,7 +10,8 @@ import torch
 
 from . import dist, formats
 from .restore import training_state
-from .compare import bits_differ, unravel
+from .compare import bits_differ
+from .layout import unravel
 from .compat import local_shard_box
 from .errors import CkptError
 from .index import flatten

@@ -167,10 +167,6 @@ GLOBALS: dict[tuple[str, str], Any] = {
 _STANDINS = (DType, Size, _Named, Device, TorchVersion)
 
 
-def is_standin(value: Any) -> bool:
-    return isinstance(value, _STANDINS)
-
-
 def _real(value: Any) -> Any:
     """torch's object for one stand-in (imports torch)."""
     import torch

@@ -180,7 +180,8 @@ def verify_against(path: str | Location, other: str | Location, *, only: str | N
 def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype, b_dtype, rtol, atol, budget, report, where):
     import torch
 
-    from .compare import bits_differ, unravel
+    from .compare import bits_differ
+    from .layout import unravel
 
     item = max(dtype_size(a_dtype), dtype_size(b_dtype))
     first = None

@@ -360,8 +360,7 @@ class SlabBuffers:
     """Growable byte buffers viewed as any shape and dtype, reused from slab to slab.
 
     A sink writes each slab before it asks for the next, so one buffer per role serves every slab;
-    fresh allocations would fault in new pages each time (3 s per GB on the test machine, more
-    than the disk).
+    a fresh allocation would fault in new pages for every slab, which costs more than the disk.
     """
 
     def __init__(self, count: int):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, flatten
 from ..index import unflatten
-from ..layout import Box, FsdpLayout, rank_box, relative, whole
+from ..layout import Box, FsdpLayout, rank_box, relative, unravel, whole
 from ..report import Report
 from ..safe_dtensor import DTensorRef
 from ..safe_pickle import TensorRef, same_value
@@ -58,14 +58,6 @@ def rank_groups(names: tuple[str, ...] | list[str]) -> dict[str, dict[int, list[
 
 def _is_ref(value: Any) -> bool:
     return isinstance(value, (TensorRef, DTensorRef))
-
-
-def _unravel(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    coord = []
-    for n in reversed(shape):
-        coord.append(rank % n)
-        rank //= n
-    return tuple(reversed(coord))
 
 
 def _is_optimizer(obj: Any) -> bool:
@@ -229,7 +221,7 @@ class RanksSource(Source):
             if ref.coordinate is None and size != len(parts):
                 raise CorruptCheckpointError(f"DTensor on a sub-mesh {list(ref.mesh_shape)} of the job's {len(parts)} ranks "
                                              "that does not record the rank's place in it", where=where)
-            coord = ref.coordinate if ref.coordinate is not None else _unravel(rank, ref.mesh_shape)
+            coord = ref.coordinate if ref.coordinate is not None else tuple(unravel(rank, ref.mesh_shape))
             # a mesh of fewer ranks than the job (FSDP's data-parallel part of an FSDP+TP mesh) holds
             # each coordinate on len(parts) / size ranks: more is two files claiming one rank
             seen.setdefault(coord, []).append(rank)

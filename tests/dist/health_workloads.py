@@ -8,19 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .snapshot_workloads import _train
-from .workloads import fresh_model
-
-
-def _warnings():
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("ckpttool").addHandler(handler)
-    return records, handler
+from .workloads import fresh_model, keep_warnings
 
 
 def nan_steps(root: str, on_nonfinite: str, async_save: bool) -> dict:
@@ -29,7 +17,7 @@ def nan_steps(root: str, on_nonfinite: str, async_save: bool) -> dict:
     from ckpttool import Checkpointer
     from ckpttool.errors import CkptError
 
-    records, handler = _warnings()
+    records, handler = keep_warnings()
     try:
         model, optimizer = fresh_model(seed=0)
         _train(model, [optimizer], 0)
@@ -62,7 +50,7 @@ def stale_steps(root: str) -> dict:
     the trained group is put back to its step-1 value (a stale copy) and step 2 is saved."""
     from ckpttool import Checkpointer
 
-    records, handler = _warnings()
+    records, handler = keep_warnings()
     try:
         model, _ = fresh_model(seed=0)
         head = [model.output.weight]

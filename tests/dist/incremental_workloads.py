@@ -122,14 +122,9 @@ def damaged_shared_files(root: str, expected_dir: str) -> dict[str, object]:
 
     from ..helpers import flip_bit
 
-    said: list[str] = []
+    from .workloads import keep_warnings
 
-    class Keep(logging.Handler):
-        def emit(self, record):
-            said.append(record.getMessage())
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("ckpttool").addHandler(handler)
+    said, handler = keep_warnings()
     rank = dist.get_rank()
     loaded: list[object] = []
     try:

@@ -125,16 +125,9 @@ def per_rank_load(root: str) -> dict:
     """Load on this world size: this rank's values, the warning said (if any) and every saved rank's values."""
     from ckpttool import Checkpointer
 
-    from .workloads import fresh_model
+    from .workloads import fresh_model, keep_warnings
 
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("ckpttool").addHandler(handler)
+    records, handler = keep_warnings()
     try:
         model, optimizer = fresh_model(seed=3)
         loader = ShuffledLoader(99)

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+
+def keep_warnings() -> tuple[list[str], logging.Handler]:
+    """The warning lines ckpttool logs from now on, in a list, and the handler that keeps them
+    (remove it from the "ckpttool" logger when done)."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("ckpttool").addHandler(handler)
+    return records, handler
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
