@@ -191,6 +191,39 @@ def like_layout(plan: Plan, other: Source) -> ChunkLayout:
     return ChunkLayout(world_size, boxes)
 
 
+def _reshard_target(world_size: int | None, mesh: str | None, like: Any, tp_plan: bool, to: str,
+                    compress: str | None) -> Mesh | None:
+    """The target mesh of ``reshard`` (None with ``like``), its arguments checked together."""
+    if (like is None) == (world_size is None):
+        raise UsageError("give either --world-size or --like", hint="--like OTHER lays DST out as the DCP checkpoint OTHER is")
+    if like is not None and mesh is not None:
+        raise UsageError("--mesh goes with --world-size, not with --like (OTHER's layout is used as it is)")
+    if tp_plan and mesh is None:
+        raise UsageError("--tp-colwise/--tp-rowwise need --mesh DPxTP (data-parallel x tensor-parallel ranks)")
+    target = Mesh.parse(world_size, mesh) if world_size is not None else None
+    if to not in ("dcp", "torch-ranks"):
+        raise UsageError(f"reshard writes dcp or torch-ranks, not {to!r}")
+    if to != "dcp" and (like is not None or tp_plan or compress):
+        raise UsageError("--to torch-ranks writes FSDP2's Shard(0) layouts: --world-size [--mesh RxS], no --like, "
+                         "tensor parallelism or --compress")
+    return target
+
+
+def _target_layout(source: Source, plan: Plan, target: Mesh, colwise: tuple[str, ...],
+                   rowwise: tuple[str, ...]) -> tuple[FsdpLayout | TpLayout, str]:
+    """FSDP2's layout on ``target`` (HSDP when it has replicas), or with tensor parallelism over its
+    second dimension when ``colwise``/``rowwise`` name layers; and how to describe it."""
+    if not (colwise or rowwise):
+        return FsdpLayout(target, replicated_keys(source, plan)), f"{target.replicate}x{target.shard}"
+    keys = [spec.key for spec in plan.tensors]
+    for flag, pattern in [("--tp-colwise", p) for p in colwise] + [("--tp-rowwise", p) for p in rowwise]:
+        if not any(matches(k, pattern) for k in keys):
+            raise UsageError(f"{flag} {pattern!r} matches no tensor of the checkpoint",
+                             hint="name a layer as its keys do (w1 matches model.w1.weight), or a glob of whole keys")
+    layout = TpLayout(target.replicate, target.shard, colwise, rowwise, replicated_keys(source, plan))
+    return layout, f"{target.replicate}x{target.shard} (dp x tp)"
+
+
 def reshard(
     src: str | Location,
     dst: str | Location,
@@ -221,20 +254,7 @@ def reshard(
     for a bad world size or mesh, :class:`FormatError` when SRC (or ``like``) is not DCP,
     :class:`MismatchError` when ``like`` holds other tensors or shapes.
     """
-    if (like is None) == (world_size is None):
-        raise UsageError("give either --world-size or --like", hint="--like OTHER lays DST out as the DCP checkpoint OTHER is")
-    if like is not None and mesh is not None:
-        raise UsageError("--mesh goes with --world-size, not with --like (OTHER's layout is used as it is)")
-    tp_plan = bool(tp_colwise or tp_rowwise)
-    if tp_plan and mesh is None:
-        raise UsageError("--tp-colwise/--tp-rowwise need --mesh DPxTP (data-parallel x tensor-parallel ranks)")
-    target = Mesh.parse(world_size, mesh) if world_size is not None else None
-    if to not in ("dcp", "torch-ranks"):
-        raise UsageError(f"reshard writes dcp or torch-ranks, not {to!r}")
-    if to != "dcp" and (like is not None or tp_plan or compress):
-        raise UsageError("--to torch-ranks writes FSDP2's Shard(0) layouts: --world-size [--mesh RxS], no --like, "
-                         "tensor parallelism or --compress")
-    dcp = formats.get("dcp")
+    target = _reshard_target(world_size, mesh, like, bool(tp_colwise or tp_rowwise), to, compress)
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
     budget = parse_size(memory_budget, "--memory-budget")
@@ -247,23 +267,12 @@ def reshard(
             )
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, None)
-        layout: FsdpLayout | TpLayout | ChunkLayout
         if target is not None:
-            if tp_plan:
-                keys = [spec.key for spec in plan.tensors]
-                for flag, pattern in [("--tp-colwise", p) for p in tp_colwise] + [("--tp-rowwise", p) for p in tp_rowwise]:
-                    if not any(matches(k, pattern) for k in keys):
-                        raise UsageError(f"{flag} {pattern!r} matches no tensor of the checkpoint",
-                                         hint="name a layer as its keys do (w1 matches model.w1.weight), or a glob of whole keys")
-                layout = TpLayout(target.replicate, target.shard, tuple(tp_colwise), tuple(tp_rowwise), replicated_keys(source, plan))
-                described = f"{target.replicate}x{target.shard} (dp x tp)"
-            else:
-                layout = FsdpLayout(target, replicated_keys(source, plan))
-                described = f"{target.replicate}x{target.shard}"
+            layout, described = _target_layout(source, plan, target, tuple(tp_colwise), tuple(tp_rowwise))
         else:
             like_loc = resolve(like, storage_options)
             with formats.open_source(like_loc) as other:
-                if other.format != dcp.name:
+                if other.format != "dcp":
                     raise FormatError(f"--like takes a DCP checkpoint; this is {other.format}", where=like_loc.url)
                 layout = like_layout(plan, other)
             described = f"like {like_loc.url}"

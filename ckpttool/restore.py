@@ -113,8 +113,6 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     rank's value: those keys are left out of ``extra`` (and their objects not restored), said in
     one line, and every saved rank's value is in ``LoadResult.extra_by_rank``.
     """
-    from .index import flatten
-
     loc = resolve(path, storage_options)
     optimizers = optimizers_of(optimizer)
     state = training_state(model, optimizers, None)
@@ -123,32 +121,8 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     error: BaseException | None = None
     try:
         record = read_commit_record(loc)
-        fmt = formats.detect(loc)
-        if not fmt.ranked:
-            raise FormatError(f"load reads DCP checkpoints and per-rank torch.save folders; this is {fmt.name}",
-                              where=loc.url, hint=f"convert it first: ckpttool convert {loc.url} DIR --to dcp")
-        if fmt.name == "dcp":
-            opened = dcp_format.DcpSource(loc, verify=verify, rank=dist.rank())
-        elif fmt.name == "torch-ranks" and optimizers:
-            # its optimizer state is keyed by index: paired through the live optimizers' own groups
-            from .formats.torch_ranks import RanksSource
-
-            fqn = {id(p): n for n, p in model.named_parameters()}
-            opened = RanksSource(loc, verify, optimizer_names=[[fqn.get(id(p), "?") for p in g["params"]]
-                                                               for o in optimizers for g in o.param_groups])
-        else:
-            opened = fmt.open_source(loc, verify)
-        with opened as source:
-            index = source.index()
-            _check_fits(state, index, loc)
-            for top in ("extra", PER_RANK):  # shaped like what was saved: a template built from the index
-                template = _template(source, top)
-                if template:
-                    state[top] = template
-            flat, paths = flatten(state)
-            dcp_format.load_into(source, flat)
-            state = unflatten(flat, paths)
-            saved_leaves = [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
+        with _open(loc, model, optimizers, verify) as source:
+            state, saved_leaves = _read_state(source, state, loc)
     except CkptError as exc:
         error = exc
     error = dist.first_error(error)
@@ -162,13 +136,47 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     step = record["step"] if record is not None else parse_step(loc.name)
     by_rank = {int(r): v for r, v in state.get(PER_RANK, {}).items() if str(r).isdigit()}
     leaves: dict[int, list[tuple]] = {}  # per saved rank: the paths in extra of its own values
-    for rank_key, *path in saved_leaves:
+    for rank_key, *sub in saved_leaves:
         if str(rank_key).isdigit():
-            leaves.setdefault(int(rank_key), []).append(tuple(path))
+            leaves.setdefault(int(rank_key), []).append(tuple(sub))
     saved_world = record.get("world_size") if record is not None else None
     values, unmatched = _own_values(state.get("extra", {}), by_rank, leaves, saved_world, loc)
     _restore_in_place(extra, values, unmatched, loc)
     return LoadResult(step=step, extra=values, path=loc.url, extra_by_rank=by_rank)
+
+
+def _open(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], verify: bool) -> Any:
+    """The checkpoint at ``loc`` opened for this rank's load (DCP, or a per-rank folder)."""
+    fmt = formats.detect(loc)
+    if not fmt.ranked:
+        raise FormatError(f"load reads DCP checkpoints and per-rank torch.save folders; this is {fmt.name}",
+                          where=loc.url, hint=f"convert it first: ckpttool convert {loc.url} DIR --to dcp")
+    if fmt.name == "dcp":
+        return dcp_format.DcpSource(loc, verify=verify, rank=dist.rank())
+    if fmt.name == "torch-ranks" and optimizers:
+        # its optimizer state is keyed by index: paired through the live optimizers' own groups
+        from .formats.torch_ranks import RanksSource
+
+        fqn = {id(p): n for n, p in model.named_parameters()}
+        return RanksSource(loc, verify, optimizer_names=[[fqn.get(id(p), "?") for p in g["params"]]
+                                                         for o in optimizers for g in o.param_groups])
+    return fmt.open_source(loc, verify)
+
+
+def _read_state(source: Any, state: dict[str, Any], loc: Location) -> tuple[dict[str, Any], list[tuple]]:
+    """``state`` (the live model's and optimizers' state dicts) filled from ``source``, with the
+    saved ``extra`` and per-rank values beside it; and the paths of the per-rank values saved."""
+    from .index import flatten
+
+    index = source.index()
+    _check_fits(state, index, loc)
+    for top in ("extra", PER_RANK):  # shaped like what was saved: a template built from the index
+        template = _template(source, top)
+        if template:
+            state[top] = template
+    flat, paths = flatten(state)
+    dcp_format.load_into(source, flat)
+    return unflatten(flat, paths), [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
 
 
 def _check_fits(state: dict[str, Any], index: Index, loc: Location) -> None:

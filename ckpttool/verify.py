@@ -127,19 +127,11 @@ def verify_against(path: str | Location, other: str | Location, *, only: str | N
     with formats.open_source(a_loc) as a, formats.open_source(b_loc) as b:
         plan = plan_entries(a, only, None)
         b_index = b.index()
-        if against_only is not None:
-            b_keys = {out: key for key, (out, _) in strip_prefix(b_index.paths, against_only).items()}
-            if not b_keys:
-                tops = sorted({str(b_index.path(k)[0]) for k in b_index})
-                raise UsageError(f"no entries under the top-level key {against_only!r} in {b_loc.url}",
-                                 hint=f"top-level keys there are: {', '.join(tops)}")
-        else:
-            b_keys = {k: k for k in b_index}
+        b_keys = _keys_compared(b_index, against_only, b_loc)
         a_keys = plan.source_key
         for key in sorted(b_keys.keys() - a_keys.keys()):
             report.add(f"only in {b_loc.url}, missing from {a_loc.url}", b_loc.url, b_keys[key])
-        tensors = plan.tensors
-        total = sum(t.nbytes for t in tensors)
+        total = sum(t.nbytes for t in plan.tensors)
         done = 0
         for spec in plan.entries:
             a_key = a_keys[spec.key]
@@ -175,6 +167,18 @@ def verify_against(path: str | Location, other: str | Location, *, only: str | N
             if progress:
                 progress(done, total, spec.key)
     return report
+
+
+def _keys_compared(index: Any, only: str | None, loc: Location) -> dict[str, str]:
+    """The keys of one side as compared (the prefix ``only.`` dropped) -> its own keys."""
+    if only is None:
+        return {k: k for k in index}
+    keys = {out: key for key, (out, _) in strip_prefix(index.paths, only).items()}
+    if not keys:
+        tops = sorted({str(index.path(k)[0]) for k in index})
+        raise UsageError(f"no entries under the top-level key {only!r} in {loc.url}",
+                         hint=f"top-level keys there are: {', '.join(tops)}")
+    return keys
 
 
 def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype, b_dtype, rtol, atol, budget, report, where):
