@@ -76,94 +76,117 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
     writes its share of the output's files (:mod:`ckpttool.parallel`): the same bytes as one
     process writes, committed once every worker has finished, or nothing when any one fails."""
     workers = dist.world_size() if parallel else 1
-    if workers > 1:
-        if not sink.splittable:
-            raise UsageError(f"{workers} workers cannot share a single-file {sink.format} output",
-                             hint="split the output (--max-shard-size), write DCP, or run one worker")
-        sink.share = (dist.rank(), workers)
-    tensors = sink.order(plan.tensors)
-    index = source.index()
-    shared = None
-    if workers > 1:
-        from .parallel import SharedProgress
-
-        shared = progress = SharedProgress(progress, sum(s.nbytes for s in tensors), sink.location.url)
-    # two sets of buffers (source dtype, cast), reused from slab to slab: no fresh pages per slab;
-    # one set is read into in the background while the other is written
-    scratch = SlabBuffers(4)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") if read_ahead else None
-    specs = {spec.key: spec for spec in tensors}
-
-    def slab_budget(spec: TensorSpec) -> int:
-        # a slab held at the source dtype, plus its cast when there is one, twice when reading
-        # ahead: all of it under the budget
-        src_dtype = index[plan.source_key[spec.key]].dtype
-        out_size = dtype_size(spec.dtype)
-        held = (out_size if src_dtype == spec.dtype else dtype_size(src_dtype) + out_size) * (2 if pool else 1)
-        return max(1, budget * out_size // held)
-
-    def read_into(key: str, box: Box, which: int) -> torch.Tensor:
-        spec = specs[key]
-        src_key = plan.source_key[key]
-        src_dtype = index[src_key].dtype
-        t = source.read_tensor(src_key, box, out=scratch.view(box[1], src_dtype, 2 * which))
-        if t.dtype == spec.dtype:
-            return t
-        return scratch.view(box[1], spec.dtype, 2 * which + 1).copy_(t)
-
-    ahead = ReadAhead([], read_into, None)
-    done = total = 0
-
-    def reader_for(spec: TensorSpec) -> tuple[ReadFn, int]:
-        return (lambda box: ahead.read(spec.key, box)), slab_budget(spec)
-
-    def advance(nbytes: int, key: str) -> None:
-        nonlocal done
-        dist.pause_point("offline-chunk")
-        done += nbytes
-        if progress:
-            progress(done, total, key)
-
-    def write() -> None:
-        nonlocal ahead, total
-        if workers > 1:
-            _start_shared(sink, plan)
-        else:
-            sink.start(plan.entries)
-        # the slabs this process will write, in order (after start: a sink plans its files there)
-        schedule = [(spec.key, slab) for spec, box in sink.read_order(tensors) for slab in stream_slabs(spec, slab_budget(spec), box)]
-        total = sum(math.prod(box[1]) * dtype_size(specs[key].dtype) for key, box in schedule)
-        ahead = ReadAhead(schedule if pool else [], read_into, pool)
-        source.check_in_parts()
-        sink.write(tensors, reader_for, advance)
-        ahead.stop()
-        source.settle()  # every record read is checked before the output is committed
-        sink.finish_files()
-
+    if workers > 1 and not sink.splittable:
+        raise UsageError(f"{workers} workers cannot share a single-file {sink.format} output",
+                         hint="split the output (--max-shard-size), write DCP, or run one worker")
+    streaming = _Streaming(source, sink, plan, budget, progress, read_ahead, workers)
     try:
         try:
-            write()
+            streaming.write()
         except OSError as exc:  # a write the storage refused (disk full): one line naming the output
             raise StorageError(describe_os_error(exc, "write"), where=sink.location.url) from None
         finally:
-            ahead.stop()
-            if pool is not None:
-                pool.shutdown(wait=True)
-        if workers > 1:
-            dist.agree(None)
-            shared.close(finished=True)
-            pieces = dist.gather(sink.pieces())  # worker 0 alone writes the file that describes them
-            if pieces is not None:
-                sink.merge(pieces)
-                dist.agree_on(sink.finalize)
-            else:
-                dist.agree_on(lambda: None)
-        else:
-            sink.finalize()
+            streaming.stop_reading()
+        streaming.commit()
     except BaseException as exc:
-        if shared is not None:
-            shared.close(finished=False)
-        agreed = workers == 1 or getattr(exc, "_agreed", False)
+        raise streaming.abort(exc) from None
+
+
+class _Streaming:
+    """One run of :func:`run`: the slabs' budget, the reads (ahead of the writes, into reused
+    buffers, cast on the way), progress, and the workers' commit or abort."""
+
+    def __init__(self, source: Source, sink: Sink, plan: Plan, budget: int, progress: Progress | None, read_ahead: bool,
+                 workers: int):
+        self.source, self.sink, self.plan, self.budget, self.workers = source, sink, plan, budget, workers
+        if workers > 1:
+            sink.share = (dist.rank(), workers)
+        self.tensors = sink.order(plan.tensors)
+        self.index = source.index()
+        self.specs = {spec.key: spec for spec in self.tensors}
+        self.shared = None
+        if workers > 1:
+            from .parallel import SharedProgress
+
+            self.shared = progress = SharedProgress(progress, sum(s.nbytes for s in self.tensors), sink.location.url)
+        self.progress = progress
+        # two sets of buffers (source dtype, cast), reused from slab to slab: no fresh pages per slab;
+        # one set is read into in the background while the other is written
+        self.scratch = SlabBuffers(4)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") if read_ahead else None
+        self.ahead = ReadAhead([], self._read_into, None)
+        self.done = self.total = 0
+
+    def _slab_budget(self, spec: TensorSpec) -> int:
+        """A slab held at the source dtype, plus its cast when there is one, twice when reading
+        ahead: all of it under the budget."""
+        src_dtype = self.index[self.plan.source_key[spec.key]].dtype
+        out_size = dtype_size(spec.dtype)
+        held = (out_size if src_dtype == spec.dtype else dtype_size(src_dtype) + out_size) * (2 if self.pool else 1)
+        return max(1, self.budget * out_size // held)
+
+    def _read_into(self, key: str, box: Box, which: int) -> torch.Tensor:
+        spec = self.specs[key]
+        src_key = self.plan.source_key[key]
+        src_dtype = self.index[src_key].dtype
+        t = self.source.read_tensor(src_key, box, out=self.scratch.view(box[1], src_dtype, 2 * which))
+        if t.dtype == spec.dtype:
+            return t
+        return self.scratch.view(box[1], spec.dtype, 2 * which + 1).copy_(t)
+
+    def _reader_for(self, spec: TensorSpec) -> tuple[ReadFn, int]:
+        return (lambda box: self.ahead.read(spec.key, box)), self._slab_budget(spec)
+
+    def _advance(self, nbytes: int, key: str) -> None:
+        dist.pause_point("offline-chunk")
+        self.done += nbytes
+        if self.progress:
+            self.progress(self.done, self.total, key)
+
+    def write(self) -> None:
+        sink, source = self.sink, self.source
+        if self.workers > 1:
+            _start_shared(sink, self.plan)
+        else:
+            sink.start(self.plan.entries)
+        # the slabs this process will write, in order (after start: a sink plans its files there)
+        schedule = [(spec.key, slab) for spec, box in sink.read_order(self.tensors)
+                    for slab in stream_slabs(spec, self._slab_budget(spec), box)]
+        self.total = sum(math.prod(box[1]) * dtype_size(self.specs[key].dtype) for key, box in schedule)
+        self.ahead = ReadAhead(schedule if self.pool else [], self._read_into, self.pool)
+        source.check_in_parts()
+        sink.write(self.tensors, self._reader_for, self._advance)
+        self.ahead.stop()
+        source.settle()  # every record read is checked before the output is committed
+        sink.finish_files()
+
+    def stop_reading(self) -> None:
+        self.ahead.stop()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    def commit(self) -> None:
+        """One process: finalize. Workers: agree that every one finished, then worker 0 merges the
+        pieces and finalizes, agreed."""
+        sink = self.sink
+        if self.workers == 1:
+            sink.finalize()
+            return
+        dist.agree(None)
+        self.shared.close(finished=True)
+        pieces = dist.gather(sink.pieces())  # worker 0 alone writes the file that describes them
+        if pieces is not None:
+            sink.merge(pieces)
+            dist.agree_on(sink.finalize)
+        else:
+            dist.agree_on(lambda: None)
+
+    def abort(self, exc: BaseException) -> BaseException:
+        """Remove the partial output after ``exc``; returns what to raise (every worker the same
+        error where they can agree on one)."""
+        if self.shared is not None:
+            self.shared.close(finished=False)
+        agreed = self.workers == 1 or getattr(exc, "_agreed", False)
         if not agreed and isinstance(exc, Exception):  # an interrupt (SIGTERM, Ctrl-C) stops without a word
             try:
                 exc, agreed = dist.agreed_error(exc), True
@@ -171,10 +194,10 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
                 pass
         # worker 0 removes the shared staging directory after an agreed failure; when the workers
         # could not agree, every one removes it (some may not be there to do it)
-        sink.abort(exc, discard=not agreed or dist.rank() == 0)
+        self.sink.abort(exc, discard=not agreed or dist.rank() == 0)
         if isinstance(exc, OSError):  # a commit the storage refused
-            raise StorageError(describe_os_error(exc, "write"), where=sink.location.url) from None
-        raise exc from None
+            return StorageError(describe_os_error(exc, "write"), where=self.sink.location.url)
+        return exc
 
 
 def _start_shared(sink: Sink, plan: Plan) -> None:

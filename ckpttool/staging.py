@@ -82,6 +82,13 @@ class Stager:
         self.fence()  # a copy still in flight fills the buffers this call is about to reuse
         self._copy_error = None  # a failed copy was raised by its own save's writer; this is a new save
         self._torn = []
+        out, copies = self._walk(state, rank, stores)
+        self._start_copies(copies, in_order, background)
+        return out
+
+    def _walk(self, state: dict[str, Any], rank: int, stores: Any) -> tuple[dict[str, Any], list[tuple]]:
+        """``state`` with every tensor replaced by its planned :class:`HostShard` (planned afresh
+        where the kept plan no longer fits), and (key, local, tensor, plan) of every tensor."""
         copies: list[tuple[str, torch.Tensor, torch.Tensor, _Plan]] = []
         plans = self._plans
         seen: set[str] = set()
@@ -117,6 +124,11 @@ class Stager:
                 self._layout.pop(gone, None)
         if self.planned:
             self._place(plans)
+        return out, copies
+
+    def _start_copies(self, copies: list[tuple], in_order: set[int], background: bool) -> None:
+        """Copy the tensors in order (module buffers; everything unless ``background``), or start
+        their copies: CUDA on a side stream, CPU as a :class:`_Copy` the guards watch."""
         side: list[_Item] = []
         cpu_side: list[_Item] = []
         cuda_in_order = False
@@ -150,7 +162,6 @@ class Stager:
             self._pending = _Copy(cpu_side, self._before_copy, self)
         if (side or cpu_side) and not snapshot.watch(self):
             self.fence()  # another dispatch mode is active here: nothing may guard the copies, so they end now
-        return out
 
     def _place(self, plans: dict[str, _Plan]) -> None:
         """Give every plan a host buffer. CPU tensors' buffers are views of one block of host

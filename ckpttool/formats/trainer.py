@@ -93,7 +93,31 @@ class TrainerSource(Source):
     def _open_parts(self, verify: bool) -> None:
         from . import detect, get
 
-        names = sorted(self.location.listdir())
+        plan, model_format, not_state = self._plan_parts(sorted(self.location.listdir()))
+        added: set[str] = set()
+        for top, name, loc in plan:
+            if loc is None:
+                self._add_json(top, name)
+                continue
+            try:
+                fmt = get(model_format) if loc == self.location and model_format else detect(loc)
+                if fmt.name == self.format:
+                    raise FormatError("a trainer folder inside a trainer folder", where=loc.url)
+                source = fmt.open_source(loc, verify)
+            except UnsafePickleError as exc:  # a value the allow-list refuses: named, the rest read
+                self._unreadable.append((name, exc.what))
+                continue  # (a damaged part is an error: nothing goes on without it unannounced)
+            self._add(top, name, source, added)
+        if not self._parts and not self._objects:
+            raise NotACheckpointError("trainer folder holds no part ckpttool can read", where=self.location.url,
+                                      hint="; ".join(f"{n}: {why}" for n, why in self._unreadable) or None)
+        if not_state:
+            self.notes.append(f"not checkpoint state, not read: {', '.join(not_state)}")
+
+    def _plan_parts(self, names: list[str]) -> tuple[list[tuple[str | None, str, Location | None]], str | None, list[str]]:
+        """What each file of the folder is: (top-level key, file, where to read it; None for a JSON
+        part) for every part read, the model's format when it is sharded (the folder itself), and
+        the files that are not checkpoint state. Names what cannot be read (``_unreadable``)."""
         used: set[str] = set()
         not_state: list[str] = []
         model = next((n for n in _MODEL_FILES if n in names), None)
@@ -141,25 +165,7 @@ class TrainerSource(Source):
                 not_state.append(name)
                 continue
             used.add(name)
-        added: set[str] = set()
-        for top, name, loc in plan:
-            if loc is None:
-                self._add_json(top, name)
-                continue
-            try:
-                fmt = get(model_format) if loc == self.location and model_format else detect(loc)
-                if fmt.name == self.format:
-                    raise FormatError("a trainer folder inside a trainer folder", where=loc.url)
-                source = fmt.open_source(loc, verify)
-            except UnsafePickleError as exc:  # a value the allow-list refuses: named, the rest read
-                self._unreadable.append((name, exc.what))
-                continue  # (a damaged part is an error: nothing goes on without it unannounced)
-            self._add(top, name, source, added)
-        if not self._parts and not self._objects:
-            raise NotACheckpointError("trainer folder holds no part ckpttool can read", where=self.location.url,
-                                      hint="; ".join(f"{n}: {why}" for n, why in self._unreadable) or None)
-        if not_state:
-            self.notes.append(f"not checkpoint state, not read: {', '.join(not_state)}")
+        return plan, model_format, not_state
 
     def _add(self, top: str | None, name: str, source: Source, tops: set[str]) -> None:
         index = source.index()

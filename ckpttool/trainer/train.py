@@ -20,6 +20,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,8 +61,6 @@ def run_training(args: argparse.Namespace) -> TrainRun:
     Raises :class:`UsageError` for bad flags or a checkpoint made with a different seed or batch
     size, and whatever the Checkpointer raises for storage or checkpoint problems.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     if not dist.is_initialized():
         raise UsageError(
             "run_training needs an initialised process group",
@@ -72,61 +71,11 @@ def run_training(args: argparse.Namespace) -> TrainRun:
     config = dataclasses.replace(PRESETS[args.model_size], dropout=args.dropout)
     # each rank's dropout masks come from its own generator, seeded from (seed, rank), saved per rank
     torch.manual_seed(derive_seed(args.seed, f"rank/{rank}"))
-
-    # The mesh follows the process group's backend, so gloo ranks on a GPU machine stay on CPU.
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, (world_size,))
-    model = build_fsdp_model(config, mesh, args.seed, mixed_precision=args.mixed_precision)
-    for prefix in args.freeze:  # a frozen base (fine-tuning): no gradient, no optimizer state
-        matched = [p for name, p in model.named_parameters() if name.startswith(prefix)]
-        if not matched:
-            raise UsageError(f"--freeze {prefix}: no parameter name starts with it",
-                             hint="names look like tok_embeddings.weight, layers.0.attention.wq.weight")
-        for p in matched:
-            p.requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.1)
-    # (none without --warmup: a scheduler adds ``initial_lr`` to the optimizer's groups, which a
-    # checkpoint then holds and a plain optimizer loading it does not)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(args.warmup)) if args.warmup else None
+    model, optimizer, scheduler = _build(args, config, world_size)
     device = next(model.parameters()).device
 
-    ckpt = None
-    start = 0
-    if args.ckpt_dir:
-        from .. import Checkpointer  # only needed when checkpointing
-
-        ckpt = Checkpointer(args.ckpt_dir, keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save,
-                            incremental=args.incremental,
-                            on_commit=lambda step, url: print(f"committed step {step}: {url}", flush=True))
-        if args.resume:
-            res = ckpt.load(model, optimizer)
-            if rank == 0:
-                print(f"resumed from step {res.step}: {res.path}" if res is not None
-                      else f"no committed step under {args.ckpt_dir}: starting at step 0", flush=True)
-            if res is not None:
-                _check_resumed_extra(res.extra, args, res.path)
-                if scheduler is not None and "sched" in res.extra:
-                    scheduler.load_state_dict(res.extra["sched"])
-                if "rng" in res.extra:
-                    torch.set_rng_state(res.extra["rng"])  # this rank's own, saved by this rank
-                else:  # another world size (or a checkpoint without it): a fresh, deterministic generator
-                    torch.manual_seed(derive_seed(args.seed, f"rank/{rank}/step/{res.step}"))
-                if args.verify_after_load:
-                    from .. import verify_loaded
-
-                    report = verify_loaded(model, optimizer, res.path)
-                    if not report.ok:
-                        first = report.mismatches[0]
-                        raise UsageError(
-                            f"{len(report.mismatches)} shard(s) differ from the checkpoint after loading; "
-                            f"first: {first.key} on rank {first.rank} at {first.first_index}",
-                            where=res.path,
-                            hint="run `ckpttool verify` on the checkpoint",
-                        )
-                    if rank == 0:
-                        print(f"verified {report.tensors_checked} loaded shards against {res.path}", flush=True)
-                # res.step optimizer steps are done: the next loop index is res.step itself.
-                start = res.step
+    ckpt = _checkpointer(args)
+    start = _resume(ckpt, model, optimizer, scheduler, args, rank) if ckpt is not None and args.resume else 0
 
     criterion = nn.CrossEntropyLoss()
     losses: list[float] = []
@@ -161,6 +110,73 @@ def run_training(args: argparse.Namespace) -> TrainRun:
     if ckpt is not None:
         ckpt.close()  # an async save still running finishes (or raises) here
     return TrainRun(losses=losses, start_step=start, model=model, optimizer=optimizer, lrs=lrs)
+
+
+def _checkpointer(args: argparse.Namespace) -> Any:
+    """The Checkpointer of ``--ckpt-dir`` (None without one), saying each commit on stdout."""
+    if not args.ckpt_dir:
+        return None
+    from .. import Checkpointer  # only needed when checkpointing
+
+    return Checkpointer(args.ckpt_dir, keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save,
+                        incremental=args.incremental, on_commit=lambda step, url: print(f"committed step {step}: {url}", flush=True))
+
+
+def _build(args: argparse.Namespace, config: Any, world_size: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """The FSDP2 model on a 1-D mesh of every rank, its frozen parameters, the optimizer (built
+    after sharding, over what trains) and the warmup schedule (None without --warmup)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # The mesh follows the process group's backend, so gloo ranks on a GPU machine stay on CPU.
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (world_size,))
+    model = build_fsdp_model(config, mesh, args.seed, mixed_precision=args.mixed_precision)
+    for prefix in args.freeze:  # a frozen base (fine-tuning): no gradient, no optimizer state
+        matched = [p for name, p in model.named_parameters() if name.startswith(prefix)]
+        if not matched:
+            raise UsageError(f"--freeze {prefix}: no parameter name starts with it",
+                             hint="names look like tok_embeddings.weight, layers.0.attention.wq.weight")
+        for p in matched:
+            p.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.1)
+    # (none without --warmup: a scheduler adds ``initial_lr`` to the optimizer's groups, which a
+    # checkpoint then holds and a plain optimizer loading it does not)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(args.warmup)) if args.warmup else None
+    return model, optimizer, scheduler
+
+
+def _resume(ckpt: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, args: argparse.Namespace,
+            rank: int) -> int:
+    """Load the newest committed step (model, optimizer, schedule, this rank's generator), checked
+    against the flags and with --verify-after-load against the files; returns the next step."""
+    res = ckpt.load(model, optimizer)
+    if rank == 0:
+        print(f"resumed from step {res.step}: {res.path}" if res is not None
+              else f"no committed step under {args.ckpt_dir}: starting at step 0", flush=True)
+    if res is None:
+        return 0
+    _check_resumed_extra(res.extra, args, res.path)
+    if scheduler is not None and "sched" in res.extra:
+        scheduler.load_state_dict(res.extra["sched"])
+    if "rng" in res.extra:
+        torch.set_rng_state(res.extra["rng"])  # this rank's own, saved by this rank
+    else:  # another world size (or a checkpoint without it): a fresh, deterministic generator
+        torch.manual_seed(derive_seed(args.seed, f"rank/{rank}/step/{res.step}"))
+    if args.verify_after_load:
+        from .. import verify_loaded
+
+        report = verify_loaded(model, optimizer, res.path)
+        if not report.ok:
+            first = report.mismatches[0]
+            raise UsageError(
+                f"{len(report.mismatches)} shard(s) differ from the checkpoint after loading; "
+                f"first: {first.key} on rank {first.rank} at {first.first_index}",
+                where=res.path,
+                hint="run `ckpttool verify` on the checkpoint",
+            )
+        if rank == 0:
+            print(f"verified {report.tensors_checked} loaded shards against {res.path}", flush=True)
+    return res.step  # res.step optimizer steps are done: the next loop index is res.step itself
 
 
 def warmup(steps: int):
