@@ -264,3 +264,52 @@ def test_manifest_and_crc_both_catch_a_flip_in_tensor_data_read_once(tmp_path):
     flip_bit(step / fname, record.offset + 20, 0)  # inside the record's first zip local header: its name
     report = verify_path(str(step))
     assert any(p.key == key and "manifest" in p.what for p in report.problems)
+
+
+def _step_with_manifest(tmp_path) -> str:
+    from ckpttool import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    Checkpointer(str(tmp_path / "run")).save(1, model)
+    return str(tmp_path / "run" / "step-1")
+
+
+def _read_error(step: str) -> CkptError:
+    from ckpttool import load
+
+    with pytest.raises(CkptError) as caught:
+        load(step, torch.nn.Linear(64, 32))
+    return caught.value
+
+
+@pytest.mark.parametrize("damage", ["record", "metadata", "crc"])
+def test_the_one_checker_tells_a_read_and_verify_the_same(tmp_path, damage):
+    """formats/dcp/manifest.py finds; a read raises what it found, verify reports it: the same text
+    (the key named in the read's message, in its own column in verify's) and the same hint."""
+    step = _step_with_manifest(tmp_path)
+    file, start, end, key = next(s for s in tensor_data_spans(step) if s[3] == "model.weight")
+    if damage == "metadata":  # the same length: only the manifest can tell
+        path = os.path.join(step, ".metadata")
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(data.replace(b"model.bias", b"model.bia_"))
+        said = ".metadata does not match the manifest written at commit"
+    else:
+        if damage == "crc":  # no manifest: torch's CRC-32 is what checks
+            record = json.load(open(os.path.join(step, ".ckpttool-commit.json")))
+            os.remove(os.path.join(step, ".ckpttool-commit.json"))
+            assert record["manifest"]
+        flip_bit(os.path.join(step, file), (start + end) // 2)
+        said = "does not match its CRC-32" if damage == "crc" else "does not match the manifest's checksum"
+    error = _read_error(step)
+    problems = [p for p in verify_path(step).problems if said in p.what]
+    assert said in error.what and len(problems) == 1, (error.what, verify_path(step).problems)
+    found = problems[0]
+    assert found.hint == error.hint and found.file == error.where
+    assert found.key == (None if damage == "metadata" else key)
+    # the read's text names the key (and the rank), verify's leaves the key to its own column
+    plain = error.what.removesuffix(" on rank 0").replace(f"record of {key!r}", "record")
+    plain = plain.replace(f"of {key!r} (chunk at [0, 0])", "of the chunk at [0, 0]")
+    assert plain == found.what, (error.what, found.what)

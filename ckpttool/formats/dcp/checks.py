@@ -23,6 +23,7 @@ from ...index import Chunk, TensorEntry, dtype_size
 from ...layout import Box, relative
 from ..base import SlabBuffers, tensor_buffer
 from ..torchzip import check_ref
+from .manifest import Manifest, check_crc
 from .metadata import METADATA_FILE
 
 if TYPE_CHECKING:
@@ -42,10 +43,6 @@ class RecordSource(Protocol):
     def record(self, info: Any, key: str) -> tuple[Any, int, int]: ...
     def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk) -> tuple[Any, Any]: ...
     def transformed(self, info: Any) -> bool: ...
-
-#: (file, offset) -> (length, hex digest, the row's block digests or None), from a step's manifest
-Manifest = dict[tuple[str, int], tuple[int, str, Any]]
-
 
 class _Stream:
     """The check of a record being read in consecutive parts: the next data byte it expects and
@@ -73,7 +70,7 @@ class RecordChecks:
     def __init__(self, source: RecordSource, manifest: dict[str, Any] | None, rank: int | None = None):
         self.source = source
         self.on = f" on rank {rank}" if rank is not None else ""
-        self.rows: Manifest | None = None
+        self.manifest: Manifest | None = None
         self._done: set[tuple[str, int]] = set()
         self._streams: dict[tuple[str, int], _Stream] = {}
         self.in_parts = False  # set by check_in_parts: see the module's docstring
@@ -81,15 +78,13 @@ class RecordChecks:
         self._block: memoryview | None = None
         self.block = HASH_BLOCK
         self._rest_ok: set[tuple[str, int]] = set()  # records whose bytes around the data were checked
-        if manifest:
-            self.block = manifest.get("block") or HASH_BLOCK
-            self.rows = {(name, off): (length, digest, extra[0] if extra else None)
-                         for name, rows in manifest.get("records", {}).items() for off, length, digest, *extra in rows}
-            expected = manifest.get("files", {}).get(METADATA_FILE)
-            if expected is not None and list(expected) != [source.metadata_size, source.metadata_digest]:
-                raise ChecksumError(f".metadata does not match the manifest written at commit{self.on}",
-                                    where=source.location.child(METADATA_FILE).url,
-                                    hint="it changed after the save; the step cannot be trusted: load an earlier one")
+        self.manifest = Manifest.of(manifest)[0]
+        if self.manifest is not None:
+            self.block = self.manifest.block
+            finding = self.manifest.check_metadata(source.metadata_size, source.metadata_digest,
+                                                   source.location.child(METADATA_FILE).url)
+            if finding is not None:
+                raise finding.error(None, self.on)
 
     def done(self, info: Any) -> bool:
         return (info.relative_path, info.offset) in self._done
@@ -100,7 +95,7 @@ class RecordChecks:
         ref, storage = source.tensor_record(key, entry, chunk)
         if self._block is None:
             self._block = new_block()
-        if self.rows is None:  # torch's CRC-32 of the (decoded) record's tensor data
+        if self.manifest is None:  # torch's CRC-32 of the (decoded) record's tensor data
             reader = source.record(info, key)[0]
             self._compare_crc(key, chunk, scan(reader, storage.offset, storage.nbytes, self._block), storage.crc32)
         else:  # the manifest's hash of the record as stored (compressed or not)
@@ -134,7 +129,7 @@ class RecordChecks:
         check_ref(ref, storage, where)
         reader = source.record(info, key)[0]
         if stream is None:
-            stream = self._streams[name] = _Stream(key, entry, chunk, new_hasher() if self.rows is not None else None)
+            stream = self._streams[name] = _Stream(key, entry, chunk, new_hasher() if self.manifest is not None else None)
             if stream.hasher is not None:
                 stream.hasher.update(reader.read(info.offset, storage.offset - info.offset))
         data = tensor_buffer(dst)
@@ -190,7 +185,7 @@ class RecordChecks:
             reader.readinto(storage.offset, data)
             full = raw[: storage.nbytes // item * item].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.storage_offset)
             dst.copy_(full[relative(part, (chunk.offsets, chunk.sizes))])
-        if self.rows is None:
+        if self.manifest is None:
             self._compare_crc(key, chunk, zlib.crc32(data), storage.crc32)
         elif packed:  # the manifest hashed the compressed bytes: hash them as stored, and check the CRC too
             if self._block is None:
@@ -216,7 +211,7 @@ class RecordChecks:
         import torch
 
         source, info = self.source, chunk.location
-        row = self.rows.get((info.relative_path, info.offset)) if self.rows is not None else None
+        row = self.manifest.rows.get((info.relative_path, info.offset)) if self.manifest is not None else None
         if row is None or row[2] is None or source.transformed(info) or not chunk.sizes:
             return False
         ref, storage = source.tensor_record(key, entry, chunk)
@@ -298,25 +293,18 @@ class RecordChecks:
 
     def check_object(self, key: str, info: Any) -> None:
         """The manifest's hash of an object's record (its pickle's CRC-32 is checked as it is read)."""
-        if self.rows is not None and not self.done(info):
+        if self.manifest is not None and not self.done(info):
             h = new_hasher()
             h.update(self.source.reader(info.relative_path).read(info.offset, info.length))
             self._compare_digest(key, info, h.hexdigest())
             self._done.add((info.relative_path, info.offset))
 
     def _compare_crc(self, key: str, chunk: Chunk, crc: int, stored: int) -> None:
-        if crc != stored:
-            raise ChecksumError(f"tensor data of {key!r} (chunk at {list(chunk.offsets)}) does not match its CRC-32 "
-                                f"(stored {stored:08x}, computed {crc:08x}){self.on}",
-                                where=self.source.file(chunk.location.relative_path).url,
-                                hint="the bytes changed after they were written; restore the file or use another step")
+        finding = check_crc(chunk.offsets, crc, stored, self.source.file(chunk.location.relative_path).url)
+        if finding is not None:
+            raise finding.error(key, self.on)
 
     def _compare_digest(self, key: str, info: Any, digest: str) -> None:
-        url = self.source.file(info.relative_path).url
-        row = self.rows.get((info.relative_path, info.offset)) if self.rows is not None else None
-        if row is None or row[0] != info.length:
-            raise ChecksumError(f"record of {key!r} at byte {info.offset} is not in the manifest written at commit{self.on}",
-                                where=url, hint="the .metadata changed after the save")
-        if digest != row[1]:
-            raise ChecksumError(f"record of {key!r} at byte {info.offset} does not match the manifest's checksum{self.on}",
-                                where=url, hint="the bytes changed after the save committed; restore the file or use another step")
+        finding = self.manifest.check_digest(info, digest, self.source.file(info.relative_path).url)
+        if finding is not None:
+            raise finding.error(key, self.on)

@@ -10,19 +10,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...checksums import ALGORITHM, hash_range, new_block, new_hasher, scan
+from ...checksums import hash_range, new_block, new_hasher, scan
 from ...errors import CkptError, UnsafePickleError
 from ...index import TensorEntry, dtype_size
 from ...layout import tiles_exactly
 from ...report import Report
 from ...steps import read_commit_record
 from ..base import Progress
+from .manifest import Finding, Manifest, check_crc
 from .metadata import METADATA_FILE
 from .source import DcpSource
-
-#: (file, offset) -> (length, hex digest) of every record, from the step's commit record
-Manifest = dict[tuple[str, int], tuple[int, str]]
-
 
 def check_integrity(source: DcpSource, report: Report, only: str | None, progress: Progress | None,
                     share: tuple[int, int] | None = None) -> list[tuple[int, Report]] | None:
@@ -117,35 +114,31 @@ def _load_manifest(source: DcpSource, report: Report) -> Manifest | None:
     except CkptError as exc:
         report.add(exc.what, exc.where, hint=exc.hint)
         return None
-    manifest = (record or {}).get("manifest")
-    if not manifest:
-        return None
-    if manifest.get("algorithm") != ALGORITHM:
-        report.note(f"manifest uses {manifest.get('algorithm')}, this install hashes with {ALGORITHM}: not checked")
-        return None
-    report.note(f"checked against the manifest ({ALGORITHM}) of the commit record")
-    expected = manifest.get("files", {}).get(METADATA_FILE)
-    if expected is not None and list(expected) != [source.metadata_size, source.metadata_digest]:
-        report.add(".metadata does not match the manifest written at commit", source.location.child(METADATA_FILE).url,
-                   hint="it changed after the save committed; the step cannot be trusted")
-    return {(name, off): (length, digest) for name, rows in manifest.get("records", {}).items() for off, length, digest, *_ in rows}
+    manifest, note = Manifest.of((record or {}).get("manifest"))
+    if note:
+        report.note(note)
+    if manifest is not None:
+        _add(report, manifest.check_metadata(source.metadata_size, source.metadata_digest,
+                                             source.location.child(METADATA_FILE).url), None)
+    return manifest
 
 
-def _manifest_row(manifest: Manifest | None, info: Any, url: str, key: str, report: Report) -> tuple[int, str] | None:
-    """The manifest's (length, hash) of this record; reports a record the manifest does not know."""
+def _add(report: Report, finding: Finding | None, key: str | None) -> None:
+    if finding is not None:
+        report.add(finding.message(), finding.where, key, finding.hint)
+
+
+def _manifest_row(manifest: Manifest | None, info: Any, url: str, key: str, report: Report) -> Any:
+    """The manifest's row of this record; reports a record the manifest does not know."""
     if manifest is None:
         return None
-    row = manifest.get((info.relative_path, info.offset))
-    if row is None or row[0] != info.length:
-        report.add("record is not in the manifest written at commit", url, key, hint="the .metadata changed after the save")
-        return None
+    row, finding = manifest.row(info, url)
+    _add(report, finding, key)
     return row
 
 
-def _compare_digest(row: tuple[int, str] | None, digest: str, info: Any, url: str, key: str, report: Report) -> None:
-    if row is not None and digest != row[1]:
-        report.add(f"record at byte {info.offset} does not match the manifest's checksum", url, key,
-                   hint="the bytes changed after the save committed; restore the file")
+def _compare_digest(manifest: Manifest, digest: str, info: Any, url: str, key: str, report: Report) -> None:
+    _add(report, manifest.check_digest(info, digest, url), key)
 
 
 def _check_object(source: DcpSource, key: str, info: Any, manifest: Manifest | None, report: Report, buf: memoryview) -> None:
@@ -153,7 +146,8 @@ def _check_object(source: DcpSource, key: str, info: Any, manifest: Manifest | N
     row = _manifest_row(manifest, info, url, key, report)
     try:
         if row is not None:
-            _compare_digest(row, hash_range(source.reader(info.relative_path), info.offset, info.length, buf), info, url, key, report)
+            _compare_digest(manifest, hash_range(source.reader(info.relative_path), info.offset, info.length, buf), info, url,
+                            key, report)
         source.read_object(key)
         report.objects_checked += 1
     except UnsafePickleError as exc:  # a value ckpttool refuses to read: unreadable input, not damage
@@ -184,7 +178,8 @@ def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, ma
             return
         if source.transformed(info):  # the manifest covers the compressed bytes, the CRC-32 the decoded record
             if hasher is not None:
-                _compare_digest(row, hash_range(source.reader(info.relative_path), info.offset, info.length, buf), info, url, key, report)
+                _compare_digest(manifest, hash_range(source.reader(info.relative_path), info.offset, info.length, buf), info,
+                                url, key, report)
                 hasher = None
             crc = scan(source.record(info, key)[0], storage.offset, storage.nbytes, buf)
         elif hasher is not None:
@@ -192,12 +187,9 @@ def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, ma
                        crc_span=(storage.offset, storage.offset + storage.nbytes), hasher=hasher)
         else:
             crc = scan(source.reader(info.relative_path), storage.offset, storage.nbytes, buf)
-        if crc != storage.crc32:
-            report.add(f"tensor data of the chunk at {list(chunk.offsets)} does not match its CRC-32 "
-                       f"(stored {storage.crc32:08x}, computed {crc:08x})", url, key,
-                       hint="the bytes changed after they were written (bit rot, a bad copy); restore the file")
+        _add(report, check_crc(chunk.offsets, crc, storage.crc32, url), key)
         if hasher is not None:
-            _compare_digest(row, hasher.hexdigest(), info, url, key, report)
+            _compare_digest(manifest, hasher.hexdigest(), info, url, key, report)
     except CkptError as exc:
         report.add(exc.what, exc.where or url, key, exc.hint)
     except Exception as exc:  # noqa: BLE001 - a corrupt record must be reported, never crash the check
