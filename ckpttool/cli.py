@@ -335,7 +335,7 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
                                               "ranks' files): save the new job's initial state once on its mesh, then reshard to it. "
                                               "Instead of --world-size.")
 @only_option
-@click.option("--to", "to", type=click.Choice(["dcp", "torch-ranks"]), default="dcp", show_default=True,
+@click.option("--to", "to", type=click.Choice(formats.reshard_outputs()), default="dcp", show_default=True,
               help="Write DCP, or a per-rank torch.save folder (<key>_rank_<R>.pt of DTensors, as FSDP2's manual "
                    "sharded checkpointing writes them).")
 @write_options

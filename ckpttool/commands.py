@@ -201,8 +201,8 @@ def _reshard_target(world_size: int | None, mesh: str | None, like: Any, tp_plan
     if tp_plan and mesh is None:
         raise UsageError("--tp-colwise/--tp-rowwise need --mesh DPxTP (data-parallel x tensor-parallel ranks)")
     target = Mesh.parse(world_size, mesh) if world_size is not None else None
-    if to not in ("dcp", "torch-ranks"):
-        raise UsageError(f"reshard writes dcp or torch-ranks, not {to!r}")
+    if to not in formats.reshard_outputs():
+        raise UsageError(f"reshard writes {' or '.join(formats.reshard_outputs())}, not {to!r}")
     if to != "dcp" and (like is not None or tp_plan or compress):
         raise UsageError("--to torch-ranks writes FSDP2's Shard(0) layouts: --world-size [--mesh RxS], no --like, "
                          "tensor parallelism or --compress")

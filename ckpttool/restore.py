@@ -151,16 +151,10 @@ def _open(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.optim.O
     if not fmt.ranked:
         raise FormatError(f"load reads DCP checkpoints and per-rank torch.save folders; this is {fmt.name}",
                           where=loc.url, hint=f"convert it first: ckpttool convert {loc.url} DIR --to dcp")
-    if fmt.name == "dcp":
-        return dcp_format.DcpSource(loc, verify=verify, rank=dist.rank())
-    if fmt.name == "torch-ranks" and optimizers:
-        # its optimizer state is keyed by index: paired through the live optimizers' own groups
-        from .formats.torch_ranks import RanksSource
-
-        fqn = {id(p): n for n, p in model.named_parameters()}
-        return RanksSource(loc, verify, optimizer_names=[[fqn.get(id(p), "?") for p in g["params"]]
-                                                         for o in optimizers for g in o.param_groups])
-    return fmt.open_source(loc, verify)
+    # a per-rank folder's optimizer state is keyed by index: paired through the live optimizers' own groups
+    fqn = {id(p): n for n, p in model.named_parameters()}
+    names = [[fqn.get(id(p), "?") for p in g["params"]] for o in optimizers for g in o.param_groups] if optimizers else None
+    return fmt.open_source(loc, verify, formats.Reading(rank=dist.rank(), optimizer_names=names))
 
 
 def _read_state(source: Any, state: dict[str, Any], loc: Location) -> tuple[dict[str, Any], list[tuple]]:

@@ -32,22 +32,38 @@ class Registration:
     summary: str
     default: bool  # the output format for a name with no known suffix (a directory)
     sharded_default: bool  # ... when the output is to be sharded (--max-shard-size)
-    writable: bool = True  # whether ckpttool writes it (convert/reshard outputs), not only reads it
+    writes: tuple[str, ...] = ("convert",)  # the commands that write it (convert: any checkpoint; reshard: a job's ranks)
+
+    @property
+    def writable(self) -> bool:
+        """Whether ``convert`` writes it (a ``--to`` choice of convert)."""
+        return "convert" in self.writes
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Who opens a checkpoint, for what (a load into a live job): ``rank``, named in its errors; and
+    ``optimizer_names``, the live optimizers' parameter names group by group, which pair a per-rank
+    folder's optimizer indices with names as ``optimizer.load_state_dict`` pairs them."""
+
+    rank: int | None = None
+    optimizer_names: list[list[str]] | None = None
 
 
 _REGISTRY: dict[str, Registration] = {}
 
 
 def register(name: str, module: str, *, suffixes: tuple[str, ...] = (), summary: str = "", default: bool = False,
-             sharded_default: bool = False, writable: bool = True) -> None:
+             sharded_default: bool = False, writes: tuple[str, ...] = ("convert",)) -> None:
     if name in _REGISTRY:
         raise ValueError(f"format {name!r} is registered twice")
-    _REGISTRY[name] = Registration(name, module, suffixes, summary, default, sharded_default, writable)
+    _REGISTRY[name] = Registration(name, module, suffixes, summary, default, sharded_default, writes)
 
 
-register("dcp", "ckpttool.formats.dcp", summary="torch.distributed.checkpoint directory", default=True)
+register("dcp", "ckpttool.formats.dcp", summary="torch.distributed.checkpoint directory", default=True,
+         writes=("convert", "reshard"))
 # (before torch and safetensors: a trainer folder holds their files among its parts)
-register("trainer", "ckpttool.formats.trainer", writable=False,
+register("trainer", "ckpttool.formats.trainer", writes=(),
          summary="a trainer's checkpoint folder (Hugging Face Trainer checkpoint-N/, accelerate save_state), one key per part")
 register("torch", "ckpttool.formats.torch_save", suffixes=(".pt", ".pth", ".bin"),
          summary="one torch.save file, or an HF-sharded directory of .bin files")
@@ -55,7 +71,7 @@ register("safetensors", "ckpttool.formats.safetensors", suffixes=(".safetensors"
          summary="one .safetensors file, or an HF-sharded directory", sharded_default=True)
 register("torch-ranks", "ckpttool.formats.torch_ranks",
          summary="a folder of per-rank torch.save files (<prefix>_rank_<R>.pt, FSDP2's manual sharded checkpoints)",
-         writable=False)
+         writes=("reshard",))
 
 
 def names() -> tuple[str, ...]:
@@ -66,6 +82,11 @@ def names() -> tuple[str, ...]:
 def output_names() -> tuple[str, ...]:
     """The formats ckpttool writes (``--to`` choices), in registration order. Imports no torch."""
     return tuple(name for name, reg in _REGISTRY.items() if reg.writable)
+
+
+def reshard_outputs() -> tuple[str, ...]:
+    """The formats ``reshard`` writes (its ``--to`` choices): a job's ranks' files. Imports no torch."""
+    return tuple(name for name, reg in _REGISTRY.items() if "reshard" in reg.writes)
 
 
 def registrations() -> tuple[Registration, ...]:
@@ -136,14 +157,14 @@ def detect(loc: Location) -> Format:
 
 
 def open_source(path: str | Location, fmt: str | None = None, storage_options: dict[str, Any] | None = None,
-                verify: bool = True) -> Source:
+                verify: bool = True, reading: Reading | None = None) -> Source:
     """Open a checkpoint for reading, in the format ``fmt`` or the one its content shows; with
-    ``verify``, stored checksums are checked as data is read."""
+    ``verify``, stored checksums are checked as data is read; ``reading``: who reads it, for what."""
     from ..storage import resolve
 
     loc = resolve(path, storage_options)
-    return (get(fmt) if fmt else detect(loc)).open_source(loc, verify)
+    return (get(fmt) if fmt else detect(loc)).open_source(loc, verify, reading)
 
 
-__all__ = ["Registration", "all_formats", "detect", "get", "names", "open_source", "output_format", "output_names", "register",
-           "registrations"]
+__all__ = ["Reading", "Registration", "all_formats", "detect", "get", "names", "open_source", "output_format", "output_names",
+           "register", "registrations", "reshard_outputs"]

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..report import Report
+    from . import Reading
 
 ReadFn = Callable[[Box], "torch.Tensor"]
 #: progress(done_bytes, total_bytes, key) — the CLI renders it; nothing below the CLI prints.
@@ -339,9 +340,11 @@ class Format(ABC):
         return None
 
     @abstractmethod
-    def open_source(self, loc: Location, verify: bool = True) -> Source:
+    def open_source(self, loc: Location, verify: bool = True, reading: Reading | None = None) -> Source:
         """Open for reading; with ``verify``, stored checksums are checked as the data is read (a
-        mismatch raises :class:`ChecksumError`). ``verify`` itself opens without, to report instead."""
+        mismatch raises :class:`ChecksumError`). ``verify`` itself opens without, to report instead.
+        ``reading`` (:class:`ckpttool.formats.Reading`): a load's rank and live optimizers, for the
+        formats that use them."""
 
     @abstractmethod
     def make_sink(self, loc: Location, options: SinkOptions) -> Sink: ...

@@ -378,7 +378,7 @@ class SafetensorsFormat(Format):
         (n,) = struct.unpack("<Q", probe.head[:8])
         return probe.head[8:9] == b"{" and 8 + n <= probe.size
 
-    def open_source(self, loc: Location, verify: bool = True) -> SafetensorsSource:
+    def open_source(self, loc: Location, verify: bool = True, reading: Any = None) -> SafetensorsSource:
         return SafetensorsSource(loc)  # the format stores no checksums to verify
 
     def make_sink(self, loc: Location, options: SinkOptions) -> SafetensorsSink:

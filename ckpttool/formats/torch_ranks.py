@@ -572,8 +572,8 @@ class RanksFormat(Format):
     def sniff(self, probe: Probe) -> bool:
         return probe.is_dir and bool(rank_groups(probe.names))
 
-    def open_source(self, loc: Location, verify: bool = True) -> RanksSource:
-        return RanksSource(loc, verify=verify)
+    def open_source(self, loc: Location, verify: bool = True, reading: Any = None) -> RanksSource:
+        return RanksSource(loc, verify=verify, optimizer_names=reading.optimizer_names if reading is not None else None)
 
     sink_options = frozenset({"layout"})
 

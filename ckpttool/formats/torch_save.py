@@ -327,7 +327,7 @@ class TorchSaveFormat(Format):
                                hint="load and re-save it with a current torch")
         return None
 
-    def open_source(self, loc: Location, verify: bool = True) -> TorchSaveSource:
+    def open_source(self, loc: Location, verify: bool = True, reading: Any = None) -> TorchSaveSource:
         return TorchSaveSource(loc, verify=verify)
 
     def make_sink(self, loc: Location, options: SinkOptions) -> TorchSaveSink:

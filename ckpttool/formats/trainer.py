@@ -297,7 +297,7 @@ class TrainerFormat(Format):
     def sniff(self, probe: Probe) -> bool:
         return probe.is_dir and ".metadata" not in probe.names and is_trainer_folder(probe.names)
 
-    def open_source(self, loc: Location, verify: bool = True) -> TrainerSource:
+    def open_source(self, loc: Location, verify: bool = True, reading: Any = None) -> TrainerSource:
         return TrainerSource(loc, verify=verify)
 
     def make_sink(self, loc: Location, options: Any) -> Any:

@@ -58,8 +58,8 @@ class DcpFormat(Format):
                                        hint="use a complete checkpoint")
         return None
 
-    def open_source(self, loc: Location, verify: bool = True) -> DcpSource:
-        return DcpSource(loc, verify=verify)
+    def open_source(self, loc: Location, verify: bool = True, reading: Any = None) -> DcpSource:
+        return DcpSource(loc, verify=verify, rank=reading.rank if reading is not None else None)
 
     def make_sink(self, loc: Location, options: SinkOptions) -> DcpSink:
         from .sink import DcpSink
