@@ -216,3 +216,51 @@ def dumps(metadata: Metadata, strings: Iterable[str], dtypes: Iterable[str]) -> 
     if MODULE.encode() in data or torch_names.__name__.encode() in data:  # a global left unrenamed (a bug)
         raise AssertionError(f"{MODULE} left in a .metadata pickle")
     return data
+
+
+class Described:
+    """What a step's ``.metadata`` describes, whoever wrote the records (the training writer from
+    its ranks' indexes, the offline sink from its files): keys in order, each key's planner path,
+    each object's record and each tensor's shape, dtype and chunks' records. A record is
+    (file, offset, length, transforms); a chunk is (offsets, sizes, record)."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.paths: dict[str, tuple] = {}
+        self.objects: dict[str, tuple[str, int, int, list[str] | None]] = {}
+        self.tensors: dict[str, tuple[tuple[int, ...], str, list[tuple[tuple, tuple, tuple]]]] = {}
+
+
+def metadata_bytes(described: Described, save_id: str) -> bytes:
+    """The ``.metadata`` pickle of ``described``: from the stand-ins (no import of
+    torch.distributed.checkpoint), or torch's own classes where :func:`dumps` declines."""
+    # one string object per key: pickle writes a string it has seen as a back-reference, so the
+    # bytes do not depend on which copy of a key (a worker's, another rank's index) came where
+    own = {k: k for k in described.order}
+    state_md: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for key, (file, offset, length, transforms) in described.objects.items():
+        key = own.get(key, key)
+        storage[metadata_index(key, None, None)] = storage_info(file, offset, length, transforms)
+        state_md[key] = BytesStorageMetadata()
+    dtypes = {}
+    for key, (shape, dtype, chunks) in described.tensors.items():
+        key = own.get(key, key)
+        md_chunks = []
+        for i, (offsets, sizes, (file, offset, length, transforms)) in enumerate(chunks):
+            storage[metadata_index(key, Size(offsets), i)] = storage_info(file, offset, length, transforms)
+            md_chunks.append(ChunkStorageMetadata(offsets=Size(offsets), sizes=Size(sizes)))
+        dtypes[key] = dtype
+        state_md[key] = TensorStorageMetadata(properties=TensorProperties(dtype), size=Size(shape), chunks=md_chunks)
+    planner = {own[k]: described.paths[k] for k in described.order if k in described.paths}
+    md = metadata(state_dict_metadata={own[k]: state_md[k] for k in described.order if k in state_md},
+                  planner_data=planner, storage_data=storage,
+                  storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id, load_id=None, modules=[]))
+    # what may hold the stand-ins' module name: keys and paths (file names are ckpttool's)
+    strings = [*described.order, *(p for path in planner.values() for p in path if isinstance(p, str))]
+    data = dumps(md, strings, dtypes.values())
+    if data is None:
+        from ...compat import dump_metadata
+
+        return dump_metadata(to_torch(md))
+    return data

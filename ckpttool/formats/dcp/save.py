@@ -21,26 +21,19 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from ...checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
-from ...compat import dcp_metadata, dump_metadata, local_shard_box
+from ...compat import local_shard_box
 from ...errors import CkptError, CorruptCheckpointError, StorageError
 from ...health import Check, Tally
-from ...index import ObjPath, dtype_size, flatten
+from ...index import dtype_size, flatten
 from ...layout import Box, relative, slabs, tiles_exactly
 from ...storage import Location
 from ..base import tensor_buffer
-from ..torchzip import ArchiveWriter
 from .metadata import METADATA_FILE, PER_RANK, data_file_name
-from .transforms import record_stream, storage_info
+from . import metadata_pickle as mp
+from .records import write_object, write_tensor
+from .transforms import transform_names
 
 log = logging.getLogger("ckpttool")
 PARTIAL = ".ckpttool-rank-{rank}.json"
@@ -269,13 +262,9 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                         _write_local(out, index, key, *part, tally=tally)
                 elif rank == 0:
                     out.begin()
-                    start = out.tell()
-                    buf = io.BytesIO()
-                    torch.save(value.value if isinstance(value, Whole) else value, buf)
-                    with record_stream(out, compress) as rec:
-                        rec.write(buf.getbuffer())
-                    index.objects[key] = [start, out.tell() - start]
-                    index.records.append(out.row(start, out.tell() - start))
+                    start, length = write_object(out, value.value if isinstance(value, Whole) else value, compress)
+                    index.objects[key] = [start, length]
+                    index.records.append(out.row(start, length))
             _write_per_rank(out, index, flat, paths)
             index.written += out.tell()
         frozen_parts = _frozen_parts(index, flat, frozen)
@@ -313,13 +302,9 @@ def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any],
             continue  # sharded state, not a rank's own value
         mine = f"{PER_RANK}.{index.rank}.{top}"
         out.begin()
-        start = out.tell()
-        buf = io.BytesIO()
-        torch.save(_rebuilt(leaves), buf)
-        with record_stream(out, index.compress) as rec:
-            rec.write(buf.getbuffer())
-        index.objects[mine] = [start, out.tell() - start]
-        index.records.append(out.row(start, out.tell() - start))
+        start, length = write_object(out, _rebuilt(leaves), index.compress)
+        index.objects[mine] = [start, length]
+        index.records.append(out.row(start, length))
         index.per_rank[top] = [mine, index.records[-1][2]]
         index.per_rank_paths[mine] = [PER_RANK, str(index.rank), top]
 
@@ -515,20 +500,18 @@ def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[i
     """One record: this rank's box of tensor ``key``, streamed to the host slab by slab (each slab's
     NaN and Inf counted into ``tally`` on its way)."""
     entry = _declare(index, key, shape, local.dtype)
+
+    def fill(write: Callable[[Any], Any]) -> None:
+        for slab in slabs(box[1], dtype_size(local.dtype), SLAB):
+            part = local[relative(slab, ((0,) * len(box[1]), box[1]))].to("cpu").contiguous()
+            if tally is not None:
+                tally.count(key, part)
+            write(tensor_buffer(part))
+
     out.begin()
-    start = out.tell()
-    with record_stream(out, index.compress) as rec, ArchiveWriter(rec) as writer:
-        placeholder, stream = writer.new_tensor(local.dtype, box[1])
-        if index.compress is None:  # (a compressed record is checked whole: its data is not a byte range of the file)
-            out.data(math.prod(box[1]) * dtype_size(local.dtype))
-        with stream:
-            for slab in slabs(box[1], dtype_size(local.dtype), SLAB):
-                part = local[relative(slab, ((0,) * len(box[1]), box[1]))].to("cpu").contiguous()
-                if tally is not None:
-                    tally.count(key, part)
-                stream.write(tensor_buffer(part))
-        writer.finish(placeholder)
-    length = out.tell() - start
+    # (a compressed record is checked whole: its data is not a byte range of the file)
+    blocks = None if index.compress is not None else (lambda: out.data(math.prod(box[1]) * dtype_size(local.dtype)))
+    start, length = write_tensor(out, local.dtype, box[1], index.compress, fill, blocks)
     entry["chunks"].append([list(box[0]), list(box[1]), start, length])
     index.records.append(out.row(start, length))
     if tally is not None:
@@ -605,10 +588,11 @@ def step_bytes(indexes: list[RankIndex]) -> dict[str, int]:
 def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, Any]:
     """Merge the ranks' indexes into ``.metadata`` (after checking that every tensor's chunks tile
     it), remove the indexes, and return the step's manifest."""
-    state_md: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
     per_rank_paths = _keep_differing_per_rank(indexes)
-    order = list(indexes[0].paths) + list(per_rank_paths)
+    described = mp.Described()
+    described.order = list(indexes[0].paths) + list(per_rank_paths)
+    described.paths = {k: tuple(p) for k, p in indexes[0].paths.items()}
+    described.paths.update((k, tuple(p)) for k, p in per_rank_paths.items())
     chunks: dict[str, list[tuple[Box, str, int, int]]] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for index in indexes:
@@ -621,10 +605,9 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
             chunks.setdefault(key, []).extend(((tuple(c[0]), tuple(c[1])), c[4] if len(c) > 4 else index.file, c[2], c[3])
                                               for c in t["chunks"])
         for key, (off, n) in index.objects.items():
-            state_md[key] = BytesStorageMetadata()
-            storage[MetadataIndex(key)] = storage_info(index.file, off, n, index.compress)
+            described.objects[key] = (index.file, off, n, transform_names(index.compress))
     compress_of = {name: index.compress for index in indexes for name in (index.file, *index.files)}
-    for key in order:
+    for key in described.order:
         if key not in shapes:
             continue
         shape, dtype = shapes[key]
@@ -632,20 +615,9 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
         problem = tiles_exactly(shape, [b for b, *_ in boxes])
         if problem:  # a writer bug, never a checkpoint to commit
             raise CorruptCheckpointError(f"the ranks' chunks of {key!r} do not tile it: {problem}", where=step_dir.url)
-        md_chunks = []
-        for i, (box, file, off, n) in enumerate(boxes):
-            storage[MetadataIndex(key, torch.Size(box[0]), i)] = storage_info(file, off, n, compress_of[file])
-            md_chunks.append(ChunkStorageMetadata(offsets=torch.Size(box[0]), sizes=torch.Size(box[1])))
-        state_md[key] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)), torch.Size(shape), md_chunks)
-    planner_data: dict[str, ObjPath] = {k: tuple(p) for k, p in indexes[0].paths.items()}
-    planner_data.update((k, tuple(p)) for k, p in per_rank_paths.items())
-    metadata = dcp_metadata(
-        state_dict_metadata={k: state_md[k] for k in order if k in state_md},
-        planner_data=planner_data,
-        storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()), load_id=None),
-    )
-    raw = dump_metadata(metadata)
+        described.tensors[key] = (shape, dtype, [(box[0], box[1], (file, off, n, transform_names(compress_of[file])))
+                                                 for box, file, off, n in boxes])
+    raw = mp.metadata_bytes(described, str(uuid.uuid4()))
     step_dir.child(METADATA_FILE).write_bytes(raw)
     for index in indexes:
         step_dir.child(partial_name(index.rank)).remove()

@@ -14,17 +14,14 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import IO, Any
 
-import torch
-
-from ...compat import dump_metadata
 from ...index import dtype_size
 from ...layout import Box, Layout, SingleRank
 from ...storage import Location
 from ..base import ObjectSpec, ReadFn, Sink, TensorSpec, split, stream_tensor
-from ..torchzip import ArchiveWriter
 from .metadata import METADATA_FILE, data_file_name
 from . import metadata_pickle as mp
-from .transforms import check_compress, record_stream, transform_names
+from .records import write_object, write_tensor
+from .transforms import check_compress, transform_names
 
 
 OPEN_FILES = 64  # target ranks' files a worker writes at the same time (a local disk)
@@ -140,62 +137,31 @@ class DcpSink(Sink):
             files.close()
 
     def _add_object(self, f: IO[bytes], records: list, spec: ObjectSpec) -> None:
-        start = f.tell()
-        buf = io.BytesIO()
-        torch.save(spec.value, buf)
-        with record_stream(f, self.compress) as out:
-            out.write(buf.getvalue())
-        records.append((spec.key, None, None, start, f.tell() - start))
+        start, length = write_object(f, spec.value, self.compress)
+        records.append((spec.key, None, None, start, length))
 
     def _add_chunk(self, f: IO[bytes], records: list, spec: TensorSpec, box: Box, read: ReadFn, budget: int) -> None:
-        start = f.tell()
-        with record_stream(_Appending(f), self.compress) as out, ArchiveWriter(out) as writer:
-            placeholder, stream = writer.new_tensor(spec.dtype, box[1])
-            with stream:
-                stream_tensor(stream.write, spec, read, budget, box)
-            writer.finish(placeholder)
-        records.append((spec.key, tuple(box[0]), tuple(box[1]), start, f.tell() - start))
+        start, length = write_tensor(_Appending(f), spec.dtype, box[1], self.compress,
+                                     lambda write: stream_tensor(write, spec, read, budget, box))
+        records.append((spec.key, tuple(box[0]), tuple(box[1]), start, length))
 
     def complete(self) -> None:
-        # .metadata, the marker of a complete checkpoint, follows every data file (finished first).
-        # It is built from metadata_pickle's stand-ins, pickled under torch's names without
-        # importing torch.distributed.checkpoint (0.8-1.3 s of a reshard's time)
-        state_md: dict[str, Any] = {}
-        storage: dict[Any, Any] = {}
-        chunks: dict[str, list[Any]] = {}
-        # the keys as this sink holds them: a worker's records arrive as copies, and pickle writes a
-        # string it has seen once as a back-reference, so the bytes would depend on who wrote what
-        own = {k: k for k in self._order}
+        # .metadata, the marker of a complete checkpoint, follows every data file (finished first)
+        described = mp.Described()
+        described.order = list(self._order)
+        described.paths = dict(self._paths)
         transforms = transform_names(self.compress)
+        chunks: dict[str, list[Any]] = {}
         for rank, records in sorted(self._records.items()):
             name = data_file_name(rank)
             for key, offsets, sizes, start, length in records:
-                key = own.get(key, key)
-                info = mp.storage_info(name, start, length, transforms)
                 if offsets is None:
-                    storage[mp.metadata_index(key, None, None)] = info
-                    state_md[key] = mp.BytesStorageMetadata()
-                    continue
-                mine = chunks.setdefault(key, [])
-                storage[mp.metadata_index(key, mp.Size(offsets), len(mine))] = info
-                mine.append(mp.ChunkStorageMetadata(offsets=mp.Size(offsets), sizes=mp.Size(sizes)))
-        dtypes = {}
+                    described.objects[key] = (name, start, length, transforms)
+                else:
+                    chunks.setdefault(key, []).append((offsets, sizes, (name, start, length, transforms)))
         for spec in self._tensors:
-            dtypes[spec.key] = mp.dtype_name(spec.dtype)
-            state_md[spec.key] = mp.TensorStorageMetadata(properties=mp.TensorProperties(dtypes[spec.key]),
-                                                          size=mp.Size(spec.shape), chunks=chunks.get(spec.key, []))
-        planner = {k: self._paths[k] for k in self._order if k in self._paths}
-        # what may hold the stand-ins' module name: keys and paths from the source (file names are ours)
-        strings = [*self._order, *(p for path in planner.values() for p in path if isinstance(p, str))]
-
-        def metadata(save_id: str) -> bytes:
-            md = mp.metadata(state_dict_metadata={k: state_md[k] for k in self._order if k in state_md},
-                             planner_data=planner, storage_data=storage,
-                             storage_meta=mp.StorageMeta(checkpoint_id=None, save_id=save_id, load_id=None, modules=[]))
-            data = mp.dumps(md, strings, dtypes.values())
-            return dump_metadata(mp.to_torch(md)) if data is None else data
-
+            described.tensors[spec.key] = (tuple(spec.shape), mp.dtype_name(spec.dtype), chunks.get(spec.key, []))
         # the save's id is a digest of what it describes, not a random one: the same input written
         # by any number of workers, or again, gives the same bytes
-        save_id = str(uuid.UUID(bytes=hashlib.sha256(metadata("")).digest()[:16], version=4))
-        self.tmp.child(METADATA_FILE).write_bytes(metadata(save_id))
+        save_id = str(uuid.UUID(bytes=hashlib.sha256(mp.metadata_bytes(described, "")).digest()[:16], version=4))
+        self.tmp.child(METADATA_FILE).write_bytes(mp.metadata_bytes(described, save_id))
