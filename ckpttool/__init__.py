@@ -7,7 +7,9 @@ Names are imported on first use, so ``ckpttool --help`` does not pay for importi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_names
 
 __all__ = ["Checkpointer", "CkptError", "LoadResult", "convert", "load", "verify_loaded"]
 __version__ = "0.1.0"
@@ -29,11 +31,4 @@ if TYPE_CHECKING:
     from .loaded import verify_loaded
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ckpttool' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _WHERE, globals())

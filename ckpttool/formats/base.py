@@ -119,6 +119,15 @@ class Source(ABC):
         one, or ``out`` (of the box's shape and the entry's dtype) filled in place, so a caller
         streaming many slabs can reuse one buffer instead of faulting in fresh pages each time."""
 
+    def _destination(self, key: str, box: Box | None, out: torch.Tensor | None) -> tuple[TensorEntry, Box, torch.Tensor]:
+        """For a read of chunked tensor ``key``: its entry (checked: its chunks tile it), the box to
+        read (default: all of it) and the tensor to read into (``out``, or a new one)."""
+        import torch
+
+        entry = self.checked_entry(key)  # the chunks must tile the tensor: no gap read as memory
+        box = box if box is not None else whole(entry.shape)
+        return entry, box, out if out is not None else torch.empty(box[1], dtype=entry.dtype)
+
     def read_object(self, key: str) -> Any:
         """The value of object ``key`` (formats whose index holds the values need not override this)."""
         return self.entry(key, ObjectEntry).location

@@ -399,12 +399,7 @@ class RanksSource(Source):
         return self._files[name]
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        import torch
-
-        entry = self.checked_entry(key)
-        box = box if box is not None else whole(entry.shape)
-        if out is None:
-            out = torch.empty(box[1], dtype=entry.dtype)
+        entry, box, out = self._destination(key, box, out)
         for chunk, part in entry.chunks_in(box):
             name, ref = chunk.location
             local = tuple(s.start for s in relative(part, (chunk.offsets, chunk.sizes)))

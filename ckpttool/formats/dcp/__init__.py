@@ -7,9 +7,9 @@ online through torch's own reader and writer with our rules (online.py).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from ..._lazy import lazy_names
 from ...errors import NotACheckpointError
 from ...report import Report
 from ...storage import Location
@@ -34,12 +34,7 @@ _LAZY = {"load_into": "load", "dcp_writer": "online", "hash_records": "online", 
          "DcpSink": "sink"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 class DcpFormat(Format):

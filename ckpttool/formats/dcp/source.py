@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ...checksums import hash_bytes
 from ...errors import CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
-from ...layout import Box, relative, whole
+from ...layout import Box, relative
 from ...storage import Location, RangeReader
 from ...steps import COMMIT_FILE, read_commit_record
 from ..base import Source
@@ -238,12 +238,7 @@ class DcpSource(Source):
         return entry
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        import torch
-
-        entry = self.checked_entry(key)
-        box = box if box is not None else whole(entry.shape)
-        if out is None:
-            out = torch.empty(box[1], dtype=entry.dtype)
+        entry, box, out = self._destination(key, box, out)
         for chunk, part in entry.chunks_in(box):
             dst = out[relative(part, box)]
             if self.checks is not None and not self.checks.done(chunk.location):
