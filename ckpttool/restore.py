@@ -61,12 +61,11 @@ def extra_state(extra: dict[str, Any]) -> dict[str, Any]:
         raise UsageError(f"extra must be a dict, got {type(extra).__name__}")
     out = {}
     for key, value in extra.items():
-        stateful = _stateful(value)
-        value = value.state_dict() if stateful else value
-        # a Stateful's state dict, or a value keyed by anything but strings (an optimizer's state
-        # is keyed by int), is stored as one object: DCP's flattened keys would give its keys back
-        # as strings; one holding a DTensor is sharded state and stays traversed
-        out[key] = Whole(value) if (stateful or _odd_keys(value)) and not holds_dtensor(value) else value
+        value = value.state_dict() if _stateful(value) else value
+        # a value keyed by anything but strings (an optimizer's state is keyed by int) is stored as
+        # one object: DCP's flattened keys would give its keys back as strings; one holding a
+        # DTensor is sharded state and stays traversed
+        out[key] = Whole(value) if _odd_keys(value) and not holds_dtensor(value) else value
     return out
 
 

@@ -23,6 +23,7 @@ import operator
 import pathlib
 import pickle
 import struct
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -452,6 +453,11 @@ def same_value(a: Any, b: Any) -> bool:
         return numpy_same
     if isinstance(a, float):
         return struct.pack("<d", a) == struct.pack("<d", b)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):  # a tensor inside an object: dtype, shape and bits
+        from .compare import bits_differ
+
+        return a.dtype == b.dtype and a.shape == b.shape and not bool(bits_differ(a.detach().cpu(), b.detach().cpu()).any())
     if isinstance(a, io.BytesIO):
         return a.getvalue() == b.getvalue() and a.tell() == b.tell() and same_value(vars(a), vars(b))
     if isinstance(a, dict):

@@ -176,6 +176,25 @@ class TorchSaveSource(Source):
         ref = self._ref(key)
         return self.part(key).read(ref, key, box if box is not None else whole(ref.shape), out)
 
+    def read_object(self, key: str) -> Any:
+        """The value of object ``key``, with the tensors inside it (a tuple of tensors is one object
+        to DCP) read from the file, as a DCP object record's are."""
+        part = self.part(key)
+
+        def materialise(value: Any) -> Any:
+            if isinstance(value, TensorRef):
+                return part.read(value, key, whole(value.shape))
+            if isinstance(value, dict):
+                return type(value)((k, materialise(v)) for k, v in value.items())
+            if isinstance(value, list):
+                return [materialise(v) for v in value]
+            if isinstance(value, tuple):
+                items = [materialise(v) for v in value]
+                return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+            return value
+
+        return materialise(super().read_object(key))
+
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         storage = self.storage_of(self._ref(key), key)
         return [(self.part(key).location, storage.offset, storage.offset + storage.nbytes)]

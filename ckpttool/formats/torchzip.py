@@ -13,6 +13,7 @@ import io
 import math
 import pickle
 import struct
+import sys
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -274,7 +275,15 @@ class _ArchivePickler(pickle.Pickler):
     the dtype has one, else an ``UntypedStorage`` (its size in bytes) and ``_rebuild_tensor_v3``
     with the dtype (float8, uint16/32/64)."""
 
+    inline: Any = None  # tensor -> its _Placeholder, with a record of its own (ArchiveWriter.finish)
+
     def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and self.inline is not None:
+            if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided or obj.is_quantized:
+                raise FormatError(f"an object holds a {type(obj).__name__} ({obj.layout}) that a torch file cannot store "
+                                  "as plain data", hint="save such values as state dict entries of their own")
+            return self.reducer_override(self.inline(obj))
         if isinstance(obj, _Placeholder):
             import torch
 
@@ -359,9 +368,25 @@ class ArchiveWriter:
             f.write(data)
 
     def finish(self, obj: Any) -> int:
-        """Write the pickle of ``obj`` and the zip directory; returns the archive's length in bytes."""
+        """Write the pickle of ``obj`` and the zip directory; returns the archive's length in bytes.
+        A tensor inside ``obj`` itself (an object's value: a tuple holding a tensor, an RNG state
+        kept whole) gets a record of its own, as ``torch.save`` gives it, before the pickle."""
         buf = io.BytesIO()
-        _ArchivePickler(buf, protocol=2).dump(obj)
+        inline: list[tuple[_Placeholder, Any]] = []
+
+        def placeholder(t: Any) -> _Placeholder:
+            key = str(self._next_key)
+            self._next_key += 1
+            inline.append((_Placeholder(key, t.dtype, tuple(t.shape)), t.detach().cpu().contiguous()))
+            return inline[-1][0]
+
+        pickler = _ArchivePickler(buf, protocol=2)
+        pickler.inline = placeholder
+        pickler.dump(obj)
+        for p, t in inline:
+            with self._open_record(f"data/{p.key}", t.numel() * t.element_size()) as f:
+                if t.numel():
+                    f.write(tensor_buffer(t))
         self.write_bytes_record("data.pkl", buf.getvalue())
         self.write_bytes_record("byteorder", b"little")
         self.write_bytes_record("version", b"3\n")

@@ -395,3 +395,28 @@ def test_a_record_read_only_in_part_is_checked_whole_when_the_reader_settles(tmp
         assert first.shape == (128, 1024)
         with pytest.raises(ChecksumError, match=key):
             source.settle()
+
+
+def test_tensors_inside_objects_survive_every_conversion(tmp_path):
+    """A tuple holding a tensor is one object to DCP; written to a torch file it must be plain data
+    torch.load(weights_only=True) and ckpttool read back (a tensor record of its own, as torch.save
+    writes it), and compare equal through torch -> torch -> DCP -> torch."""
+    from ckpttool import convert
+    from ckpttool.verify import verify_against
+
+    src = tmp_path / "src.pt"
+    torch.save({"model": {"w": torch.arange(6.0).reshape(2, 3)},
+                "extra": {"pair": ("a", torch.arange(4.0)), "deep": ([torch.ones(2, dtype=torch.bfloat16)], 3)}}, src)
+    out, dcp_dir, back = tmp_path / "out.pt", tmp_path / "dcp", tmp_path / "back.pt"
+    convert(str(src), str(out))
+    convert(str(out), str(dcp_dir))
+    convert(str(dcp_dir), str(back))
+    for path in (out, back):
+        loaded = torch.load(path, weights_only=True)
+        assert loaded["extra"]["pair"][0] == "a" and torch.equal(loaded["extra"]["pair"][1], torch.arange(4.0))
+        assert torch.equal(loaded["extra"]["deep"][0][0], torch.ones(2, dtype=torch.bfloat16))
+        assert verify_against(str(path), str(src)).ok
+    changed = tmp_path / "changed.pt"
+    torch.save({"model": {"w": torch.arange(6.0).reshape(2, 3)},
+                "extra": {"pair": ("a", torch.arange(4.0) + 1), "deep": ([torch.ones(2, dtype=torch.bfloat16)], 3)}}, changed)
+    assert not verify_against(str(changed), str(src)).ok  # a tensor inside an object is compared by its bits

@@ -288,46 +288,44 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
 
 
 def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], paths: dict[str, Any]) -> None:
-    """This rank's own record of every value of ``extra`` that holds no DTensor, each top-level key's
-    value as one object (``torch.save`` of it whole: its containers, key types and tensors as
-    they are), under ``per_rank.<rank>.<key>``: every rank writes its own, no collective, and rank 0
-    keeps in ``.metadata`` those whose records differ between ranks (:func:`commit_metadata`)."""
-    tops: dict[str, list[tuple[tuple, Any]]] = {}
+    """This rank's own records of every value of ``extra`` that holds no DTensor, entry by entry as
+    DCP lays ``extra`` out (a tensor a tensor record, anything else an object), under
+    ``per_rank.<rank>.<key>``: every rank writes its own, no collective. Rank 0 keeps, in
+    ``.metadata``, the records of each top-level key whose records differ between ranks, or that
+    some rank lacks (:func:`commit_metadata`): per top-level key, so a rank's value comes back whole
+    (a list one rank made longer, a tensor on one rank and a string on another)."""
+    tops: dict[str, list[tuple[str, tuple, Any]]] = {}
     for key, value in flat.items():
         path = paths[key]
         if path[0] == "extra" and len(path) > 1:
-            tops.setdefault(str(path[1]), []).append((tuple(path[2:]), value))
+            tops.setdefault(str(path[1]), []).append((key, tuple(path[1:]), value))
     for top, leaves in tops.items():
-        if any((isinstance(v, HostShard) and not v.plain) or _is_dtensor(v) for _, v in leaves):
+        if any((isinstance(v, HostShard) and not v.plain) or _is_dtensor(v) for _, _, v in leaves):
             continue  # sharded state, not a rank's own value
-        mine = f"{PER_RANK}.{index.rank}.{top}"
-        out.begin()
-        start, length = write_object(out, _rebuilt(leaves), index.compress)
-        index.objects[mine] = [start, length]
-        index.records.append(out.row(start, length))
-        index.per_rank[top] = [mine, index.records[-1][2]]
-        index.per_rank_paths[mine] = [PER_RANK, str(index.rank), top]
-
-
-def _rebuilt(leaves: list[tuple[tuple, Any]]) -> Any:
-    """One top-level value of ``extra`` from its flattened leaves (staged tensors as their host copies;
-    a value kept whole, as it was)."""
-    from ...index import unflatten
-
-    def plain(v: Any) -> Any:
-        v = v.local if isinstance(v, HostShard) else v
-        return v.value if isinstance(v, Whole) else v
-
-    if len(leaves) == 1 and leaves[0][0] == ():
-        return plain(leaves[0][1])
-    keys = [f"k{i}" for i in range(len(leaves))]
-    return unflatten({k: plain(v) for k, (_, v) in zip(keys, leaves)}, {k: ("v", *p) for k, (p, _) in zip(keys, leaves)})["v"]
+        digest = new_hasher()
+        mine = []
+        for key, sub, value in leaves:
+            name = f"{PER_RANK}.{index.rank}.{key[len('extra.'):]}"
+            if isinstance(value, (HostShard, torch.Tensor)):
+                local = value.local if isinstance(value, HostShard) else value.detach()
+                shape = tuple(local.shape)
+                _declare(index, name, shape, local.dtype)
+                _write_local(out, index, name, shape, local, ((0,) * len(shape), shape))
+            else:
+                out.begin()
+                start, length = write_object(out, value.value if isinstance(value, Whole) else value, index.compress)
+                index.objects[name] = [start, length]
+                index.records.append(out.row(start, length))
+            digest.update(f"{sub!r}={index.records[-1][2]};".encode())
+            index.per_rank_paths[name] = [PER_RANK, str(index.rank), *sub]
+            mine.append(name)
+        index.per_rank[top] = [mine, digest.hexdigest()]
 
 
 class Whole:
-    """A value of ``extra`` stored as one object, not entry by entry: a Stateful's state dict (an
-    optimizer's is keyed by int), or any value whose dict keys are not all strings, which DCP's
-    flattened keys cannot give back. Exists only between ``save()`` and the write: the record holds
+    """A value of ``extra`` stored as one object, not entry by entry: one whose dict keys are not
+    all strings (an optimizer's state dict, in ``extra`` or as a Stateful's), which DCP's flattened
+    keys cannot give back. Exists only between ``save()`` and the write: the record holds
     ``value`` itself, so plain ``dcp.load`` and ckpttool read back exactly what was saved."""
 
     __slots__ = ("value",)
@@ -555,10 +553,10 @@ def _read_index(loc: Location) -> RankIndex:
 
 
 def _keep_differing_per_rank(indexes: list[RankIndex]) -> dict[str, list[Any]]:
-    """Of every rank's own records of the values of ``extra`` (one per top-level key), keep (in the
-    indexes) those of the keys whose records differ between ranks, or that some rank lacks, and
-    drop the others (every rank holds the same value, which ``extra.<key>`` already holds);
-    returns the kept records' paths, rank by rank."""
+    """Of every rank's own records of the values of ``extra``, keep (in the indexes) those of the
+    top-level keys whose records differ between ranks, or that some rank lacks, and drop the others
+    (every rank holds the same value, which ``extra.<key>`` already holds); returns the kept
+    records' paths, rank by rank."""
     digests: dict[str, set[str]] = {}
     for index in indexes:
         for top, (_, digest) in index.per_rank.items():
@@ -566,17 +564,20 @@ def _keep_differing_per_rank(indexes: list[RankIndex]) -> dict[str, list[Any]]:
     differing = {top for top, found in digests.items() if len(found) > 1 or any(top not in index.per_rank for index in indexes)}
     paths: dict[str, list[Any]] = {}
     for index in indexes:
-        for top, (key, _) in index.per_rank.items():
-            if top in differing:
-                paths[key] = index.per_rank_paths[key]
-            else:
-                index.objects.pop(key, None)
+        for top, (names, _) in index.per_rank.items():
+            for name in names:
+                if top in differing:
+                    paths[name] = index.per_rank_paths[name]
+                else:
+                    index.objects.pop(name, None)
+                    index.tensors.pop(name, None)
     return paths
 
 
 def per_rank_keys(indexes: list[RankIndex]) -> list[str]:
     """The keys of ``extra`` whose values differ between the ranks of a step (after commit_metadata)."""
-    return sorted({top for index in indexes for top, (key, _) in index.per_rank.items() if key in index.objects})
+    return sorted({top for index in indexes for top, (names, _) in index.per_rank.items()
+                   if any(n in index.objects or n in index.tensors for n in names)})
 
 
 def step_bytes(indexes: list[RankIndex]) -> dict[str, int]:
