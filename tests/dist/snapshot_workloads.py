@@ -8,7 +8,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .workloads import full, fresh_model
+from .workloads import fresh_model, full, optimizer_state
 
 #: what the script does right after save() returns, before anything else (one per save, in turn)
 EDITS = ("mul_", "data", "foreach", "load_state_dict", "optim_state", "extra", "other_optimizer", "step_then_edit")
@@ -26,15 +26,8 @@ def two_optimizers(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
 def expected_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], extra: dict) -> dict[str, object]:
     """Every value a step holds, in full and keyed by name (a collective: same on every rank)."""
     out: dict[str, object] = {f"model.{k}": full(v) for k, v in model.state_dict().items()}
-    names = {id(p): n for n, p in model.named_parameters()}
     for i, opt in enumerate(optimizers):
-        for p, st in opt.state.items():
-            for k, v in st.items():
-                out[f"optim{i}.{names[id(p)]}.{k}"] = full(v) if isinstance(v, torch.Tensor) else v
-        for g, group in enumerate(opt.param_groups):
-            for k, v in group.items():
-                if k != "params":
-                    out[f"optim{i}.group{g}.{k}"] = v
+        out.update(optimizer_state(model, opt, f"optim{i}"))
     for k, v in extra.items():
         out[f"extra.{k}"] = v.clone() if isinstance(v, torch.Tensor) else repr(v)
     return out

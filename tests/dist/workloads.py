@@ -33,14 +33,22 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     """Every parameter, buffer and optimizer state tensor in full, keyed by name; same on every rank."""
     out: dict[str, object] = {f"model.{k}": full(v) for k, v in model.state_dict().items()}
     if optimizer is not None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        for p, st in optimizer.state.items():
-            for k, v in st.items():
-                out[f"optim.{names[id(p)]}.{k}"] = full(v) if isinstance(v, torch.Tensor) else v
-        for i, group in enumerate(optimizer.param_groups):
-            for k, v in group.items():
-                if k != "params":
-                    out[f"optim.group{i}.{k}"] = v
+        out.update(optimizer_state(model, optimizer, "optim"))
+    return out
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, prefix: str) -> dict[str, object]:
+    """An optimizer's state in full keyed ``prefix.<parameter name>.<state key>``, and its groups'
+    settings keyed ``prefix.group<i>.<setting>`` (a collective: the same on every rank)."""
+    out: dict[str, object] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            out[f"{prefix}.{names[id(p)]}.{k}"] = full(v) if isinstance(v, torch.Tensor) else v
+    for i, group in enumerate(optimizer.param_groups):
+        for k, v in group.items():
+            if k != "params":
+                out[f"{prefix}.group{i}.{k}"] = v
     return out
 
 
