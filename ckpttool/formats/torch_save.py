@@ -24,7 +24,7 @@ from ..safe_pickle import TensorRef
 from ..storage import Location
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, split, stream_tensor
 from .hf_index import ShardedOutput, index_bytes, read_weight_map, shard_files
-from .torchzip import ArchiveWriter, StoredStorage, check_ref, read_archive, read_tensor_box, span_bytes
+from .torchzip import ArchiveWriter, StoredStorage, check_ref, materialise, read_archive, read_tensor_box, span_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -180,20 +180,8 @@ class TorchSaveSource(Source):
         """The value of object ``key``, with the tensors inside it (a tuple of tensors is one object
         to DCP) read from the file, as a DCP object record's are."""
         part = self.part(key)
-
-        def materialise(value: Any) -> Any:
-            if isinstance(value, TensorRef):
-                return part.read(value, key, whole(value.shape))
-            if isinstance(value, dict):
-                return type(value)((k, materialise(v)) for k, v in value.items())
-            if isinstance(value, list):
-                return [materialise(v) for v in value]
-            if isinstance(value, tuple):
-                items = [materialise(v) for v in value]
-                return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-            return value
-
-        return materialise(super().read_object(key))
+        return materialise(super().read_object(key), lambda ref: part.read(ref, key, whole(ref.shape)),
+                           f"{part.location.url} (object {key!r})")
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         storage = self.storage_of(self._ref(key), key)

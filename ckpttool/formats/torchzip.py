@@ -227,29 +227,36 @@ def load_object_record(reader: RangeReader, start: int, length: int, where: str)
     tensors inside it (a tuple of tensors is one object to DCP) are read from the record."""
     arch = read_archive(reader, start, length, where)
 
-    def materialise(value: Any) -> Any:
-        if isinstance(value, TensorRef):
-            storage = arch.storages.get(value.storage.key)
-            if storage is None:
-                raise CorruptCheckpointError("object record lacks the data of a tensor it holds", where=where)
-            check_ref(value, storage, where)
-            crc = zlib.crc32(reader.read(storage.offset, storage.nbytes))
-            if crc != storage.crc32:  # like tensor records: an object's data is checked as it is read
-                raise ChecksumError(f"a tensor inside the object does not match its CRC-32 (stored {storage.crc32:08x}, "
-                                    f"computed {crc:08x})", where=where, hint="the bytes changed after they were written")
-            return read_tensor_box(reader, value, storage, (tuple(0 for _ in value.shape), value.shape), where)
-        if isinstance(value, DTensorRef):
-            raise FormatError("an object holds a DTensor (one rank's shard)", where=where,
-                              hint="save DTensors as state dict entries, not inside objects")
-        if isinstance(value, dict):
-            return type(value)((k, materialise(v)) for k, v in value.items())
-        if isinstance(value, list):
-            return [materialise(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(materialise(v) for v in value)
-        return value
+    def read(ref: TensorRef) -> Any:
+        storage = arch.storages.get(ref.storage.key)
+        if storage is None:
+            raise CorruptCheckpointError("object record lacks the data of a tensor it holds", where=where)
+        check_ref(ref, storage, where)
+        crc = zlib.crc32(reader.read(storage.offset, storage.nbytes))
+        if crc != storage.crc32:  # like tensor records: an object's data is checked as it is read
+            raise ChecksumError(f"a tensor inside the object does not match its CRC-32 (stored {storage.crc32:08x}, "
+                                f"computed {crc:08x})", where=where, hint="the bytes changed after they were written")
+        return read_tensor_box(reader, ref, storage, (tuple(0 for _ in ref.shape), ref.shape), where)
 
-    return materialise(arch.obj)
+    return materialise(arch.obj, read, where)
+
+
+def materialise(value: Any, read: Any, where: str) -> Any:
+    """An object's value with each tensor inside it (a ``TensorRef``) read by ``read(ref)``, which
+    checks it against its record; a DTensor inside an object is refused."""
+    if isinstance(value, TensorRef):
+        return read(value)
+    if isinstance(value, DTensorRef):
+        raise FormatError("an object holds a DTensor (one rank's shard)", where=where,
+                          hint="save DTensors as state dict entries, not inside objects")
+    if isinstance(value, dict):
+        return type(value)((k, materialise(v, read, where)) for k, v in value.items())
+    if isinstance(value, list):
+        return [materialise(v, read, where) for v in value]
+    if isinstance(value, tuple):
+        items = [materialise(v, read, where) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
 
 
 # --- writing -------------------------------------------------------------------------------------
