@@ -79,7 +79,8 @@ def fence_all() -> None:
         pending = list(_in_flight)
     for copies in pending:
         copies.before_write(None)
-    if not _under_dynamo():
+    # (the stack walk only where there is a guard to take off: this runs before every optimizer step)
+    if getattr(_local, "guard", None) is not None and not _under_dynamo():
         release()
 
 
