@@ -133,10 +133,10 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     else:
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     step = record["step"] if record is not None else parse_step(loc.name)
-    by_rank = {int(r): v for r, v in state.get(PER_RANK, {}).items() if str(r).isdigit()}
+    by_rank = {int(r): v for r, v in state.get(PER_RANK, {}).items() if _rank_name(r)}
     leaves: dict[int, list[tuple]] = {}  # per saved rank: the paths in extra of its own values
     for rank_key, *sub in saved_leaves:
-        if str(rank_key).isdigit():
+        if _rank_name(rank_key):
             leaves.setdefault(int(rank_key), []).append(tuple(sub))
     saved_world = record.get("world_size") if record is not None else None
     values, unmatched = _own_values(state.get("extra", {}), by_rank, leaves, saved_world, loc)
@@ -170,6 +170,12 @@ def _read_state(source: Any, state: dict[str, Any], loc: Location) -> tuple[dict
     flat, paths = flatten(state)
     dcp_format.load_into(source, flat)
     return unflatten(flat, paths), [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
+
+
+def _rank_name(name: Any) -> bool:
+    """Whether a key under ``per_rank`` (from the checkpoint's ``.metadata``) names a rank: a few
+    decimal digits, never a number too long to convert (``int()`` refuses 4,300 digits)."""
+    return str(name).isdigit() and len(str(name)) <= 9
 
 
 def _check_fits(state: dict[str, Any], index: Index, loc: Location) -> None:
