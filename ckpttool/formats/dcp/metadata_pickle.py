@@ -2,119 +2,48 @@
 
 Importing that package costs 0.8-1.3 s here (it pulls in DTensor and, through it, sympy), a
 quarter to half of a 1 GB offline reshard, for nothing but the names its pickle carries. So the
-offline sink builds the metadata from the stand-ins below and pickles them with the C pickler:
-each stand-in class (and each placeholder for a torch value: ``torch.Size``, a dtype, a layout) is
-a global of this module, which protocol 3 writes as one ``GLOBAL`` opcode, ``c<module>\\n<name>\\n``,
-the first time it is used (a memo reference after that). Those opcodes are then rewritten to
-name torch's classes. Nothing else in the bytes changes: torch (any release) unpickles the result
-into its own classes, field for field what ``Metadata(...)`` built by torch's classes pickles to.
+offline sink builds the metadata from ckpttool's own classes (``metadata_types.py``: the ones the
+reader unpickles into, one set for both) and pickles them with the C pickler: each class (and each
+placeholder for a torch value: ``torch.Size``, a dtype, a layout) is a global of one of our modules,
+which protocol 3 writes as one ``GLOBAL`` opcode, ``c<module>\n<name>\n``, the first time it is
+used (a memo reference after that). Those opcodes are then rewritten to name torch's classes.
+Nothing else in the bytes changes: torch (any release) unpickles the result into its own classes,
+field for field what ``Metadata(...)`` built by torch's classes pickles to. Where torch pickles a
+class its own way (``TensorProperties``, ``_StorageInfo``, ``torch.Size``), the pickler's
+``dispatch_table`` does the same (:data:`_REDUCERS`).
 
 The one way for that rewrite to touch something else is a string of the data (a key, a path)
-that contains this module's name; :func:`dumps` then returns None and the caller pickles torch's
-own classes instead.
+that contains one of our modules' names; :func:`dumps` then returns None and the caller pickles
+torch's own classes instead.
 """
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 from collections.abc import Iterable
+from dataclasses import fields
 from typing import Any
 
+from ... import safe_torch
 from ...dtypes import PLAIN
-from . import torch_names
+from . import metadata_types, torch_names
+from .metadata_types import (  # noqa: F401 - the classes a .metadata is built from, exported for its builders
+    CLASSES, BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
+    TensorStorageMetadata, _MEM_FORMAT_ENCODING, _StorageInfo,
+)
+from ...safe_torch import Size
 
-MODULE = __name__
-_METADATA = "torch.distributed.checkpoint.metadata"
-_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+MODULE = metadata_types.__name__
 
-#: this module's global -> the module that holds the torch global of the same name
-_RENAMES: dict[str, str] = {}
-
-
-def _rename(module: str) -> Any:
-    def register(obj: Any) -> Any:
-        obj.__module__ = MODULE
-        _RENAMES[obj.__qualname__] = module
-        return obj
-
-    return register
-
-
-class _Record:
-    """A dataclass instance as pickle sees it: the class, then its ``__dict__`` (``BUILD``)."""
-
-    def __init__(self, **fields: Any):
-        self.__dict__.update(fields)
-
-
-@_rename(_METADATA)
-class Metadata(_Record):
-    pass
-
-
-@_rename(_METADATA)
-class MetadataIndex(_Record):
-    pass
-
-
-@_rename(_METADATA)
-class TensorStorageMetadata(_Record):
-    pass
-
-
-@_rename(_METADATA)
-class BytesStorageMetadata(_Record):
-    pass
-
-
-@_rename(_METADATA)
-class ChunkStorageMetadata(_Record):
-    pass
-
-
-@_rename(_METADATA)
-class StorageMeta(_Record):
-    pass
-
-
-@_rename(_FILESYSTEM)
-class _StorageInfo(_Record):
-    pass
-
-
-@_rename(_METADATA)
-class TensorProperties:
-    """Pickled as torch's five-field state (dtype, layout, requires_grad, memory format
-    encoding, pin_memory): what every release in the range reads (``compat.dump_metadata``)."""
-
-    def __init__(self, dtype: str):
-        self.dtype = dtype
-
-    def __getstate__(self) -> tuple[Any, ...]:
-        return (_VALUES[self.dtype], _VALUES["strided"], False, _CONTIGUOUS, False)
-
-
-@_rename(_METADATA)
-class _MEM_FORMAT_ENCODING:  # noqa: N801 - torch's name, as the pickle spells it
-    def __init__(self, value: int):
-        self.value = value
-
-    def __reduce__(self) -> tuple[Any, tuple[int]]:
-        return _MEM_FORMAT_ENCODING, (self.value,)
-
-
-_CONTIGUOUS = _MEM_FORMAT_ENCODING(0)  # TORCH_CONTIGUOUS_FORMAT
-
-
-@_rename("torch")
-class Size(tuple):
-    """``torch.Size(tuple)``, as torch's own ``__reduce__`` writes it."""
-
-    __slots__ = ()
-
-    def __reduce__(self) -> tuple[Any, tuple[tuple[int, ...]]]:
-        return Size, (tuple(self),)
-
+#: (our module, name) -> the torch module that holds the global of the same name
+_RENAMES: dict[tuple[str, str], str] = {
+    **{(cls.__module__, cls.__qualname__): module for (module, _), cls in CLASSES.items()},
+    (safe_torch.__name__, "Size"): "torch",
+}
+#: what may appear in a pickle only as a renamed global
+_OURS = (MODULE, safe_torch.__name__, torch_names.__name__)
 
 #: torch_names' placeholder -> the torch module that holds the global of the same name
 _TORCH_NAMES: dict[str, str] = {}
@@ -145,6 +74,19 @@ _GET_LAYOUT = _placeholder("_get_layout", "torch.serialization")
 #: every plain dtype (safe_torch's names are torch's) and the one layout, by name
 _VALUES: dict[str, Any] = {**{name: _placeholder(name) for name in PLAIN}, "strided": _Layout()}
 
+#: how torch pickles the classes it does not pickle as their ``__dict__``: TensorProperties as its
+#: five-field state (dtype, layout, requires_grad, memory format encoding, pin_memory: what every
+#: release in the range reads, ``compat.dump_metadata``), _StorageInfo without its None fields,
+#: torch.Size as ``Size(tuple)``
+_REDUCERS: dict[type, Any] = {
+    TensorProperties: lambda p: (copyreg.__newobj__, (TensorProperties,),  # type: ignore[attr-defined]
+                                 (_VALUES[dtype_name(p.dtype)], _VALUES["strided"], False,
+                                  _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT, False)),
+    _StorageInfo: lambda i: (copyreg.__newobj__, (_StorageInfo,),  # type: ignore[attr-defined]
+                             {k: v for k, v in i.__dict__.items() if v is not None}),
+    Size: lambda s: (Size, (tuple(s),)),
+}
+
 
 def dtype_name(dtype: Any) -> str:
     """``float32`` for ``torch.float32`` or ckpttool's stand-in for it."""
@@ -153,18 +95,12 @@ def dtype_name(dtype: Any) -> str:
 
 def metadata_index(fqn: str, offset: Size | None, index: int | None) -> MetadataIndex:
     """As torch's ``MetadataIndex.__init__`` fills its ``__dict__``: ``offset`` last, and only when set."""
-    record = MetadataIndex(fqn=fqn, index=index)
-    if offset is not None:
-        record.offset = offset
-    return record
+    return MetadataIndex(fqn, offset, index)
 
 
 def storage_info(file: str, offset: int, length: int, transforms: list[str] | None) -> _StorageInfo:
     """torch's ``_StorageInfo`` pickles its fields that are not None."""
-    record = _StorageInfo(relative_path=file, offset=offset, length=length)
-    if transforms:
-        record.transform_descriptors = list(transforms)
-    return record
+    return _StorageInfo(file, offset, length, list(transforms) if transforms else None)
 
 
 def metadata(**fields: Any) -> Metadata:
@@ -189,32 +125,35 @@ def to_torch(obj: Any) -> Any:
     if isinstance(obj, Size):
         return torch.Size(obj)
     if isinstance(obj, TensorProperties):
-        return md.TensorProperties(dtype=getattr(torch, obj.dtype))
+        return md.TensorProperties(dtype=getattr(torch, dtype_name(obj.dtype)))
     if isinstance(obj, MetadataIndex):
-        return md.MetadataIndex(obj.fqn, to_torch(getattr(obj, "offset", None)), obj.index)
+        return md.MetadataIndex(obj.fqn, to_torch(obj.offset), obj.index)
     if isinstance(obj, _StorageInfo):
-        return compat.storage_info(obj.relative_path, obj.offset, obj.length, getattr(obj, "transform_descriptors", None))
+        return compat.storage_info(obj.relative_path, obj.offset, obj.length, obj.transform_descriptors)
     if isinstance(obj, Metadata):
-        fields = {k: to_torch(v) for k, v in obj.__dict__.items() if k != "version"}
-        return compat.dcp_metadata(**fields)
-    if isinstance(obj, _Record):
-        return getattr(md, type(obj).__name__)(**{k: to_torch(v) for k, v in obj.__dict__.items()})
+        return compat.dcp_metadata(**{f.name: to_torch(getattr(obj, f.name)) for f in fields(obj) if f.name != "version"})
+    if type(obj) in CLASSES.values():
+        return getattr(md, type(obj).__name__)(**{f.name: to_torch(getattr(obj, f.name)) for f in fields(obj)})
     return obj
 
 
 def dumps(metadata: Metadata, strings: Iterable[str], dtypes: Iterable[str]) -> bytes | None:
     """The pickle of ``metadata`` naming torch's classes and values, or None when one of
-    ``strings`` (every key and path in it) contains a placeholder module's name (see the module's
+    ``strings`` (every key and path in it) contains one of our modules' names (see the module's
     doc) or one of ``dtypes`` (the names in its TensorProperties) has no placeholder."""
-    if not set(dtypes) <= PLAIN.keys() or any(MODULE in s or torch_names.__name__ in s for s in strings):
+    if not {dtype_name(d) for d in dtypes} <= PLAIN.keys() or any(m in s for s in strings for m in _OURS):
         return None
-    data = pickle.dumps(metadata, protocol=3)  # no frames (4): the renames change lengths
-    for name, module in _RENAMES.items():
-        data = data.replace(f"c{MODULE}\n{name}\n".encode(), f"c{module}\n{name}\n".encode(), 1)
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=3)  # no frames (4): the renames change lengths
+    pickler.dispatch_table = {**copyreg.dispatch_table, **_REDUCERS}
+    pickler.dump(metadata)
+    data = buf.getvalue()
+    for (module, name), torch_module in _RENAMES.items():
+        data = data.replace(f"c{module}\n{name}\n".encode(), f"c{torch_module}\n{name}\n".encode(), 1)
     for name, module in _TORCH_NAMES.items():
         data = data.replace(f"c{torch_names.__name__}\n{name}\n".encode(), f"c{module}\n{name}\n".encode(), 1)
-    if MODULE.encode() in data or torch_names.__name__.encode() in data:  # a global left unrenamed (a bug)
-        raise AssertionError(f"{MODULE} left in a .metadata pickle")
+    if any(m.encode() in data for m in _OURS):  # a global left unrenamed (a bug)
+        raise AssertionError(f"one of {_OURS} left in a .metadata pickle")
     return data
 
 

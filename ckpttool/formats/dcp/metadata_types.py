@@ -1,8 +1,9 @@
-"""DCP's ``.metadata`` classes as plain dataclasses of ours, so a DCP checkpoint is read without
-importing torch: the allow-listed unpickler builds these where the pickle names torch's (same
-fields, defaults and pickled state, ``TensorProperties`` of any release), with torch's values as
-``safe_torch`` stand-ins. What the offline reader (``DcpSource``) reads; the training side writes
-and reads torch's own classes (``read_metadata``).
+"""DCP's ``.metadata`` classes as plain dataclasses of ours: the one set ckpttool reads and writes,
+so a DCP checkpoint is read and written without importing ``torch.distributed.checkpoint``. The
+allow-listed unpickler builds these where the pickle names torch's (same fields, defaults and
+pickled state, ``TensorProperties`` of any release), with torch's values as ``safe_torch``
+stand-ins; ``metadata_pickle`` pickles them under torch's names for every writer (the training
+save and the offline sink), bytes equal to torch's own pickling.
 """
 
 from __future__ import annotations
