@@ -36,7 +36,7 @@ class WriteReport:
     @classmethod
     def of(cls, src: Location, dst: Location, plan: Plan, sink: Sink, source: Source, **more: Any):
         return cls(src=src.url, dst=dst.url, tensors=len(plan.tensors), objects=len(plan.objects) - len(sink.dropped),
-                   bytes=sum(s.nbytes for s in plan.tensors), notes=source.all_notes(), **more)
+                   bytes=sum(s.nbytes for s in plan.tensors), notes=source.not_read().lines(), **more)
 
 
 @dataclass
@@ -180,8 +180,7 @@ def like_layout(plan: Plan, other: Source) -> ChunkLayout:
                                 where=where, hint="--like takes a checkpoint of the same model")
         entry.check_coverage(where)
         per_rank: dict[int, list[Box]] = {}
-        for i, chunk in enumerate(entry.chunks):
-            name = other.chunk_file(entry, i)
+        for name, chunk in zip(other.about(key).files, entry.chunks):
             rank = file_rank(name)  # below world_size: that counts every file's rank
             if rank is None:
                 raise FormatError(f"tensor {key!r} is stored in {name!r}, not a __<rank>_<n>.distcp file: its rank cannot be told",

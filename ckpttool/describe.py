@@ -25,11 +25,11 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
             entry = index[key]
             path = list(index.path(key))
             if isinstance(entry, TensorEntry):
-                files = sorted({source.chunk_file(entry, i) for i in range(len(entry.chunks))})
+                about = source.about(key)
                 entries.append({
                     "key": key, "kind": "tensor", "shape": list(entry.shape), "dtype": entry.element_type.name,
-                    "bytes": entry.nbytes, "chunks": len(entry.chunks), "files": files, "path": path,
-                    **({"placement": placed} if (placed := source.placement(key)) else {}),
+                    "bytes": entry.nbytes, "chunks": len(entry.chunks), "files": sorted(set(about.files)), "path": path,
+                    **({"placement": about.placement} if about.placement else {}),
                 })
             else:
                 value = source.read_object(key)
@@ -47,7 +47,7 @@ def describe_checkpoint(loc: Location) -> dict[str, Any]:
             "objects": sum(1 for e in entries if e["kind"] == "object"),
             "total_bytes": index.tensor_bytes,
             "entries": entries,
-            "notes": source.all_notes(),
+            "notes": source.not_read().lines(),
             **({"parts": parts} if (parts := source.describe_parts()) is not None else {}),
         }
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 from . import dist
+from .buffers import SlabBuffers
 from .choices import DEFAULT_BUDGET
 from .errors import StorageError, UsageError
-from .formats.base import ObjectSpec, Progress, ReadAhead, ReadFn, Sink, SlabBuffers, Source, TensorSpec, stream_slabs
+from .formats.base import ObjectSpec, Progress, ReadFn, Share, Sink, Source, TensorSpec, stream_slabs
 from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import Box
 from .storage import describe_os_error
@@ -100,7 +102,7 @@ class _Streaming:
                  workers: int):
         self.source, self.sink, self.plan, self.budget, self.workers = source, sink, plan, budget, workers
         if workers > 1:
-            sink.share = (dist.rank(), workers)
+            sink.share = Share(dist.rank(), workers)
         self.tensors = sink.order(plan.tensors)
         self.index = source.index()
         self.specs = {spec.key: spec for spec in self.tensors}
@@ -154,10 +156,9 @@ class _Streaming:
                     for slab in stream_slabs(spec, self._slab_budget(spec), box)]
         self.total = sum(math.prod(box[1]) * dtype_size(self.specs[key].dtype) for key, box in schedule)
         self.ahead = ReadAhead(schedule if self.pool else [], self._read_into, self.pool)
-        source.check_in_parts()
-        sink.write(self.tensors, self._reader_for, self._advance)
-        self.ahead.stop()
-        source.settle()  # every record read is checked before the output is committed
+        with source.checked_in_parts():  # every record read is checked before the output is committed
+            sink.write(self.tensors, self._reader_for, self._advance)
+            self.ahead.stop()
         sink.finish_files()
 
     def stop_reading(self) -> None:
@@ -174,9 +175,7 @@ class _Streaming:
             return
         dist.agree(None)
         self.shared.close(finished=True)
-        pieces = dist.gather(sink.pieces())  # worker 0 alone writes the file that describes them
-        if pieces is not None:
-            sink.merge(pieces)
+        if sink.merge(dist.gather):  # worker 0 alone writes the file that describes the pieces
             dist.agree_on(sink.finalize)
         else:
             dist.agree_on(lambda: None)
@@ -209,4 +208,46 @@ def _start_shared(sink: Sink, plan: Plan) -> None:
         sink.tmp = sink.location.sibling(dist.broadcast(staging_name() or sink.tmp.name))
     dist.agree(None)  # every worker has checked the output before worker 0 prepares it
     dist.agree_on(lambda: sink.policy.prepare(sink.tmp, sink.location) if dist.rank() == 0 else None)
-    dist.agree_on(lambda: sink.begin(plan.entries))
+    dist.agree_on(lambda: sink.start(plan.entries, prepare=False))
+
+
+class ReadAhead:
+    """Reads the slabs a sink will ask for, in the order it will ask (``schedule``), one ahead:
+    slab k+1 is read (and checked) in a background thread while slab k is written (and hashed),
+    in two sets of buffers, so a convert costs about the larger of reading and writing rather than
+    their sum. A request that is not the next one scheduled is read directly (and ends the
+    read-ahead): the output never depends on the schedule being right."""
+
+    def __init__(self, schedule: list[tuple[str, Box]], read_into: Callable[[str, Box, int], torch.Tensor], pool: Any):
+        self._schedule = schedule  # (key, box) of every slab, in the sink's order
+        self._read_into = read_into  # (key, box, buffer set 0 or 1) -> the slab, in that set's buffers
+        self._pool = pool
+        self._next = 0  # the index of the next slab the sink will ask for
+        self._futures: dict[int, Any] = {}
+        self._on = pool is not None and bool(schedule)
+
+    def _submit(self, i: int) -> None:
+        if i < len(self._schedule) and i not in self._futures:
+            key, box = self._schedule[i]
+            self._futures[i] = self._pool.submit(self._read_into, key, box, i % 2)
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        i = self._next
+        if self._on and i < len(self._schedule) and self._schedule[i] == (key, box):
+            self._next += 1
+            self._submit(i)  # (the first one)
+            # slab i-1 has been written (the sink asks in order), so its buffers take slab i+1
+            self._submit(i + 1)
+            return self._futures.pop(i).result()
+        self.stop()
+        return self._read_into(key, box, 0)
+
+    def stop(self) -> None:
+        """Wait for every read in flight (their buffers may be reused or freed next)."""
+        self._on = False
+        for future in self._futures.values():
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - a read nobody asked for: its error does not matter (Ctrl-C is)
+                pass
+        self._futures.clear()

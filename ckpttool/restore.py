@@ -213,7 +213,7 @@ def _template(source: Any, top: str) -> dict[str, Any]:
             continue
         entry = index[key]
         if isinstance(entry, TensorEntry):
-            source.checked_entry(key)
+            source.entry(key, TensorEntry, checked=True)
             flat[key] = torch.empty(entry.shape, dtype=entry.dtype)
         else:
             flat[key] = None

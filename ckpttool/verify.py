@@ -13,7 +13,8 @@ from typing import Any
 from . import dist, formats
 from .choices import DEFAULT_BUDGET
 from .errors import CkptError, FormatError, UnsafePickleError, UsageError
-from .formats.base import Progress, SlabBuffers, Source
+from .buffers import SlabBuffers
+from .formats.base import Progress, Source
 from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import slabs, whole
 from .report import Problem, Report
@@ -85,10 +86,11 @@ def _verify_path(path: str | Location, only: str | None, storage_options: dict[s
             report.add(exc.what, exc.where, hint=exc.hint)
         except Exception as exc:  # noqa: BLE001 - damaged input must end as a reported problem, not a crash
             report.add(f"cannot be read: {type(exc).__name__}: {exc}", loc.url, hint="the checkpoint is damaged")
-        for text in source.read_notes():
+        not_read = source.not_read()
+        for text in not_read.notes:
             report.note(text)
         if only is None:  # a part that cannot be read fails the check: verify never passes over it
-            for name, why in source.unreadable():
+            for name, why in not_read.unreadable:
                 report.add(f"cannot be read: {why}", source.location.child(name).url, unreadable=True,
                            hint="check the other parts with --only KEY (e.g. --only model)")
     if shared is not None:

@@ -10,15 +10,15 @@ looks complete at the destination until then).
 
 from __future__ import annotations
 
-import ctypes
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from ..errors import CkptError, FormatError
+from ..buffers import tensor_buffer
 from ..index import Entry, Index, ObjectEntry, ObjPath, TensorEntry, dtype_size
 from ..layout import Box, Layout, slabs, whole
 from ..storage import Location
@@ -82,36 +82,62 @@ class Probe:
     size: int = 0
 
 
+@dataclass(frozen=True)
+class About:
+    """Where a tensor is, for inspect and error messages: the file of each stored chunk (in chunk
+    order) and how it was laid out over its job's mesh, where the format records it."""
+
+    files: tuple[str, ...]
+    placement: str | None = None
+
+
+@dataclass(frozen=True)
+class NotRead:
+    """What a read passed over: ``notes`` a reader should know (values taken from one rank, files in
+    the directory that are no part of the checkpoint), and the parts that could not be read, with why
+    (verify fails over those; every other command names them)."""
+
+    notes: tuple[str, ...] = ()
+    unreadable: tuple[tuple[str, str], ...] = ()
+
+    def lines(self) -> list[str]:
+        return [*self.notes, *(f"not read: {name}: {why}" for name, why in self.unreadable)]
+
+
 class Source(ABC):
-    """A checkpoint opened for reading. Cheap to open; ``index()`` reads only metadata."""
+    """A checkpoint opened for reading. Cheap to open; ``index()`` reads only metadata.
+
+    Twelve public methods: the index and its entries, the reads, where the bytes are (``data_spans``,
+    ``files``, ``about``, ``world_size``, ``describe_parts``), what was not read, the checks of records
+    read in parts, close. The rest are hooks a format overrides (``_check``, ``_chunk_file``, ...)."""
 
     format: str = ""
 
     def __init__(self, location: Location):
         self.location = location
         self.notes: list[str] = []  # what a reader should know (values it read from one rank, files it did not read)
-        self._tiled: set[str] = set()  # keys whose chunks were checked to tile the tensor
+        self._checked: set[str] = set()  # keys checked safe to read (:meth:`_check`)
 
     @abstractmethod
     def index(self) -> Index: ...
 
-    def checked_entry(self, key: str) -> TensorEntry:
-        """The entry of tensor ``key``, once checked to be safe to read: its chunks tile its shape
-        (no gap to leave uninitialised). Checked once per key, not at every slab read."""
-        entry = self.entry(key, TensorEntry)
-        if key not in self._tiled:
-            entry.check_coverage(self.location.url)
-            self._tiled.add(key)
+    def entry(self, key: str, kind: type[Entry], checked: bool = False) -> Any:
+        """The index entry of ``key``, which must be a ``kind`` (TensorEntry or ObjectEntry); with
+        ``checked``, a tensor's entry once checked to be safe to read (:meth:`_check`, once per key,
+        not at every slab read)."""
+        entry = self.index()[key]
+        if not isinstance(entry, kind):
+            raise FormatError(f"{key!r} is {'a tensor' if isinstance(entry, TensorEntry) else 'an object'}, "
+                              f"not {'a tensor' if kind is TensorEntry else 'an object'}", where=self.location.url)
+        if checked and key not in self._checked:
+            self._check(key, entry)
+            self._checked.add(key)
         return entry
 
-    def describe_parts(self) -> list[dict[str, Any]] | None:
-        """For a checkpoint made of parts in several formats (a trainer folder): each part's file,
-        format and top-level key, for inspect; None otherwise."""
-        return None
-
-    def placement(self, key: str) -> str | None:
-        """How a sharded tensor was laid out over its job's mesh, where the format records it."""
-        return None
+    def _check(self, key: str, entry: TensorEntry) -> None:
+        """Check that tensor ``key`` is safe to read: its chunks tile its shape (no gap to leave
+        uninitialised); a format adds what it can check before reading (records inside their files)."""
+        entry.check_coverage(self.location.url)
 
     @abstractmethod
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,21 +150,13 @@ class Source(ABC):
         read (default: all of it) and the tensor to read into (``out``, or a new one)."""
         import torch
 
-        entry = self.checked_entry(key)  # the chunks must tile the tensor: no gap read as memory
+        entry = self.entry(key, TensorEntry, checked=True)  # the chunks must tile the tensor: no gap read as memory
         box = box if box is not None else whole(entry.shape)
         return entry, box, out if out is not None else torch.empty(box[1], dtype=entry.dtype)
 
     def read_object(self, key: str) -> Any:
         """The value of object ``key`` (formats whose index holds the values need not override this)."""
         return self.entry(key, ObjectEntry).location
-
-    def entry(self, key: str, kind: type[Entry]) -> Any:
-        """The index entry of ``key``, which must be a ``kind`` (TensorEntry or ObjectEntry)."""
-        entry = self.index()[key]
-        if not isinstance(entry, kind):
-            raise FormatError(f"{key!r} is {'a tensor' if isinstance(entry, TensorEntry) else 'an object'}, "
-                              f"not {'a tensor' if kind is TensorEntry else 'an object'}", where=self.location.url)
-        return entry
 
     @abstractmethod
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
@@ -149,48 +167,55 @@ class Source(ABC):
         """How many ranks wrote this checkpoint, where the format records it (else 1)."""
         return 1
 
-    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
-        """The name of the file that holds a chunk (for inspect and error messages)."""
-        return self.location.name
-
     def files(self) -> list[str]:
         """Names of the data files this checkpoint consists of."""
         return [self.location.name]
 
-    def aux_files(self) -> list[str]:
+    def about(self, key: str) -> About:
+        """The file of each chunk of tensor ``key`` and its placement (for inspect and messages)."""
+        entry = self.entry(key, TensorEntry)
+        return About(tuple(self._chunk_file(entry, i) for i in range(len(entry.chunks))), self._placement(key))
+
+    def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+        return self.location.name
+
+    def _placement(self, key: str) -> str | None:
+        return None
+
+    def describe_parts(self) -> list[dict[str, Any]] | None:
+        """For a checkpoint made of parts in several formats (a trainer folder): each part's file,
+        format and top-level key, for inspect; None otherwise."""
+        return None
+
+    def not_read(self) -> NotRead:
+        """:attr:`notes`, the names in the directory that are no part of the checkpoint (a README, a
+        config.json, a stray copy: every command says so rather than pass over them), and the parts
+        that could not be read (a trainer folder's)."""
+        unread = []
+        if self.location.isdir():
+            own = {*self.files(), *self._aux_files()}
+            unread = sorted(n for n in self.location.listdir() if n not in own)
+        return NotRead(tuple([*self.notes, *([f"not part of the checkpoint, not read: {', '.join(unread)}"] if unread else [])]))
+
+    def _aux_files(self) -> list[str]:
         """Names of the other files of a directory checkpoint that it reads (metadata, an index)."""
         return []
 
-    def unread(self) -> list[str]:
-        """Names in a directory checkpoint that are no part of it, so nothing read them (a README,
-        a config.json, a stray copy): every command says so rather than pass over them."""
-        if not self.location.isdir():
-            return []
-        own = {*self.files(), *self.aux_files()}
-        return sorted(n for n in self.location.listdir() if n not in own)
+    @contextmanager
+    def checked_in_parts(self) -> Iterator[None]:
+        """Inside, reads that take a record in consecutive parts check it as the parts go by (one pass
+        over its bytes instead of a scan before the first part); on leaving without an error, the
+        records not read to their end are scanned (raising as the checks do): the caller trusts what
+        it read only after (an offline command: before its commit)."""
+        self._check_in_parts()
+        yield
+        self._settle()
 
-    def unreadable(self) -> list[tuple[str, str]]:
-        """(file, why) of the parts of a checkpoint made of several (a trainer folder) that could
-        not be read: verify fails over them, every other command names them."""
-        return []
+    def _check_in_parts(self) -> None:
+        pass
 
-    def read_notes(self) -> list[str]:
-        """:attr:`notes`, and the names of the files in the directory it did not read."""
-        unread = self.unread()
-        return [*self.notes, *([f"not part of the checkpoint, not read: {', '.join(unread)}"] if unread else [])]
-
-    def all_notes(self) -> list[str]:
-        """:meth:`read_notes` and the parts that could not be read, with why."""
-        return [*self.read_notes(), *(f"not read: {name}: {why}" for name, why in self.unreadable())]
-
-    def check_in_parts(self) -> None:
-        """Let reads that take a record in consecutive parts check it as the parts go by (one pass
-        over its bytes instead of a scan before the first part): the caller then calls
-        :meth:`settle` before it trusts what it read (an offline command: before its commit)."""
-
-    def settle(self) -> None:
-        """Finish the checks of the records read in parts (those not read to their end are scanned
-        now); raises as the checks do."""
+    def _settle(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -202,8 +227,28 @@ class Source(ABC):
         self.close()
 
 
+@dataclass(frozen=True)
+class Share:
+    """The part of an output one worker writes when several split it (``--nproc``, torchrun): the
+    engine gives each sink its own; a splittable sink asks :meth:`mine` of each of its files."""
+
+    worker: int = 0
+    workers: int = 1
+
+    def mine(self, i: int, count: int) -> bool:
+        """Whether this worker writes file ``i`` of the output's ``count``: each worker takes a
+        contiguous run of them, so neighbouring files, which read neighbouring source bytes (the
+        two halves of one source record when a reshard doubles the ranks), are one worker's and
+        each source byte is fetched by one worker."""
+        return i * self.workers // max(1, count) == self.worker
+
+
 class Sink(ABC):
-    """An output being written where its commit policy stages it; nothing complete until finalize."""
+    """An output being written where its commit policy stages it; nothing complete until finalize.
+
+    What the engine calls: ``order``, ``start``, ``read_order``, ``write``, ``finish_files``,
+    ``merge`` (workers), ``complete``, ``finalize``, ``abort``; a format implements ``_begin`` and
+    ``_add_tensor`` (and, splitting between workers, ``splittable``, ``_writes``, ``_pieces``, ``_merge``)."""
 
     format: str = ""
 
@@ -214,74 +259,70 @@ class Sink(ABC):
         self.dropped: list[str] = []  # object keys the format could not hold
         self._files = ExitStack()
         self._current: ExitStack | None = None
-        self.share = (0, 1)  # (this worker, workers): which of the output's files this process writes
+        self.share = Share()  # which part of the output this process writes (the engine's, with workers)
 
-    # --- splitting one output between workers (``--nproc``, torchrun) ----------------------------
     @property
     def splittable(self) -> bool:
         """Whether the output has several files that workers can write apart (shards, ranks' files)."""
         return False
 
-    def mine(self, i: int, count: int) -> bool:
-        """Whether this worker writes file ``i`` of the output's ``count``: each worker takes a
-        contiguous run of them, so neighbouring files, which read neighbouring source bytes (the
-        two halves of one source record when a reshard doubles the ranks), are one worker's and
-        each source byte is fetched by one worker."""
-        return i * self.share[1] // max(1, count) == self.share[0]
-
-    def writes(self, spec: TensorSpec) -> bool:
+    def _writes(self, spec: TensorSpec) -> bool:
         """Whether this worker writes tensor ``spec`` (every tensor, for one worker)."""
         return True
 
-    def pieces(self) -> Any:
-        """What this worker wrote that the marker file (written by worker 0) must describe."""
+    def merge(self, gather: Callable[[Any], list[Any] | None]) -> bool:
+        """Workers, after every one finished its files: hand what this one wrote (that the file
+        describing the output, worker 0's, must name) to ``gather``, which gives worker 0 every
+        worker's in worker order; worker 0 takes them in. True on worker 0."""
+        pieces = gather(self._pieces())
+        if pieces is None:
+            return False
+        self._merge(pieces)
+        return True
+
+    def _pieces(self) -> Any:
         return None
 
-    def merge(self, pieces: list[Any]) -> None:
-        """Worker 0, before :meth:`finalize`: take in every worker's :meth:`pieces`, in worker order."""
+    def _merge(self, pieces: list[Any]) -> None:
+        pass
 
-    def open_file(self, loc: Location) -> IO[bytes]:
-        """Open one file of the output: closed (an upload completed) by :meth:`finalize`,
-        discarded (an upload aborted) by :meth:`abort`."""
-        return self._files.enter_context(loc.open_write())
-
-    def enter(self, cm: Any) -> Any:
+    def _enter(self, cm: Any) -> Any:
         """Enter a context (an archive writer) that ends with the output's files: normally at
         :meth:`finalize`, with the error at :meth:`abort`."""
         return self._files.enter_context(cm)
 
-    def next_file(self, loc: Location) -> IO[bytes]:
-        """Close the file the previous call opened, then open ``loc``: for outputs written one
+    def _next_file(self, loc: Location) -> IO[bytes]:
+        """Close the file the previous call opened, then open ``loc`` (closed, an upload completed,
+        by :meth:`finalize`; discarded, an upload aborted, by :meth:`abort`): for outputs written one
         file after another (shards), so only one is open at a time."""
         if self._current is not None:
             self._current.close()
         self._current = self._files.enter_context(ExitStack())
         return self._current.enter_context(loc.open_write())
 
-    def close_files(self) -> None:
-        self._files.close()
-
     def order(self, tensors: list[TensorSpec]) -> list[TensorSpec]:
         """The order tensors will be written in (a format may need its own, e.g. for alignment)."""
         return tensors
 
-    def start(self, entries: list[TensorSpec | ObjectSpec]) -> None:
-        """Prepare the destination (replacing an old output was checked before) and :meth:`begin`."""
-        self.policy.prepare(self.tmp, self.location)
-        self.begin(entries)
+    def start(self, entries: list[TensorSpec | ObjectSpec], prepare: bool = True) -> None:
+        """Prepare the destination (replacing an old output was checked before; workers: worker 0
+        prepared it, ``prepare`` false) and learn everything that will be written (:meth:`_begin`)."""
+        if prepare:
+            self.policy.prepare(self.tmp, self.location)
+        self._begin(entries)
 
     @abstractmethod
-    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+    def _begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         """Everything that will be written, in the source's order (objects carry their values)."""
 
     @abstractmethod
-    def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
-        """Write one tensor (tensors arrive in ``begin``'s order), pulling slabs of <= budget bytes."""
+    def _add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
+        """Write one tensor (tensors arrive in ``_begin``'s order), pulling slabs of <= budget bytes."""
 
     def read_order(self, tensors: list[TensorSpec]) -> list[tuple[TensorSpec, Box | None]]:
         """The (tensor, box) reads :meth:`write` will make, in order (None: the whole tensor); the
         engine reads ahead along it. A sink that overrides :meth:`write` overrides this too."""
-        return [(spec, None) for spec in tensors if self.writes(spec)]
+        return [(spec, None) for spec in tensors if self._writes(spec)]
 
     def write(self, tensors: list[TensorSpec], reader_for: Callable[[TensorSpec], tuple[ReadFn, int]],
               done: Callable[[int, str], None]) -> None:
@@ -289,16 +330,16 @@ class Sink(ABC):
         budget, ``done(nbytes, key)`` reports progress. A sink with many files overrides this to
         write them one at a time."""
         for spec in tensors:
-            if not self.writes(spec):
+            if not self._writes(spec):
                 continue
             read, budget = reader_for(spec)
-            self.add_tensor(spec, read, budget)
+            self._add_tensor(spec, read, budget)
             done(spec.nbytes, spec.key)
 
     def finish_files(self) -> None:
         """Finish and close the files this worker writes (every worker, before worker 0's
         :meth:`complete`); calling it again does nothing."""
-        self.close_files()
+        self._files.close()
 
     def complete(self) -> None:
         """Write what makes the output complete (an index, a pickle, metadata) after the data
@@ -308,7 +349,7 @@ class Sink(ABC):
         """Commit: the output appears at its destination whole, or not at all."""
         self.finish_files()
         self.complete()
-        self.close_files()
+        self._files.close()
         self.policy.publish(self.tmp, self.location)
 
     def abort(self, error: BaseException, discard: bool = True) -> None:
@@ -366,107 +407,6 @@ class Format(ABC):
         byte ranges, tiling, decoding and checksums. A format that can split the work between
         workers (``splits_integrity``) takes ``share`` (worker, workers) and returns what it found
         per entry (see the DCP format's); the others are only called without it."""
-
-
-class SlabBuffers:
-    """Growable byte buffers viewed as any shape and dtype, reused from slab to slab.
-
-    A sink writes each slab before it asks for the next, so one buffer per role serves every slab;
-    a fresh allocation would fault in new pages for every slab, which costs more than the disk.
-    """
-
-    def __init__(self, count: int):
-        self._bufs: list[torch.Tensor | None] = [None] * count  # made at the first view (torch imported then)
-
-    def view(self, shape: tuple[int, ...], dtype: torch.dtype, which: int) -> torch.Tensor:
-        import torch
-
-        n = math.prod(shape) * dtype_size(dtype)
-        buf = self._bufs[which]
-        if buf is None or buf.numel() < n:
-            buf = self._bufs[which] = torch.empty(n, dtype=torch.uint8)
-        return buf[:n].view(dtype).view(shape)
-
-
-def tensor_buffer(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (any dtype, no numpy)."""
-    if not t.is_contiguous():
-        raise ValueError("tensor must be contiguous")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    array = (ctypes.c_char * n).from_address(t.data_ptr())
-    array.owner = t  # the view keeps the array alive, the array keeps the tensor alive
-    return memoryview(array).cast("B")
-
-
-def read_c_order_box(reader, offset: int, shape: tuple[int, ...], dtype: torch.dtype, box: Box,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Read ``box`` of a tensor stored C-contiguous at byte ``offset``, into ``out`` when given.
-
-    A box spanning whole rows is one read straight into the destination; otherwise the rows it
-    touches are read and the inner slice copied (so a region costs the rows, not the tensor).
-    """
-    import torch
-
-    if out is None:
-        out = torch.empty(box[1], dtype=dtype)
-    if not shape:
-        reader.readinto(offset, tensor_buffer(out))
-        return out
-    item = dtype_size(dtype)
-    row = math.prod(shape[1:]) * item
-    start = offset + box[0][0] * row
-    inner_whole = all(o == 0 and n == s for o, n, s in zip(box[0][1:], box[1][1:], shape[1:]))
-    if inner_whole and out.is_contiguous():
-        reader.readinto(start, tensor_buffer(out))
-        return out
-    rows = torch.empty((box[1][0], *shape[1:]), dtype=dtype)
-    reader.readinto(start, tensor_buffer(rows))
-    out.copy_(rows[(slice(None), *(slice(o, o + n) for o, n in zip(box[0][1:], box[1][1:])))])
-    return out
-
-
-class ReadAhead:
-    """Reads the slabs a sink will ask for, in the order it will ask (``schedule``), one ahead:
-    slab k+1 is read (and checked) in a background thread while slab k is written (and hashed),
-    in two sets of buffers, so a convert costs about the larger of reading and writing rather than
-    their sum. A request that is not the next one scheduled is read directly (and ends the
-    read-ahead): the output never depends on the schedule being right."""
-
-    def __init__(self, schedule: list[tuple[str, Box]], read_into: Callable[[str, Box, int], torch.Tensor], pool: Any):
-        self._schedule = schedule  # (key, box) of every slab, in the sink's order
-        self._read_into = read_into  # (key, box, buffer set 0 or 1) -> the slab, in that set's buffers
-        self._pool = pool
-        self._next = 0  # the index of the next slab the sink will ask for
-        self._futures: dict[int, Any] = {}
-        self._on = pool is not None and bool(schedule)
-
-    def _submit(self, i: int) -> None:
-        if i < len(self._schedule) and i not in self._futures:
-            key, box = self._schedule[i]
-            self._futures[i] = self._pool.submit(self._read_into, key, box, i % 2)
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        i = self._next
-        if self._on and i < len(self._schedule) and self._schedule[i] == (key, box):
-            self._next += 1
-            self._submit(i)  # (the first one)
-            # slab i-1 has been written (the sink asks in order), so its buffers take slab i+1
-            self._submit(i + 1)
-            return self._futures.pop(i).result()
-        self.stop()
-        return self._read_into(key, box, 0)
-
-    def stop(self) -> None:
-        """Wait for every read in flight (their buffers may be reused or freed next)."""
-        self._on = False
-        for future in self._futures.values():
-            try:
-                future.result()
-            except Exception:  # noqa: BLE001 - a read nobody asked for: its error does not matter (Ctrl-C is)
-                pass
-        self._futures.clear()
 
 
 def stream_tensor(write: Callable[[torch.Tensor], Any], spec: TensorSpec, read: ReadFn, budget: int, box: Box | None = None) -> None:

@@ -80,8 +80,8 @@ class ShardedOutput:
     def splittable(self) -> bool:
         return self.sharded
 
-    def writes(self, spec: Any) -> bool:
-        return self.share[1] == 1 or self.mine(self._shard_of[spec.key], len(self._shards))  # type: ignore[attr-defined]
+    def _writes(self, spec: Any) -> bool:
+        return self.share.workers == 1 or self.share.mine(self._shard_of[spec.key], len(self._shards))  # type: ignore[attr-defined]
 
     def shard_file(self, i: int) -> str:
         return shard_name(self.STEM, self.SUFFIX, i, len(self._shards))

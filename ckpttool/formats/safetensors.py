@@ -23,7 +23,8 @@ from ..layout import Box, relative, tiles_exactly, whole
 from ..report import Report
 from ..storage import Location, RangeReader
 from .hf_index import ShardedOutput, index_bytes, read_weight_map, shard_files
-from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, read_c_order_box, split, stream_tensor
+from ..buffers import read_c_order_box
+from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, split, stream_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -212,16 +213,16 @@ class SafetensorsSource(Source):
     def files(self) -> list[str]:
         return [f.loc.name for f in self.parts]
 
-    def aux_files(self) -> list[str]:
+    def _aux_files(self) -> list[str]:
         return [INDEX_FILE]
 
-    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+    def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return self.parts[entry.chunks[chunk_index].location[0]].loc.name
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         import torch
 
-        entry = self.checked_entry(key)  # the ranks' shards must tile the tensor: no gap read as memory
+        entry = self.entry(key, TensorEntry, checked=True)  # the ranks' shards must tile the tensor: no gap read as memory
         box = box if box is not None else whole(entry.shape)
         if len(entry.chunks) == 1 and not any(entry.chunks[0].offsets):
             i, begin, _ = entry.chunks[0].location
@@ -302,7 +303,7 @@ class SafetensorsSink(ShardedOutput, Sink):
         # Larger elements first: every tensor then starts at an offset aligned to its element size.
         return sorted(specs, key=lambda s: -dtype_size(s.dtype))
 
-    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+    def _begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         tensors, objects = split(entries)
         for spec in tensors:  # everything is checked before the first byte is written
             if dtype_of(spec.dtype) not in CODE_OF:
@@ -340,12 +341,12 @@ class SafetensorsSink(ShardedOutput, Sink):
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * ((-len(raw)) % 8)
-        f = self.next_file(self._shard_loc(i))
+        f = self._next_file(self._shard_loc(i))
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         self._open = (i, f)
 
-    def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
+    def _add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         i = self._shard_of[spec.key]
         if self._open is None or self._open[0] != i:
             self._started.add(i)
@@ -354,10 +355,10 @@ class SafetensorsSink(ShardedOutput, Sink):
 
     def finish_files(self) -> None:
         for i in range(len(self._shards)):  # files with no tensor written yet (empty checkpoint)
-            if i not in self._started and self.mine(i, len(self._shards)):
+            if i not in self._started and self.share.mine(i, len(self._shards)):
                 self._started.add(i)
                 self._start_file(i)
-        self.close_files()
+        self._files.close()
 
     def complete(self) -> None:
         if self.sharded:  # the index, written last, is what makes a sharded output complete

@@ -388,10 +388,10 @@ class RanksSource(Source):
     def files(self) -> list[str]:
         return sorted(self._files)
 
-    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+    def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return entry.chunks[chunk_index].location[0]
 
-    def placement(self, key: str) -> str | None:
+    def _placement(self, key: str) -> str | None:
         return self._placements.get(key)
 
     def part(self, name: str) -> TorchFile:
@@ -440,7 +440,7 @@ class RanksSink(Sink):
         self._entries: list[TensorSpec | ObjectSpec] = []
         self.bytes_per_rank: dict[int, int] = {}  # tensor bytes each rank's files hold
 
-    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+    def _begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         self._entries = list(entries)
         self.tmp.makedirs()
 
@@ -463,7 +463,7 @@ class RanksSink(Sink):
         return [(spec, self._box(spec, r)) for r in range(self.layout.world_size) for spec in tensors
                 if str(spec.path[0]) in ranked or r == 0]
 
-    def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:  # (write() reads rank by rank)
+    def _add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:  # (write() reads rank by rank)
         raise NotImplementedError
 
     def write(self, tensors: list[TensorSpec], reader_for: Any, done: Any) -> None:

@@ -147,11 +147,11 @@ class TorchSaveSource(Source):
     def files(self) -> list[str]:
         return [p.location.name for p in self.parts]
 
-    def aux_files(self) -> list[str]:
+    def _aux_files(self) -> list[str]:
         name = _index_name(self.location.listdir()) if self.location.isdir() else None
         return [name] if name else []
 
-    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+    def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return self.part(entry.key).location.name
 
     def part(self, key: str) -> TorchFile:
@@ -211,7 +211,7 @@ class TorchSaveSink(ShardedOutput, Sink):
         self._objects: dict[str, Any] = {}
         self._started: set[int] = set()
 
-    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+    def _begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         tensors, objects = split(entries)
         self.plan_shards(tensors)
         for spec in entries:  # the pickled dict keeps the source's key order
@@ -226,8 +226,8 @@ class TorchSaveSink(ShardedOutput, Sink):
     def _start(self, i: int) -> None:
         """Finish the shard being written (its pickle names what it holds) and open shard ``i``."""
         self._finish_open()
-        f: IO[bytes] = self.next_file(self.tmp.child(self.shard_file(i)) if self.sharded else self.tmp)
-        self._writer = self.enter(ArchiveWriter(f, name="archive"))
+        f: IO[bytes] = self._next_file(self.tmp.child(self.shard_file(i)) if self.sharded else self.tmp)
+        self._writer = self._enter(ArchiveWriter(f, name="archive"))
         self._open = i
         self._started.add(i)
 
@@ -242,7 +242,7 @@ class TorchSaveSink(ShardedOutput, Sink):
         self._writer.finish(unflatten({k: self._flat[k] for k in keys}, {k: self._paths[k] for k in keys}))
         self._writer = None
 
-    def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
+    def _add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         i = self._shard_of[spec.key]
         if self._writer is None or self._open != i:
             self._start(i)  # shards are written in order: the previous one is complete
@@ -254,10 +254,10 @@ class TorchSaveSink(ShardedOutput, Sink):
     def finish_files(self) -> None:
         if self.sharded:
             for i in range(len(self._shards)):  # this worker's shards not started (no tensors)
-                if i not in self._started and self.mine(i, len(self._shards)):
+                if i not in self._started and self.share.mine(i, len(self._shards)):
                     self._start(i)
         self._finish_open()
-        self.close_files()
+        self._files.close()
 
     def complete(self) -> None:
         if self.sharded:  # the index, written last, is what makes a sharded output complete

@@ -26,7 +26,7 @@ from ..index import dtype_size, plausible_shape
 from ..safe_dtensor import DTensorRef
 from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
 from ..storage import RangeReader
-from .base import read_c_order_box, tensor_buffer
+from ..buffers import read_c_order_box, tensor_buffer
 
 if TYPE_CHECKING:
     import torch

@@ -25,7 +25,7 @@ part                                                        top-level key
 ``training_args.bin`` (a pickled ``TrainingArguments``, which the allow-list refuses), any part
 holding a value the allow-list refuses, and checkpoint data whose place in the state cannot be
 told (a weights-shaped file of another name: ``ema.pt``, a second model file, a directory) are named
-by :meth:`TrainerSource.unreadable` with the reason (verify fails over them unless ``--only``
+by :meth:`TrainerSource.not_read` with the reason (verify fails over them unless ``--only``
 narrows the check; the other commands go on with the rest and say so); a damaged part is an
 error, as in any checkpoint, and two files for one part (``optimizer.pt`` and ``optimizer.bin``) are
 refused as ambiguous. Files that are no checkpoint state (``config.json``, tokenizer files) are
@@ -43,7 +43,7 @@ from ..index import Index, ObjectEntry, TensorEntry
 from ..layout import Box
 from ..report import Report
 from ..storage import Location
-from .base import Format, Probe, Progress, Source
+from .base import Format, NotRead, Probe, Progress, Source
 
 if TYPE_CHECKING:
     import torch
@@ -215,7 +215,7 @@ class TrainerSource(Source):
         out = []
         for top, source in self._parts:
             # a sharded model is the folder itself (its shards); a DCP part a directory; else one file
-            name = ", ".join([*source.aux_files(), *source.files()]) if source.location == self.location else source.location.name
+            name = ", ".join([*source._aux_files(), *source.files()]) if source.location == self.location else source.location.name
             out.append({"file": name, "format": source.format, "key": top})  # (key None: the part's own keys)
         out += [{"file": name, "format": "json", "key": top} for top, name in self._json_parts]
         out += [{"file": name, "format": None, "key": None, "not_read": why} for name, why in self._unreadable]
@@ -241,10 +241,9 @@ class TrainerSource(Source):
         source, own = self._part(key)
         return source.read_object(own)
 
-    def checked_entry(self, key: str) -> TensorEntry:
+    def _check(self, key: str, entry: TensorEntry) -> None:
         source, own = self._part(key)
-        source.checked_entry(own)
-        return self.entry(key, TensorEntry)
+        source.entry(own, TensorEntry, checked=True)
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         source, own = self._part(key)
@@ -261,29 +260,27 @@ class TrainerSource(Source):
             names += [prefix + n if prefix else n for n in source.files()]
         return names
 
-    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+    def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         source, own = self._part(entry.key)
-        name = source.chunk_file(source.index()[own], chunk_index)
+        name = source._chunk_file(source.index()[own], chunk_index)
         prefix = self._prefix(source)
         return prefix + name if prefix else name
 
-    def unread(self) -> list[str]:
-        return []  # (the folder's other files are named in the notes, with what they are)
+    def not_read(self) -> NotRead:
+        # (the folder's other files are named in the notes, with what they are)
+        return NotRead(tuple(self.notes), tuple(self._unreadable))
 
-    def unreadable(self) -> list[tuple[str, str]]:
-        return list(self._unreadable)
-
-    def placement(self, key: str) -> str | None:
+    def _placement(self, key: str) -> str | None:
         source, own = self._owner.get(key, (None, key))
-        return source.placement(own) if source is not None else None
+        return source._placement(own) if source is not None else None
 
-    def check_in_parts(self) -> None:
+    def _check_in_parts(self) -> None:
         for _, source in self._parts:
-            source.check_in_parts()
+            source._check_in_parts()
 
-    def settle(self) -> None:
+    def _settle(self) -> None:
         for _, source in self._parts:
-            source.settle()
+            source._settle()
 
     def close(self) -> None:
         for _, source in self._parts:
@@ -307,7 +304,7 @@ class TrainerFormat(Format):
     def check_integrity(self, source: TrainerSource, report: Report, only: str | None, progress: Progress | None,
                         share: tuple[int, int] | None = None) -> None:
         """Each part checked by its own format (only the parts under the top-level key ``only``,
-        when given). (The parts that could not be read are verify's problems: ``Source.unreadable``.)"""
+        when given). (The parts that could not be read are verify's problems: ``Source.not_read``.)"""
         from . import get
 
         for top, part in source.parts():

@@ -385,16 +385,17 @@ def test_a_reshard_checks_records_it_reads_in_parts_in_one_pass(tmp_path, monkey
 
 def test_a_record_read_only_in_part_is_checked_whole_when_the_reader_settles(tmp_path):
     """A record whose parts were not all read (the rest of it never asked for) is not trusted on
-    its first part's word: settle() scans it whole and finds the flip in the part never read."""
+    its first part's word: leaving ``checked_in_parts`` scans it whole and finds the flip in the part
+    never read (the read itself passes)."""
     src = _plain_dcp(tmp_path)
     path, start, end, key = next(s for s in tensor_data_spans(src) if s[3] == "w0")
     flip_bit(path, end - 5)
+    first = None
     with open_source(str(src)) as source:
-        source.check_in_parts()
-        first = source.read_tensor(key, ((0, 0), (128, 1024)))
-        assert first.shape == (128, 1024)
         with pytest.raises(ChecksumError, match=key):
-            source.settle()
+            with source.checked_in_parts():
+                first = source.read_tensor(key, ((0, 0), (128, 1024)))
+        assert first.shape == (128, 1024)
 
 
 def test_tensors_inside_objects_survive_every_conversion(tmp_path):

@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from ckpttool import convert
 from ckpttool.formats import open_source
-from ckpttool.formats.base import ReadAhead, TensorSpec, stream_slabs, stream_tensor
+from ckpttool.engine import ReadAhead
+from ckpttool.formats.base import TensorSpec, stream_slabs, stream_tensor
 
 
 def test_the_next_slab_is_read_while_the_current_one_is_written():

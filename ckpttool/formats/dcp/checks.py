@@ -5,7 +5,7 @@ torch's CRC-32 of the record's tensor data. ``.metadata`` is checked against the
 Loads, and offline reads of a whole chunk into contiguous memory of its dtype (a convert's usual
 case), read a record straight into its destination and check it there (one pass). An offline read
 that takes a record in consecutive parts, in byte order (a reshard's row ranges), checks it as the
-parts go by once the caller allowed it (``check_in_parts``): one pass again, the check complete at
+parts go by once the caller allowed it (``Source.checked_in_parts``): one pass again, the check complete at
 the last part, and the caller settles every check before its commit. Other reads scan a record
 before its first use (a second pass over its bytes). A mismatch is a :class:`ChecksumError` naming
 the key, file and rank.
@@ -21,7 +21,7 @@ from ...checksums import DIGEST_CHARS, HASH_BLOCK, block_count, hash_range, new_
 from ...errors import ChecksumError
 from ...index import Chunk, TensorEntry, dtype_size
 from ...layout import Box, relative
-from ..base import SlabBuffers, tensor_buffer
+from ...buffers import SlabBuffers, tensor_buffer
 from ..torchzip import check_ref
 from .manifest import Manifest, check_crc
 from .metadata import METADATA_FILE
@@ -73,7 +73,7 @@ class RecordChecks:
         self.manifest: Manifest | None = None
         self._done: set[tuple[str, int]] = set()
         self._streams: dict[tuple[str, int], _Stream] = {}
-        self.in_parts = False  # set by check_in_parts: see the module's docstring
+        self.in_parts = False  # set inside Source.checked_in_parts: see the module's docstring
         self._scratch = SlabBuffers(1)
         self._block: memoryview | None = None
         self.block = HASH_BLOCK

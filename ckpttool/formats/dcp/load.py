@@ -17,7 +17,8 @@ import torch
 from ...compat import local_shard_box
 from ...index import TensorEntry
 from ...layout import Box, relative
-from ..base import SlabBuffers, Source
+from ...buffers import SlabBuffers
+from ..base import Source
 from .source import DcpSource
 
 def load_into(source: Source, flat: dict[str, Any]) -> None:
@@ -31,7 +32,7 @@ def load_into(source: Source, flat: dict[str, Any]) -> None:
     scratch = SlabBuffers(1)
     # Everything that can be checked without the tensor data is checked before the first tensor
     # is written: each tensor's chunks (coverage, records inside their files) and every object.
-    tensors = {key: source.checked_entry(key) for key, value in flat.items() if isinstance(value, torch.Tensor)}
+    tensors = {key: source.entry(key, TensorEntry, checked=True) for key, value in flat.items() if isinstance(value, torch.Tensor)}
     objects = {key: source.read_object(key) for key in flat if key not in tensors}
     flat.update(objects)
     for key, entry in tensors.items():

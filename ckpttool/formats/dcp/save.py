@@ -29,7 +29,7 @@ from ...health import Check, Tally
 from ...index import dtype_size, flatten
 from ...layout import Box, relative, slabs, tiles_exactly
 from ...storage import Location
-from ..base import tensor_buffer
+from ...buffers import tensor_buffer
 from .metadata import METADATA_FILE, PER_RANK, data_file_name
 from . import metadata_pickle as mp
 from .records import write_object, write_tensor

@@ -81,24 +81,24 @@ class DcpSink(Sink):
     def bytes_per_rank(self) -> dict[int, int]:
         return {rank: sum(r[4] for r in records) for rank, records in sorted(self._records.items())}
 
-    def pieces(self) -> Any:
+    def _pieces(self) -> Any:
         return self._records
 
-    def merge(self, pieces: list[Any]) -> None:
+    def _merge(self, pieces: list[Any]) -> None:
         for records in pieces:
             self._records.update(records)
 
-    def begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
+    def _begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         self._tensors, self._objects = split(entries)
         self._order = [e.key for e in entries]
         self._paths = {e.key: tuple(e.path) for e in entries}
         self.tmp.makedirs()
 
-    def add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
+    def _add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
         self.write([spec], lambda s: (read, budget), lambda n, k: None)
 
     def _ranks(self) -> list[int]:
-        return [rank for rank in range(self.layout.world_size) if self.mine(rank, self.layout.world_size)]
+        return [rank for rank in range(self.layout.world_size) if self.share.mine(rank, self.layout.world_size)]
 
     def _groups(self) -> list[list[int]]:
         """This worker's target ranks in groups whose files are open at the same time."""

@@ -51,7 +51,6 @@ class DcpSource(Source):
         self._chunk_sizes: dict[tuple[str, int], int] | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # per data file: its plain records' (offset, length), sorted
         self._index: Index | None = None
-        self._checked: set[str] = set()
         self.checks: RecordChecks | None = None
         if verify:
             from . import checks  # (only a checking reader needs it; verify opens without)
@@ -108,10 +107,10 @@ class DcpSource(Source):
     def files(self) -> list[str]:
         return sorted({info.relative_path for info in self._storage.values()})
 
-    def chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
+    def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return entry.chunks[chunk_index].location.relative_path
 
-    def aux_files(self) -> list[str]:
+    def _aux_files(self) -> list[str]:
         return [METADATA_FILE, COMMIT_FILE]
 
     def reader(self, relative_path: str) -> RangeReader:
@@ -225,17 +224,12 @@ class DcpSource(Source):
             raise CorruptCheckpointError(f"record of {key!r} lacks its data", where=where)
         return ref, storage
 
-    def checked_entry(self, key: str) -> TensorEntry:
-        """The entry of tensor ``key``, once checked to be safe to read: its chunks tile its shape
-        (no gap to leave uninitialised) and its records lie inside their files (so its declared
-        size is backed by bytes present before anything is allocated for it)."""
-        entry = self.entry(key, TensorEntry)
-        if key not in self._checked:
-            entry.check_coverage(self.location.url)
-            for chunk in entry.chunks:
-                self.reader(chunk.location.relative_path).check_range(chunk.location.offset, chunk.location.length)
-            self._checked.add(key)
-        return entry
+    def _check(self, key: str, entry: TensorEntry) -> None:
+        """Also: its records lie inside their files (so its declared size is backed by bytes present
+        before anything is allocated for it)."""
+        super()._check(key, entry)
+        for chunk in entry.chunks:
+            self.reader(chunk.location.relative_path).check_range(chunk.location.offset, chunk.location.length)
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         entry, box, out = self._destination(key, box, out)
@@ -274,11 +268,11 @@ class DcpSource(Source):
         reader, offset, length = self.record(info, key)
         return load_object_record(reader, offset, length, f"{self.file(info.relative_path).url} (object {key!r})")
 
-    def check_in_parts(self) -> None:
+    def _check_in_parts(self) -> None:
         if self.checks is not None:
             self.checks.in_parts = True
 
-    def settle(self) -> None:
+    def _settle(self) -> None:
         if self.checks is not None:
             self.checks.settle()
 
