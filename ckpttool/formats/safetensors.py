@@ -16,6 +16,7 @@ import math
 import struct
 from typing import TYPE_CHECKING, Any
 
+from ..buffers import read_c_order_box
 from ..dtypes import PLAIN, DType, dtype_of
 from ..errors import CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, plausible_shape
@@ -23,7 +24,6 @@ from ..layout import Box, relative, tiles_exactly, whole
 from ..report import Report
 from ..storage import Location, RangeReader
 from .hf_index import ShardedOutput, index_bytes, read_weight_map, shard_files
-from ..buffers import read_c_order_box
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, split, stream_tensor
 
 if TYPE_CHECKING:

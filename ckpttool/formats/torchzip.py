@@ -20,13 +20,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from ..buffers import read_c_order_box, tensor_buffer
 from ..dtypes import LEGACY_STORAGE, dtype_of, torch_dtype
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError
 from ..index import dtype_size, plausible_shape
 from ..safe_dtensor import DTensorRef
 from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
 from ..storage import RangeReader
-from ..buffers import read_c_order_box, tensor_buffer
 
 if TYPE_CHECKING:
     import torch

@@ -17,11 +17,11 @@ import math
 import zlib
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ...buffers import SlabBuffers, tensor_buffer
 from ...checksums import DIGEST_CHARS, HASH_BLOCK, block_count, hash_range, new_block, new_hasher, scan
 from ...errors import ChecksumError
 from ...index import Chunk, TensorEntry, dtype_size
 from ...layout import Box, relative
-from ...buffers import SlabBuffers, tensor_buffer
 from ..torchzip import check_ref
 from .manifest import Manifest, check_crc
 from .metadata import METADATA_FILE

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from ...buffers import SlabBuffers
 from ...compat import local_shard_box
 from ...index import TensorEntry
 from ...layout import Box, relative
-from ...buffers import SlabBuffers
 from ..base import Source
 from .source import DcpSource
 

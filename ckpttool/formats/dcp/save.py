@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import torch
 
+from ...buffers import tensor_buffer
 from ...checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
 from ...compat import local_shard_box
 from ...errors import CkptError, CorruptCheckpointError, StorageError
@@ -29,7 +30,6 @@ from ...health import Check, Tally
 from ...index import dtype_size, flatten
 from ...layout import Box, relative, slabs, tiles_exactly
 from ...storage import Location
-from ...buffers import tensor_buffer
 from .metadata import METADATA_FILE, PER_RANK, data_file_name
 from . import metadata_pickle as mp
 from .records import write_object, write_tensor
