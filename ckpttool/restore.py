@@ -1,9 +1,11 @@
 """Loading one checkpoint into live training state: a model (and its optimizers) on any mesh,
 and the saved ``extra`` given back to each rank as its own, Stateful values restored in place.
 
-Every rank reads only its own boxes (``formats/dcp/load.py``); keys and shapes are checked first;
-values of ``extra`` saved per rank (``per_rank.<rank>.*``) go back to their own rank on the world
-size that saved them and to none on another.
+Any format ckpttool reads: a ckpttool step or DCP, a per-rank folder, a trainer folder's model, a
+``torch.save`` state dict, a safetensors file or a ``save_pretrained`` folder (``keys.py`` matches
+the model's keys to the file's). Every rank reads only its own boxes (``formats/dcp/load.py``);
+keys and shapes are checked first; values of ``extra`` saved per rank (``per_rank.<rank>.*``) go
+back to their own rank on the world size that saved them and to none on another.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Any, Union
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-from . import dist, formats, health
-from .errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotFoundError, UsageError
+from . import dist, formats, health, keys
+from .errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, UsageError
 from .formats import dcp as dcp_format
 from .formats.dcp.metadata import PER_RANK
 from .formats.dcp.save import Whole
@@ -44,6 +46,10 @@ class LoadResult:
     extra: dict[str, Any]
     path: str
     extra_by_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: with ``strict=False``: the model's keys not in the checkpoint, and the checkpoint's model keys
+    #: the model does not have (as torch's ``load_state_dict`` returns them)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
 
 
 def training_state(model: torch.nn.Module, optimizer: Optimizers, extra: dict | None) -> dict[str, Any]:
@@ -95,9 +101,20 @@ def _stateful(value: Any) -> bool:
 
 
 def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: Optimizers = None, *,
-         verify: bool = True, storage_options: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> LoadResult:
-    """Load one DCP checkpoint directory (or a per-rank ``torch.save`` folder, as FSDP2's manual
-    sharded checkpointing writes it) into ``model``/``optimizer`` on the current mesh.
+         verify: bool = True, storage_options: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+         key_map: dict[str, str] | None = None, strict: bool = True) -> LoadResult:
+    """Load one checkpoint into ``model``/``optimizer`` on the current mesh: a ckpttool step or DCP
+    directory, a per-rank ``torch.save`` folder (FSDP2's manual sharded checkpointing), a trainer
+    folder (its model), a ``torch.save`` state dict, a safetensors file or a ``save_pretrained``
+    folder (sharded, with its ``model.safetensors.index.json``).
+
+    The model's keys are found in the checkpoint under ``model.`` (a step) or as they are (a state
+    dict); a prefix every key of the model carries and the checkpoint's do not (a wrapper's ``llm.``,
+    ``_orig_mod.``) is found by itself and said; ``key_map`` (``{regex: replacement}``, applied with
+    ``re.sub`` to the model's keys) renames anything else; tied weights missing from the file are
+    tied as ``from_pretrained`` ties them. ``strict=False`` loads the keys that match and returns the
+    others in ``LoadResult.missing_keys``/``unexpected_keys``; an optimizer loads only from a step
+    whose keys are the model's own.
 
     Every rank reads only its own boxes (any world size, any mesh). Checks keys and shapes first (a
     :class:`MismatchError` names the key and both shapes), reads ``.metadata`` and every object
@@ -117,21 +134,24 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     state = training_state(model, optimizers, None)
     record: dict | None = None
     saved_leaves: list[tuple] = []
+    matched = keys.KeyMatch()
     error: BaseException | None = None
     try:
         record = read_commit_record(loc)
         with _open(loc, model, optimizers, verify) as source:
-            state, saved_leaves = _read_state(source, state, loc)
+            matched = _match(source.index(), state, loc, key_map, strict, bool(optimizers))
+            state, saved_leaves = _read_state(source, state, loc, matched)
     except CkptError as exc:
         error = exc
     error = dist.first_error(error)
     if error is not None:
         raise error
+    whole = not matched.missing
     if optimizers:
         set_state_dict(model, optimizers if len(optimizers) > 1 else optimizers[0], model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     else:
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=whole))
     step = record["step"] if record is not None else parse_step(loc.name)
     by_rank = {int(r): v for r, v in state.get(PER_RANK, {}).items() if _rank_name(r)}
     leaves: dict[int, list[tuple]] = {}  # per saved rank: the paths in extra of its own values
@@ -141,35 +161,90 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     saved_world = record.get("world_size") if record is not None else None
     values, unmatched = _own_values(state.get("extra", {}), by_rank, leaves, saved_world, loc)
     _restore_in_place(extra, values, unmatched, loc)
-    return LoadResult(step=step, extra=values, path=loc.url, extra_by_rank=by_rank)
+    return LoadResult(step=step, extra=values, path=loc.url, extra_by_rank=by_rank, missing_keys=matched.missing,
+                      unexpected_keys=matched.unexpected)
 
 
 def _open(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], verify: bool) -> Any:
-    """The checkpoint at ``loc`` opened for this rank's load (DCP, or a per-rank folder)."""
+    """The checkpoint at ``loc`` opened for this rank's load (any format ckpttool reads)."""
     fmt = formats.detect(loc)
-    if not fmt.ranked:
-        raise FormatError(f"load reads DCP checkpoints and per-rank torch.save folders; this is {fmt.name}",
-                          where=loc.url, hint=f"convert it first: ckpttool convert {loc.url} DIR --to dcp")
     # a per-rank folder's optimizer state is keyed by index: paired through the live optimizers' own groups
     fqn = {id(p): n for n, p in model.named_parameters()}
     names = [[fqn.get(id(p), "?") for p in g["params"]] for o in optimizers for g in o.param_groups] if optimizers else None
     return fmt.open_source(loc, verify, formats.Reading(rank=dist.rank(), optimizer_names=names))
 
 
-def _read_state(source: Any, state: dict[str, Any], loc: Location) -> tuple[dict[str, Any], list[tuple]]:
+def _match(index: Index, state: dict[str, Any], loc: Location, key_map: dict[str, str] | None, strict: bool,
+           optimizers: bool) -> keys.KeyMatch:
+    """The checkpoint's key of each of the model's, checked: every key found (or ``strict`` off),
+    nothing unexpected (idem), the same shapes; an optimizer only from a step with the model's own keys."""
+    model = state["model"]
+    matched = keys.match(model, _ties(model), index, key_map)
+    shown = (lambda n: f"model.{n}") if matched.layout == "step" else (lambda n: n)
+    if matched.renamed and dist.rank() == 0:
+        log.warning("%s: the model's keys matched %s", loc.url, matched.renamed)
+    if strict and matched.missing:
+        more = f" ({len(matched.missing)} keys of the model are not)" if len(matched.missing) > 1 else ""
+        raise MismatchError(f"key {shown(matched.missing[0])!r} of the model is not in the checkpoint{more}", where=loc.url,
+                            hint="was the checkpoint saved from a different model? `ckpttool inspect` lists its keys; "
+                                 "key_map={regex: replacement} renames, strict=False loads the keys that match")
+    if strict and matched.unexpected:
+        raise MismatchError(f"the checkpoint holds {len(matched.unexpected)} model key(s) the model does not have, e.g. "
+                            f"{shown(matched.unexpected[0])!r}", where=loc.url,
+                            hint="strict=False loads the keys that match and returns the others")
+    for name, key in matched.pairs.items():
+        _check_one(key, model[name], index, loc)
+    if optimizers and (matched.layout != "step" or matched.renamed):
+        raise UsageError("an optimizer loads only from a ckpttool step (or DCP) saved with the model's own keys",
+                         where=loc.url, hint="load the model alone (optimizer=None)")
+    if optimizers:
+        _check_fits({"optim": state["optim"]}, index, loc)
+    return matched
+
+
+def _ties(model: dict[str, Any]) -> dict[str, str]:
+    """A key -> the first key whose tensor's memory it is (tied weights: ``lm_head.weight`` ->
+    ``model.embed_tokens.weight``), told by the local data's address, shape and strides (a DTensor
+    state dict may wrap one parameter's local tensor in two DTensor objects)."""
+    from .compat import local_tensor
+
+    first: dict[tuple, str] = {}
+    ties: dict[str, str] = {}
+    for name, value in model.items():
+        if isinstance(value, torch.Tensor):
+            local = local_tensor(value)
+            if local.numel() == 0:
+                continue
+            twin = first.setdefault((local.data_ptr(), tuple(local.shape), local.stride(), local.dtype), name)
+            if twin != name:
+                ties[name] = twin
+    return ties
+
+
+def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys.KeyMatch) -> tuple[dict[str, Any], list[tuple]]:
     """``state`` (the live model's and optimizers' state dicts) filled from ``source``, with the
     saved ``extra`` and per-rank values beside it; and the paths of the per-rank values saved."""
     from .index import flatten
 
-    index = source.index()
-    _check_fits(state, index, loc)
-    for top in ("extra", PER_RANK):  # shaped like what was saved: a template built from the index
-        template = _template(source, top)
-        if template:
-            state[top] = template
+    model = state.pop("model")
+    by_key: dict[str, Any] = {}
+    for name, key in matched.pairs.items():
+        if key in by_key and by_key[key] is not model[name]:
+            raise MismatchError(f"two keys of the model are matched to {key!r}", where=loc.url,
+                                hint="a key_map that renames two keys to one: make it name each key's own")
+        by_key[key] = model[name]
+    if matched.layout == "step":
+        for top in ("extra", PER_RANK):  # shaped like what was saved: a template built from the index
+            template = _template(source, top)
+            if template:
+                state[top] = template
     flat, paths = flatten(state)
+    flat.update(by_key)
     dcp_format.load_into(source, flat)
-    return unflatten(flat, paths), [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
+    state = unflatten({k: v for k, v in flat.items() if k in paths}, paths)
+    state["model"] = {name: flat[key] for name, key in matched.pairs.items()}
+    state["model"].update({n: model[n] for n in model if n not in matched.pairs and n not in matched.missing})
+    return state, [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
 
 
 def _rank_name(name: Any) -> bool:
@@ -189,16 +264,21 @@ def _check_fits(state: dict[str, Any], index: Index, loc: Location) -> None:
                 where=loc.url,
                 hint="was the checkpoint saved from a different model? `ckpttool inspect` lists its keys",
             )
-        if isinstance(value, torch.Tensor):
-            entry = index[key]
-            if not isinstance(entry, TensorEntry):
-                raise MismatchError(f"key {key!r} is a tensor in the model but an object in the checkpoint", where=loc.url)
-            if tuple(entry.shape) != tuple(value.shape):
-                raise MismatchError(
-                    f"shape mismatch for {key!r}: checkpoint has {tuple(entry.shape)}, model has {tuple(value.shape)}",
-                    where=loc.url,
-                    hint="build the model with the configuration it was saved with",
-                )
+        _check_one(key, value, index, loc)
+
+
+def _check_one(key: str, value: Any, index: Index, loc: Location) -> None:
+    """A tensor of the model against the checkpoint's entry ``key``: a tensor of the same shape."""
+    if isinstance(value, torch.Tensor):
+        entry = index[key]
+        if not isinstance(entry, TensorEntry):
+            raise MismatchError(f"key {key!r} is a tensor in the model but an object in the checkpoint", where=loc.url)
+        if tuple(entry.shape) != tuple(value.shape):
+            raise MismatchError(
+                f"shape mismatch for {key!r}: checkpoint has {tuple(entry.shape)}, model has {tuple(value.shape)}",
+                where=loc.url,
+                hint="build the model with the configuration it was saved with",
+            )
 
 
 def _template(source: Any, top: str) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint", "ckpttool"])
+# (transformers: the pretrained-load tests' ranks build its models; an import error here is ignored)
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint", "ckpttool", "transformers"])
 
 
 class RankFailed(AssertionError):
