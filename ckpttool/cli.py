@@ -246,14 +246,19 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", type=click.Choice(formats.output_names()), help="Output format (default: from DST's suffix).")
+@click.option("--to", type=click.Choice([*formats.output_names(), "hf"]),
+              help="Output format (default: from DST's suffix); hf: a folder from_pretrained reads (with --like).")
 @only_option
 @click.option("--dtype", type=click.Choice(CAST_DTYPES), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
 @click.option("--max-shard-size", metavar="SIZE", callback=_size,
               help=f"Write HF-sharded files of up to SIZE ({SIZE_HELP}): safetensors, or torch .bin with --to torch.")
+@click.option("--like", metavar="HF_DIR", help="--to hf: the save_pretrained folder whose names, shapes and files (config, tokenizer) to follow.")
+@click.option("--key-map", "key_map", metavar="REGEX=REPLACEMENT", multiple=True,
+              help="--to hf: rename the source's keys (re.sub, in the order given) to --like's names.")
 @write_options
 def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | None, dtype: str | None, max_shard_size: str | None,
-            compress: str | None, memory_budget: str, force: bool, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
+            like: str | None, key_map: tuple[str, ...], compress: str | None, memory_budget: str, force: bool, nproc: int,
+            as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Convert SRC to DST between DCP, torch.save and safetensors.
 
     \b
@@ -274,13 +279,18 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
       ckpttool convert runs/exp1/step-100 hf/ --to safetensors --only model --max-shard-size 2GB
       ckpttool convert full.pt restored-dcp/
       ckpttool convert runs/exp1/step-100 hf/ --to safetensors --only model --max-shard-size 5GB --nproc 4
+      ckpttool convert runs/exp1/step-100 finetuned/ --to hf --like meta-llama-3-8b/
     """
     from .commands import convert as run_convert
 
+    if any("=" not in rule for rule in key_map):
+        raise click.BadParameter("takes REGEX=REPLACEMENT", param_hint="--key-map")
+    rules = dict(rule.split("=", 1) for rule in key_map) or None
     _spread(ctx, nproc, dst, storage_options)
     report = _write(ctx, "convert", as_json, lambda progress, many: run_convert(
         src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size, compress=compress, memory_budget=memory_budget,
-        force=force, storage_options=_storage_options(storage_options), progress=progress, parallel=many))
+        force=force, storage_options=_storage_options(storage_options), progress=progress, parallel=many, like=like,
+        key_map=rules))
     if report is None:
         return
     click.echo(f"wrote {report.dst} ({report.dst_format}): {report.tensors} tensors, {human_bytes(report.bytes)}, {report.objects} objects")

@@ -13,7 +13,7 @@ from . import formats
 from .choices import CAST_DTYPES, parse_size
 from .engine import DEFAULT_BUDGET, Plan, plan_entries, run
 from .errors import FormatError, MismatchError, OutputExistsError, UsageError
-from .formats.base import Progress, Sink, SinkOptions, Source
+from .formats.base import ObjectSpec, Progress, Sink, SinkOptions, Source, TensorSpec
 from .index import TensorEntry
 from .layout import MAX_WORLD_SIZE, Box, ChunkLayout, FsdpLayout, Mesh, TpLayout, matches, stored_replicated
 from .steps import is_training_root, list_root
@@ -94,8 +94,17 @@ def convert(
     progress: Progress | None = None,
     read_ahead: bool = True,
     parallel: bool = False,
+    like: str | Location | None = None,
+    key_map: dict[str, str] | None = None,
 ) -> ConvertReport:
     """Convert a checkpoint between dcp, torch and safetensors, streaming under ``memory_budget``.
+
+    ``to="hf"`` with ``like`` (a ``save_pretrained`` folder): the model's tensors under the names
+    of ``like``'s checkpoint (the step's ``model.`` dropped, ``key_map``'s renames applied), as
+    Hugging Face shards with their index (``max_shard_size``, default 5GB), with ``like``'s other
+    files (config.json, generation_config.json, tokenizer files) copied: a folder
+    ``from_pretrained`` reads. Names and shapes are checked against ``like`` before anything is
+    written.
 
     Raises :class:`OutputExistsError` before writing anything when ``dst`` exists and ``force`` is
     not set, :class:`UsageError` for bad options; the output appears only once complete. With
@@ -104,6 +113,12 @@ def convert(
     """
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
+    if (to == "hf") != (like is not None):
+        raise UsageError("--to hf and --like HF_DIR go together", hint="--to hf --like a save_pretrained folder of the model")
+    if to == "hf":
+        assert like is not None
+        return _export_hf(src_loc, dst_loc, resolve(like, storage_options), key_map, dtype, max_shard_size, memory_budget,
+                          force, src_format, progress, read_ahead, parallel)
     if to is not None and to not in formats.output_names():
         raise UsageError(f"unknown format {to!r} for --to", hint=f"choose one of {', '.join(formats.output_names())}")
     if isinstance(dtype, str):
@@ -122,6 +137,74 @@ def convert(
         run(source, sink, plan, budget, progress, read_ahead=read_ahead, parallel=parallel)
         return ConvertReport.of(src_loc, dst_loc, plan, sink, source, src_format=source.format, dst_format=fmt.name,
                                 dropped=list(sink.dropped))
+
+
+#: what save_pretrained shards at by default ("5GB": powers of ten, as Hugging Face counts)
+HF_SHARD_SIZE = 5 * 1000**3
+#: where a save_pretrained folder keeps its weights, in the order from_pretrained looks
+HF_WEIGHTS = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+#: files of a save_pretrained folder that hold weights (written anew), never copied
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".safetensors.index.json", ".bin.index.json")
+
+
+def _export_hf(src: Location, dst: Location, like: Location, key_map: dict[str, str] | None, dtype: Any,
+               max_shard_size: int | str | None, memory_budget: int | str, force: bool, src_format: str | None,
+               progress: Progress | None, read_ahead: bool, parallel: bool) -> ConvertReport:
+    """``convert --to hf --like``: see :func:`convert`."""
+    import re
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_NAMES:
+            raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
+        dtype = DTYPE_NAMES[dtype]
+    weights = next((like.child(n) for n in HF_WEIGHTS if like.isdir() and like.child(n).exists()), None)
+    if weights is None:
+        raise UsageError("--like takes a save_pretrained folder (with model.safetensors, its index, or pytorch_model.bin)",
+                         where=like.url)
+    with formats.open_source(like if weights.name.endswith(".json") else weights) as theirs:
+        wanted = {key: tuple(e.shape) for key in theirs.index() if isinstance(e := theirs.index()[key], TensorEntry)}
+    rules = [(re.compile(p), r) for p, r in (key_map or {}).items()]
+    fmt = formats.get("safetensors")
+    options = SinkOptions(max_shard_size=parse_size(max_shard_size, "--max-shard-size") if max_shard_size is not None else HF_SHARD_SIZE)
+    with formats.open_source(src, src_format) as source:
+        check_output(src, dst, force)
+        tops = {str(p[0]) for p in source.index().paths.values()}
+        plan = plan_entries(source, "model" if "model" in tops and len(tops) > 1 else None, dtype)
+        renamed: dict[str, Any] = {}
+        for spec in plan.tensors:
+            name = spec.key
+            for pattern, repl in rules:
+                name = pattern.sub(repl, name)
+            renamed[name] = spec
+        for key, shape in wanted.items():
+            if key not in renamed:
+                raise MismatchError(f"key {key!r} of --like's checkpoint is not in the source", where=src.url,
+                                    hint="--key-map REGEX=REPLACEMENT renames the source's keys")
+            if tuple(renamed[key].shape) != shape:
+                raise MismatchError(f"shape mismatch for {key!r}: --like has {list(shape)}, the source {list(renamed[key].shape)}",
+                                    where=src.url, hint="--like takes a save_pretrained folder of the same model")
+        entries: list[TensorSpec | ObjectSpec] = [TensorSpec(k, (k,), renamed[k].shape, renamed[k].dtype) for k in wanted]
+        out = Plan(entries, {k: plan.source_key[renamed[k].key] for k in wanted})
+        left = [k for k in renamed if k not in wanted] + [o.key for o in plan.objects]
+        sink = fmt.make_sink(dst, options)
+        sink.also = _like_files(like)
+        run(source, sink, out, parse_size(memory_budget, "--memory-budget"), progress, read_ahead=read_ahead, parallel=parallel)
+        report = ConvertReport.of(src, dst, out, sink, source, src_format=source.format, dst_format="hf", dropped=list(sink.dropped))
+        if left:
+            report.notes.append(f"not in --like's checkpoint, not written: {', '.join(left)}")
+        return report
+
+
+def _like_files(like: Location) -> list[tuple[str, Location]]:
+    """The files of a save_pretrained folder other than its weights (config, generation config,
+    tokenizer files): regular files at its top level (a link is not followed out of it)."""
+    out = []
+    for name in like.listdir():
+        loc = like.child(name)
+        if name.startswith(".") or name.endswith(_WEIGHT_SUFFIXES) or loc.islink() or not loc.isfile():
+            continue
+        out.append((name, loc))
+    return out
 
 
 # --- reshard --------------------------------------------------------------------------------------

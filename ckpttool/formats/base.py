@@ -260,6 +260,7 @@ class Sink(ABC):
         self._files = ExitStack()
         self._current: ExitStack | None = None
         self.share = Share()  # which part of the output this process writes (the engine's, with workers)
+        self.also: list[tuple[str, Location]] = []  # files copied into the output as they are (convert --to hf)
 
     @property
     def splittable(self) -> bool:
@@ -349,6 +350,8 @@ class Sink(ABC):
         """Commit: the output appears at its destination whole, or not at all."""
         self.finish_files()
         self.complete()
+        for name, src in self.also:
+            self.tmp.child(name).write_bytes(src.read_bytes())
         self._files.close()
         self.policy.publish(self.tmp, self.location)
 
