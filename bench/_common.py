@@ -1,8 +1,6 @@
-"""Shared helpers for the benchmarks in ``bench/``: how a case is measured and how results are reported.
-
-Measuring: child processes with the peak memory of their process tree, timing, page-cache control,
-raw disk bandwidth (the limits), the machine's facts, repeated runs and the representative one.
-Reporting: the options every benchmark has, results JSON, text and Markdown tables, verdicts, plots.
+"""How the benchmarks in ``bench/`` measure: child processes with the peak memory of their process
+tree, timing, page-cache control, raw disk bandwidth (the limits), the machine's facts. The
+pipeline, tables, verdicts and the chart are harness.py's.
 
 Standard library only, and no torch at import time: a benchmark's parent process and its raw-disk
 cases stay small, and each measured case runs in a fresh child whose memory is its own.
@@ -10,10 +8,8 @@ cases stay small, and each measured case runs in a fresh child whose memory is i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
 import platform
 import shutil
 import signal
@@ -45,6 +41,16 @@ def proc_status(field_name: str, pid: int | str = "self") -> int | None:
     return None
 
 
+def proc_io(pid: int | str = "self") -> dict[str, int]:
+    """The counters of ``/proc/PID/io`` (``rchar``: bytes read calls returned, ``read_bytes`` and
+    ``write_bytes``: what went to and from the disk); empty if unreadable."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return {line.split(":")[0]: int(line.split()[1]) for line in f}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
 def reset_peak_rss() -> int:
     """Reset this process's RSS high-water mark (``VmHWM``) to its current RSS; returns RSS in KiB.
 
@@ -56,47 +62,28 @@ def reset_peak_rss() -> int:
     return proc_status("VmRSS") or 0
 
 
-def _has_proc_children() -> bool:
-    """Whether this kernel has ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN)."""
-    return os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
-
-
-_PROC_CHILDREN = _has_proc_children()
+#: whether this kernel has ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN); else /proc is scanned
+_PROC_CHILDREN = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
 
 
 def _children(pid: int) -> list[int]:
-    """Direct children of ``pid``, from every thread's ``children`` file.
-
-    A thread that exits while it is read (or a process that is gone) is skipped, not an error: the
-    poll goes on with what it could read. Only a kernel without those files at all gets a /proc scan.
-    """
+    """Direct children of ``pid``: from every thread's ``children`` file, or the processes whose
+    parent it is. A thread or process gone while it is read is skipped: the poll goes on."""
     out: list[int] = []
-    if not _PROC_CHILDREN:
-        return _children_by_scan(pid)
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
+    if _PROC_CHILDREN:
+        files = [f"/proc/{pid}/task/{tid}/children" for tid in (os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else [])]
+    else:
+        files = [f"/proc/{name}/stat" for name in os.listdir("/proc") if name.isdigit()]
+    for path in files:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(x) for x in f.read().split())
-        except (OSError, ValueError):
+            with open(path) as f:
+                text = f.read()
+            if _PROC_CHILDREN:
+                out.extend(int(x) for x in text.split())
+            elif int(text.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(path.split("/")[2]))
+        except (OSError, ValueError, IndexError):
             continue
-    return out
-
-
-def _children_by_scan(pid: int) -> list[int]:
-    """Kernels without CONFIG_PROC_CHILDREN: the processes whose parent is ``pid``."""
-    out: list[int] = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(name))
-            except (OSError, ValueError, IndexError):
-                pass
     return out
 
 
@@ -282,29 +269,17 @@ def drop_caches() -> bool:
         return False
 
 
-def can_drop_caches() -> bool:
-    """Whether :func:`drop_caches` would work here (root), without dropping anything (a colleague's
-    benchmark may be running)."""
-    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
-
-
 def cold_cache(warm: bool) -> bool:
-    """Whether to drop the page cache before each case: unless ``--warm``, where it can be dropped
-    (says so when it cannot: the results are then warm-cache ones)."""
-    if warm:
-        return False
-    if can_drop_caches():
-        return True
-    print("cannot drop the page cache (needs root): running warm", file=sys.stderr)
-    return False
+    """Whether to drop the page cache before each case: unless ``--warm``, where it can be (root;
+    said when it cannot: the results are then warm-cache ones)."""
+    return not warm and "cold" in cache_states("cold", "running warm")
 
 
-def cache_states(spec: str) -> list[str]:
-    """The cache states of ``--caches`` (``cold,warm``) that can run here: ``cold`` needs root (said
-    when skipped)."""
+def cache_states(spec: str, instead: str = "cold cases skipped") -> list[str]:
+    """The cache states of ``--caches`` (``cold,warm``) that can run here: ``cold`` needs root."""
     caches = [c for c in spec.split(",") if c]
-    if "cold" in caches and not can_drop_caches():
-        print("cannot drop the page cache (needs root): cold cases skipped", file=sys.stderr)
+    if "cold" in caches and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        print(f"cannot drop the page cache (needs root): {instead}", file=sys.stderr)
         caches = [c for c in caches if c != "cold"]
     return caches
 
@@ -349,18 +324,11 @@ def remove(path: str) -> None:
 # --- raw disk bandwidth -------------------------------------------------------------------------
 
 
-def _pattern(size: int) -> bytearray:
-    """A buffer of incompressible bytes (so no layer below can shortcut zeros)."""
-    buf = bytearray(size)
-    block = os.urandom(1 << 20)
-    for i in range(0, size, len(block)):
-        buf[i : i + len(block)] = block[: size - i]
-    return buf
-
-
 def pattern_buffer(size: int = RAW_BUFFER) -> memoryview:
-    """The buffer :func:`raw_write` writes: build it before the clock starts."""
-    return memoryview(_pattern(size))
+    """The buffer :func:`raw_write` writes, of incompressible bytes (no layer below can shortcut
+    zeros): build it before the clock starts."""
+    block = os.urandom(1 << 20)
+    return memoryview((block * (size // len(block) + 1))[:size])
 
 
 def raw_write(path: str, nbytes: int, buf_size: int = RAW_BUFFER, buf: memoryview | None = None,
@@ -513,245 +481,3 @@ def write_json(path: str, doc: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
     os.replace(tmp, path)
-
-
-def parse_size(text: str) -> int:
-    """``1GiB``, ``512MB``, ``2G``: K/M/G/T are powers of 1024, as ckpttool's --memory-budget reads them."""
-    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", text, re.IGNORECASE)
-    if not m:
-        raise SystemExit(f"cannot read size {text!r}")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
-
-
-def wait_for_convert(size_gb: float, no_wait: bool) -> None:
-    """Block while a ``bench/convert.py`` run (a colleague's benchmark) is going on, before cases of
-    over 0.5 GB (smaller ones barely disturb it); ``--no-wait``: never."""
-    if size_gb <= 0.5 or no_wait:
-        return
-    me = os.getpid()
-    while True:
-        out = subprocess.run(["pgrep", "-f", "bench/convert.py"], capture_output=True, text=True).stdout.split()
-        others = [p for p in out if int(p) != me]
-        if not others:
-            return
-        print(f"   waiting: bench/convert.py is running (pids {' '.join(others)}); polling every 60 s", flush=True)
-        time.sleep(60)
-
-
-# --- a benchmark's run: options, repeated runs, results ------------------------------------------
-
-
-def parser(doc: str) -> argparse.ArgumentParser:
-    """The argument parser of a benchmark script: its docstring (how it measures) is the --help."""
-    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
-def add_run_args(p: argparse.ArgumentParser, name: str, out_dir: str, case_timeout: float = 1800) -> None:
-    """The options every case-running benchmark has: where it works (the disk under test), how long
-    a case may take, and where the results go (the JSON always: OUT_DIR/NAME-results.json)."""
-    p.add_argument("--out-dir", default=out_dir, help=f"where checkpoints and outputs go: the disk under test (default {out_dir})")
-    p.add_argument("--case-timeout", type=float, default=case_timeout,
-                   help=f"seconds before a case's whole process group is killed (default {case_timeout:g})")
-    p.add_argument("--json", help=f"write the results JSON here (default OUT_DIR/{name}-results.json)")
-    p.add_argument("--md", help="write the Markdown results here")
-    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
-
-
-def add_hidden_args(p: argparse.ArgumentParser, *names: str) -> None:
-    """Arguments a benchmark passes to its own child processes, hidden from --help (not for users)."""
-    for name in names:
-        p.add_argument(name, help=argparse.SUPPRESS)
-
-
-def json_path(args: argparse.Namespace, out_dir: str, name: str) -> str:
-    """Where the results JSON goes: ``--json``, else OUT_DIR/NAME-results.json."""
-    return args.json or os.path.join(out_dir, f"{name}-results.json")
-
-
-def start_run(out_dir: str) -> tuple[str, str, dict[str, Any]]:
-    """Create OUT_DIR and its ``work`` folder (removed at the end of a run) and print the machine's
-    facts; returns the absolute OUT_DIR, the work folder and the facts."""
-    out_dir = os.path.abspath(out_dir)
-    work = os.path.join(out_dir, "work")
-    os.makedirs(work, exist_ok=True)
-    machine = machine_facts(out_dir)
-    print(f"machine: {json.dumps(machine)}", flush=True)
-    return out_dir, work, machine
-
-
-def now() -> str:
-    """The local time as the results show when a run started and finished."""
-    return time.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def run_header(script: str, argv: list[str] | None, machine: dict[str, Any]) -> dict[str, Any]:
-    """The first keys of a results JSON: the command that ran (to run it again), when, and where."""
-    command = [os.path.relpath(sys.executable), os.path.relpath(script), *(argv if argv is not None else sys.argv[1:])]
-    return {"command": " ".join(command), "started": now(), "machine": machine}
-
-
-def run_rounds(repeat: int, names: list[Any], measure: Callable[[Any], dict[str, Any]],
-               line: Callable[[Any, dict[str, Any]], str], ok: Callable[[dict[str, Any]], bool] = lambda r: bool(r.get("ok")),
-               after_round: Callable[[], None] | None = None) -> dict[Any, list[dict[str, Any]]]:
-    """Run every case ``repeat`` times, rounds interleaved (a drift of the machine touches every case
-    alike), printing ``line(name, run)`` for each run that is ``ok``; returns each case's runs in order.
-    ``after_round``: tidies up between rounds."""
-    runs: dict[Any, list[dict[str, Any]]] = {n: [] for n in names}
-    for rnd in range(repeat):
-        for name in names:
-            r = measure(name)
-            runs[name].append(r)
-            if ok(r):
-                print(f"   [{rnd + 1}/{repeat}] {line(name, r)}", flush=True)
-        if after_round is not None:
-            after_round()
-    return runs
-
-
-def best_of(runs: list[dict[str, Any]], time_keys: list[str], peak_keys: list[str],
-            pick: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One representative run of a case; every reported value comes from that run.
-
-    ``pick`` chooses it among the successful runs (default: the smallest ``time_keys[0]``, the
-    fastest run); values of different runs are never mixed into one row. For the spread, every
-    key in ``time_keys`` and ``peak_keys`` also gets ``KEY_all``: its value in each successful run,
-    in run order. ``picked`` is the index of the chosen run among them, ``runs`` their number.
-    """
-    ok = [r for r in runs if r.get("ok")]
-    if not ok:
-        return {"failed": True, "runs": runs}
-    if pick is not None:
-        rep = pick(ok)
-    else:
-        key = time_keys[0]
-        with_key = [r for r in ok if r.get(key) is not None]
-        rep = min(with_key, key=lambda r: r[key]) if with_key else ok[0]
-    out = dict(rep)
-    for k in [*time_keys, *peak_keys]:
-        if any(r.get(k) is not None for r in ok):
-            out[k + "_all"] = [r.get(k) for r in ok]
-    out["picked"] = next(i for i, r in enumerate(ok) if r is rep)
-    out["runs"] = len(ok)
-    return out
-
-
-def pick_smallest(key: str) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
-    """A ``best_of`` pick: the run with the smallest ``key``."""
-    return lambda ok: min(ok, key=lambda r: r[key] if r.get(key) is not None else float("inf"))
-
-
-# --- tables, verdicts, Markdown ------------------------------------------------------------------
-
-
-def f(x: float | None, fmt: str = ".2f") -> str:
-    """A table cell: ``x`` formatted, or a dash where there is no value (no reference ran)."""
-    return "–" if x is None else format(x, fmt)
-
-
-def failed_row(head: list[str], *cells: str) -> list[str]:
-    """The table row of a case that failed: its naming ``cells``, then "failed", the rest blank."""
-    return [*cells, "failed"] + [""] * (len(head) - len(cells) - 1)
-
-
-def md_table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> str:
-    """A Markdown table; the columns in ``left`` are left-aligned, the others (numbers) right-aligned."""
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i in left else "---:" for i in range(len(head))) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
-
-
-def text_table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> str:
-    """The same table as aligned plain text, for the terminal."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-
-def table(head: list[str], rows: list[list[str]], markdown: bool, left: tuple[int, ...] = (0,)) -> str:
-    """A results table, in Markdown (``--md``) or as text (stdout)."""
-    return (md_table if markdown else text_table)(head, rows, left)
-
-
-def md_header(title: str, results: dict[str, Any]) -> str:
-    """The top of a results file: what ran, where, when."""
-    m = results.get("machine", {})
-    facts = (f"{m.get('cpus')} cores ({m.get('cpu_model', '?')}), {m.get('mem_total_gib')} GiB RAM, swap {m.get('swap_gib')} GiB, "
-             f"{m.get('disk_fs')} on {m.get('disk_device')} (rotational: {m.get('disk_rotational')}), kernel {m.get('kernel')}, "
-             f"Python {m.get('python')}, torch {results.get('torch')}")
-    return (f"# {title}\n\n"
-            f"Command (from the repository root): `{results.get('command')}`\n\n"
-            f"Run {results.get('started')} – {results.get('finished')} on: {facts}.\n\n")
-
-
-def verdict_lines(checks: list[dict[str, Any]], widths: tuple[int, int] = (48, 40)) -> list[str]:
-    """PASS/FAIL of each target, one line each, target and case in columns of ``widths``."""
-    return [f"{_mark(c['pass'])}  {c['target']:<{widths[0]}} {c['case']:<{widths[1]}} {c['value']}" for c in checks]
-
-
-def _mark(passed: bool | None) -> str:
-    """PASS, FAIL, or INFO for a figure reported without a target (``pass`` is None)."""
-    return "INFO" if passed is None else "PASS" if passed else "FAIL"
-
-
-def verdict_md(checks: list[dict[str, Any]]) -> str:
-    """The verdicts as a Markdown table."""
-    rows = [[c["target"], c["case"], c["value"], "–" if c["pass"] is None else "pass" if c["pass"] else "**FAIL**"] for c in checks]
-    return md_table(["target", "case", "measured", ""], rows, left=(0, 1, 2, 3))
-
-
-def print_results(text: str, checks: list[dict[str, Any]], heading: str = "", widths: tuple[int, int] = (48, 40)) -> None:
-    """Print a results table (under ``heading``, if any) and the verdict of each target."""
-    print("\n" + (f"{heading}:\n" if heading else "") + text + "\n")
-    print("\n".join(verdict_lines(checks, widths)))
-
-
-def write_markdown(path: str | None, text: str) -> None:
-    """``--md``: write the Markdown results (docs/bench/*.md are such files) and say where."""
-    if path:
-        with open(path, "w") as fh:
-            fh.write(text)
-        print(f"markdown: {path}")
-
-
-# --- plots ---------------------------------------------------------------------------------------
-
-
-def plot_file(path: str, draw: Callable[..., Any], *args: Any) -> str:
-    """Write the figure ``draw(plt, *args)`` makes to ``path`` (PNG); returns the line to print.
-
-    ``draw`` returns ``(figure, title)``, or a sentence saying why there is nothing to plot.
-    matplotlib is not a project dependency: without it, this says so instead of failing the run.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
-    drawn = draw(plt, *args)
-    if isinstance(drawn, str):
-        return drawn
-    fig, title = drawn
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot written to {path}"
-
-
-def bar_labels(ax: Any, labels: list[str]) -> None:
-    """Name the horizontal bars of ``ax``, first case on top."""
-    ax.set_yticks(range(len(labels)))
-    ax.set_yticklabels(labels, fontsize=8)
-    ax.invert_yaxis()
-
-
-def machine_brief(results: dict[str, Any]) -> str:
-    """The machine in a plot's title: cores, memory and the disk under test."""
-    m = results["machine"]
-    return f"{m.get('cpus')} cores, {m.get('mem_total_gib')} GiB RAM, {m.get('disk_fs')} on {m.get('disk_device')}"

@@ -21,7 +21,6 @@ kills the others as soon as one fails, and writes ``{"rcs": [...], "ranks": [res
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -33,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import (  # noqa: E402
-    GB, ChildRun, add_hidden_args, child_argv, proc_status, remove, report_failure, run_child, write_json,
+    GB, ChildRun, child_argv, proc_status, remove, report_failure, run_child, write_json,
 )
 
 DIST = os.path.abspath(__file__)
@@ -110,18 +109,6 @@ def launch(script: str, world: int, result: str, log_prefix: str, args: list[str
             ranks.append({})
     write_json(result, {"rcs": rcs, "ranks": ranks})
     return 0 if all(rc == 0 for rc in rcs) else 1
-
-
-def add_rank_args(p: argparse.ArgumentParser, *hidden: str, gen: bool = False) -> None:
-    """The hidden arguments a rank process receives from the launcher, the script's own ``hidden``
-    ones and, with ``gen``, ``--_gen`` (a rank of the checkpoint generator: :func:`gen_mode`)."""
-    p.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--_world", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--_rdzv", default="", help=argparse.SUPPRESS)
-    p.add_argument("--_result", default="", help=argparse.SUPPRESS)
-    add_hidden_args(p, *hidden)
-    if gen:
-        p.add_argument("--_gen", nargs=4, help=argparse.SUPPRESS)
 
 
 # --- the checkpoints a benchmark reads -----------------------------------------------------------
@@ -266,17 +253,6 @@ def finish_rank(args, doc: dict[str, Any]) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-def gen_mode(args) -> bool:
-    """Run this process as a rank of the checkpoint generator if the launcher started it as one
-    (``--_gen``, from :func:`generate`); True if it did."""
-    if not args._gen:
-        return False
-    init_rank(args)
-    dst, cfg, mesh, how = args._gen
-    finish_rank(args, gen_rank(dst, json.loads(cfg), mesh, how))
-    return True
 
 
 def make_mesh(spec: str):

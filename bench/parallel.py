@@ -1,17 +1,17 @@
 """Benchmark: offline commands on N = 1 and 2 workers (``--nproc``), on the local disk and on S3.
 
-Each case is the real command line (``python -m ckpttool ... --nproc N``) in a fresh process
-tree, timed from spawn to exit (interpreter, imports and the workers' start-up included: that is
-what a user waits for), with the peak memory of the whole tree (``_common.run_child``). The page
-cache is dropped before each local case (as root). Every output of N = 2 is compared byte for
-byte with N = 1's. The S3 cases run against ``moto_server`` on loopback (warm: the server is the
-bottleneck), reading a DCP checkpoint uploaded first; they are opt-in (``--s3``): moto serves
-ranged GETs of large objects so slowly that a 1 GB reshard did not finish in 6.5 minutes.
+Each case is the real command line (``python -m ckpttool ... --nproc N``) in a fresh process tree, timed
+from spawn to exit (interpreter, imports and the workers' start-up included: what a user waits for), with
+the peak memory of the whole tree (``_common.run_child``). The page cache is dropped before each local case
+(as root). Every output of N = 2 is compared byte for byte with N = 1's (verify: its printed report). The S3
+cases run against ``moto_server`` on loopback (warm: the server is the bottleneck), reading a DCP checkpoint
+uploaded first; they are opt-in (``--s3``): moto serves ranged GETs of large objects so slowly that a 1 GB
+reshard did not finish in 6.5 minutes.
 
     .venv/bin/python bench/parallel.py --size 1 --md docs/bench/parallel.md
 
-On this machine (2 cores, one virtio disk) little gain is expected: the figures are the measured
-points of docs/scaling.md's model (per-worker throughput), not a claim of speed-up here.
+On this machine (2 cores, one virtio disk) little gain is expected: the figures are the measured points of
+docs/scaling.md's model (per-worker throughput), not a claim of speed-up here.
 """
 
 from __future__ import annotations
@@ -19,26 +19,22 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from importlib.metadata import version
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import (  # noqa: E402
-    GB, add_run_args, cold_cache, drop_caches, md_header, now, parser, remove, run_child, run_header,
-    start_run, table, write_json, write_markdown,
-)
-from _dist import checkpoint, dcp_bytes, dcp_dir_of  # noqa: E402
+from _common import GB, drop_caches, remove, report_failure, run_child  # noqa: E402
+from harness import Column, Set, Spec, main  # noqa: E402
 
-SCRIPT = os.path.abspath(__file__)
-CKPTTOOL = [sys.executable, "-m", "ckpttool"]
+EXIT = [0]  # 1 when an output of N > 1 differs from N = 1's, or a command failed
 
 
 def digest_tree(path: str) -> dict[str, str]:
     """sha256 of every file under ``path`` (or of the file), by relative name."""
     out = {}
-    files = [path] if os.path.isfile(path) else [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns]
-    for full in sorted(files):
+    for full in sorted([path] if os.path.isfile(path) else [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns]):
         h = hashlib.sha256()
         with open(full, "rb") as f:
             while block := f.read(8 << 20):
@@ -47,146 +43,110 @@ def digest_tree(path: str) -> dict[str, str]:
     return out
 
 
-def cases(src: str, out: str, worlds: int) -> list[tuple[str, list[str], str | None]]:
-    """(name, command line without --nproc, output path or None) of every command measured."""
-    return [
-        (f"reshard 2 -> {worlds} ranks", ["reshard", src, os.path.join(out, "reshard"), "--world-size", str(worlds)], os.path.join(out, "reshard")),
-        ("convert -> HF-sharded safetensors (500MB shards)",
-         ["convert", src, os.path.join(out, "hf"), "--to", "safetensors", "--max-shard-size", "500MB"], os.path.join(out, "hf")),
-        ("verify (integrity)", ["verify", src, "--json"], None),
-    ]
-
-
-def run_case(name: str, argv: list[str], dst: str | None, nproc: int, work: str, cold: bool, env: dict[str, str] | None = None,
-             keep: bool = False) -> dict[str, Any]:
-    if dst:
+def measure(run, key: str, argv: list[str], dst: str | None, env: dict[str, str] | None, s3) -> dict[str, Any]:
+    """One command line on N workers (S3: ``s3`` is the bucket's filesystem): the local cases cold (unless
+    --warm); the digest of its output, or of what it printed where it writes none."""
+    name, n = key.rsplit(" N=", 1)
+    if s3 is None and dst:
         remove(dst)
-    if cold:
+    elif dst and s3.exists(dst):
+        s3.rm(dst, recursive=True)
+    if s3 is None and run.cold:
         drop_caches()
-    tag = f"{name.split()[0]}-n{nproc}"
-    run = run_child([*CKPTTOOL, *argv, "--nproc", str(nproc)], os.path.join(work, f"{tag}.result.json"),
-                    os.path.join(work, f"{tag}.log"), env=env)
-    res = {"rc": run.rc, "wall_s": run.wall_s, "peak_mib": run.peak_kib / 1024, "user_s": run.user_s, "sys_s": run.sys_s}
-    if run.rc not in (0, 1):
-        res["log_tail"] = run.log_tail[-2000:]
-    if dst and run.rc == 0 and not dst.startswith("s3://"):
-        res["digest"] = digest_tree(dst)
-        if not keep:
-            remove(dst)
+    tag = f"{'s3-' if s3 else ''}{argv[0]}-n{n}"
+    proc = run_child([sys.executable, "-m", "ckpttool", *argv, "--nproc", n], os.path.join(run.work, f"{tag}.result.json"),
+                     os.path.join(run.work, f"{tag}.log"), env=env, timeout_s=run.args.case_timeout)
+    r = {"ok": proc.rc in (0, 1), "name": name, "nproc": int(n), "rc": proc.rc, "seconds": proc.wall_s, "peak_kib": proc.peak_kib,
+         "user_s": proc.user_s, "sys_s": proc.sys_s}
+    if not r["ok"]:
+        report_failure(key, proc)
+        r["log_tail"] = proc.log_tail[-2000:]
     elif not dst:
-        res["stdout_digest"] = hashlib.sha256(open(os.path.join(work, f"{tag}.log"), "rb").read()).hexdigest()
-    return res
+        with open(os.path.join(run.work, f"{tag}.log"), "rb") as f:
+            r["stdout_digest"] = hashlib.sha256(f.read()).hexdigest()
+    elif proc.rc == 0 and s3 is not None:
+        r["digest"] = {os.path.relpath(p, dst): s3.info(p).get("ETag", "") for p in sorted(s3.find(dst)) if not p.endswith("/")}
+    elif proc.rc == 0:
+        r["digest"] = digest_tree(dst)
+        remove(dst)
+    return r
 
 
-def render(rows: list[dict[str, Any]], markdown: bool) -> str:
-    head = ["case", "workers", "wall s", "× N=1", "CPU s (user+sys)", "peak MiB (tree)", "same bytes as N=1"]
-    body = [[r["case"], str(r["nproc"]), f"{r['wall_s']:.1f}", f"{r['ratio']:.2f}", f"{r['cpu_s']:.1f}", f"{r['peak_mib']:.0f}",
-             r["same"]] for r in rows]
-    return table(head, body, markdown)
-
-
-def rows_of(results: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
-    rows = []
-    for name, by_n in results.items():
-        base = by_n.get(1)
-        for n, r in sorted(by_n.items()):
-            same = "–"
-            if n > 1 and base:
-                key = "digest" if "digest" in r else "stdout_digest" if "stdout_digest" in r else None
-                same = "yes" if key and r.get(key) == base.get(key) else "NO" if key else "–"
-            rows.append({"case": name, "nproc": n, "wall_s": r["wall_s"], "ratio": r["wall_s"] / base["wall_s"] if base else 1.0,
-                         "cpu_s": r["user_s"] + r["sys_s"], "peak_mib": r["peak_mib"], "same": same, "rc": r["rc"]})
-    return rows
-
-
-def s3_cases(src: str, work: str, nprocs: list[int]) -> dict[str, dict[int, dict[str, Any]]]:
-    """Reshard and verify of a DCP checkpoint on S3 (moto_server on loopback), N = 1, 2."""
-    from s3 import CREDENTIALS, start_moto
-
-    proc, endpoint = start_moto(os.path.join(work, "moto.log"))
-    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
-    out: dict[str, dict[int, dict[str, Any]]] = {}
+def sets(run):
+    """The checkpoint (or --src); the commands on it for each N, then (--s3) on its copy on S3."""
+    args = run.args
+    reshard, hf = os.path.join(run.work, "outputs", "reshard"), os.path.join(run.work, "outputs", "hf")
+    src, info = run.checkpoint(args.size, "2")
+    info.setdefault("torch", version("torch"))
+    nprocs = args.nprocs.split(",")
+    local = {  # name: (command line without --nproc, output)
+        f"reshard 2 -> {args.worlds} ranks": (["reshard", src, reshard, "--world-size", str(args.worlds)], reshard),
+        "convert -> HF-sharded safetensors (500MB shards)": (["convert", src, hf, "--to", "safetensors", "--max-shard-size", "500MB"], hf),
+        "verify (integrity)": (["verify", src, "--json"], None)}
+    cases = {f"{name} N={n}": (argv, dst, None, None) for name, (argv, dst) in local.items() for n in nprocs}
+    proc = None
     try:
-        import fsspec
+        if args.s3:
+            import fsspec
 
-        s3 = fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=endpoint, key="bench", secret="bench")
-        s3.mkdir("bench")
-        s3.put(src.rstrip("/") + "/", "bench/src/", recursive=True)
-        for n in nprocs:
-            name = "s3: reshard 2 -> 4 ranks (S3 -> S3)"
-            dst = f"s3://bench/reshard-n{n}"
-            r = run_case(name, ["reshard", "s3://bench/src", dst, "--world-size", "4"], None, n, work, False, env)
-            r.pop("stdout_digest", None)
-            if r["rc"] == 0:
-                r["digest"] = {p: s3.info(p).get("ETag", "") for p in sorted(s3.find(dst.removeprefix("s3://")))
-                               if not p.endswith("/")}
-                r["digest"] = {os.path.relpath(k, dst.removeprefix("s3://")): v for k, v in r["digest"].items()}
-            out.setdefault(name, {})[n] = r
-            out.setdefault("s3: verify", {})[n] = run_case("s3: verify", ["verify", "s3://bench/src", "--json"], None, n, work, False, env)
+            from s3 import CREDENTIALS, start_moto
+
+            proc, endpoint = start_moto(os.path.join(run.work, "moto.log"))
+            env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+            s3 = fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=endpoint, key="bench", secret="bench")
+            s3.mkdir("bench")
+            s3.put(src.rstrip("/") + "/", "bench/src/", recursive=True)
+            for n in nprocs:
+                cases[f"s3: reshard 2 -> 4 ranks (S3 -> S3) N={n}"] = (["reshard", "s3://bench/src", f"s3://bench/reshard-n{n}",
+                                                                       "--world-size", "4"], f"bench/reshard-n{n}", env, s3)
+                cases[f"s3: verify N={n}"] = (["verify", "s3://bench/src", "--json"], None, env, s3)
+        yield Set(list(cases), lambda k: measure(run, k, *cases[k]),
+                  lambda k, r: f"{r['name']:<48} N={r['nproc']}  {r['seconds']:6.1f} s  peak {r['peak_kib'] / 1024:6.0f} MiB  rc {r['rc']}",
+                  heading=f"{info['file_bytes'] / GB:.2f} GB DCP checkpoint saved on 2 ranks; {'cold' if run.cold else 'warm'} page cache for "
+                          f"the local cases; S3 = moto_server on loopback, warm", info=info)
     finally:
-        proc.kill()
-        proc.wait()
-    return out
+        if proc is not None:
+            proc.kill()
+            proc.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__)
+def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per command, each N's row: its time against N = 1's, and whether its output is N = 1's."""
+    by_name: dict[str, dict[int, dict[str, Any]]] = {}
+    for key, c in res["cases"].items():
+        by_name.setdefault(key.rsplit(" N=", 1)[0], {})[int(key.rsplit(" N=", 1)[1])] = c
+    rows = []
+    for name, by_n in by_name.items():
+        base = by_n.get(1)
+        for n, c in sorted(by_n.items()):
+            if not c.get("ok"):
+                rows.append({"case": name, "nproc": str(n), "failed": True})
+                continue
+            kind = next((k for k in ("digest", "stdout_digest") if k in c), None)
+            same = "–" if n == 1 or not base or not kind else "yes" if c[kind] == base.get(kind) else "NO"
+            ratio = 1.0 if base is None else c["seconds"] / base["seconds"] if base.get("ok") else None  # (no N = 1 run: 1.0)
+            rows.append({"case": name, "nproc": str(n), "seconds": c["seconds"], "cpu_s": c["user_s"] + c["sys_s"],
+                         "peak_mib": c["peak_kib"] / 1024, "same": same, "ratio": ratio})
+    EXIT[0] = int(any(r.get("failed") or r["same"] == "NO" for r in rows))
+    return rows, []
+
+
+def options(p) -> None:
     p.add_argument("--size", type=float, default=1.0, help="checkpoint size in GB (default 1)")
     p.add_argument("--nprocs", default="1,2", help="worker counts (default 1,2)")
     p.add_argument("--worlds", type=int, default=4, help="reshard's target world size (default 4)")
     p.add_argument("--src", help="use this existing DCP checkpoint instead of writing one")
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoint")
     p.add_argument("--warm", action="store_true", help="do not drop the page cache before each local case")
-    p.add_argument("--s3", action="store_true",
-                   help="also run reshard and verify on S3 (moto_server on loopback; slow: moto serves each ranged GET of a "
-                        "large object at a fraction of a core, see docs/scaling.md)")
-    add_run_args(p, "parallel", "/tmp/ckpttool-bench-parallel")
-    args = p.parse_args(argv)
+    p.add_argument("--s3", action="store_true", help="also run reshard and verify on S3 (moto_server on loopback; slow: moto serves each "
+                                                     "ranged GET of a large object at a fraction of a core, see docs/scaling.md)")
 
-    out_dir, work, machine = start_run(args.out_dir)
-    cold = cold_cache(args.warm)
-    made = None
-    if args.src:
-        src = dcp_dir_of(os.path.abspath(args.src))
-    else:
-        root, _ = checkpoint(os.path.join(os.path.dirname(SCRIPT), "reshard.py"), out_dir, args.size, "2", args.keep, work)
-        made = None if args.keep else root
-        src = dcp_dir_of(root)
-    nbytes = dcp_bytes(src)
-    print(f"{src}: {nbytes / GB:.2f} GB of DCP files", flush=True)
-    nprocs = [int(n) for n in args.nprocs.split(",")]
-    import torch
 
-    results_all: dict[str, Any] = {**run_header(SCRIPT, argv, machine), "cold": cold, "bytes": nbytes, "cases": {},
-                                   "torch": torch.__version__}
-    try:
-        outputs = os.path.join(out_dir, "outputs")
-        os.makedirs(outputs, exist_ok=True)
-        for name, cmd, dst in cases(src, outputs, args.worlds):
-            for n in nprocs:
-                r = run_case(name, cmd, dst, n, work, cold)
-                print(f"  {name:<48} N={n}  {r['wall_s']:6.1f} s  peak {r['peak_mib']:6.0f} MiB  rc {r['rc']}", flush=True)
-                results_all["cases"].setdefault(name, {})[n] = r
-        if args.s3:
-            for name, by_n in s3_cases(src, work, nprocs).items():
-                results_all["cases"][name] = by_n
-                for n, r in by_n.items():
-                    print(f"  {name:<48} N={n}  {r['wall_s']:6.1f} s  peak {r['peak_mib']:6.0f} MiB  rc {r['rc']}", flush=True)
-    finally:
-        if made:
-            remove(made)
-            remove(made + ".json")
-    results_all["finished"] = now()
-    rows = rows_of(results_all["cases"])
-    results_all["rows"] = rows
-    write_json(args.json or os.path.join(out_dir, "parallel.json"), results_all)
-    print("\n" + render(rows, markdown=False))
-    head = (f"{nbytes / GB:.2f} GB DCP checkpoint saved on 2 ranks; {'cold' if cold else 'warm'} page cache for the local cases; "
-            f"S3 = moto_server on loopback, warm")
-    write_markdown(args.md, md_header("Benchmark: offline commands on N workers", results_all) + f"\n{head}\n\n" + render(rows, markdown=True) + "\n")
-    bad = [r for r in rows if r["same"] == "NO" or r["rc"] not in (0, 1)]
-    return 1 if bad else 0
-
+SPEC = Spec("parallel", "Benchmark: offline commands on N workers", __doc__, os.path.abspath(__file__), options, sets, derive,
+            columns=[Column("case", "case", None), Column("workers", "nproc", None), Column("wall s", "seconds", ".1f"),
+                     Column("× N=1", "ratio"), Column("CPU s (user+sys)", "cpu_s", ".1f"), Column("peak MiB (tree)", "peak_mib", ".0f"),
+                     Column("same bytes as N=1", "same", "")],
+            repeat=1)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(SPEC) or EXIT[0])
