@@ -146,13 +146,21 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     error = dist.first_error(error)
     if error is not None:
         raise error
-    whole = not matched.missing
     if optimizers:
         set_state_dict(model, optimizers if len(optimizers) > 1 else optimizers[0], model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     else:
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=whole))
-    step = record["step"] if record is not None else parse_step(loc.name)
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not matched.missing))
+    values, unmatched, by_rank = _extra_values(state, saved_leaves, record, loc)
+    _restore_in_place(extra, values, unmatched, loc)
+    return LoadResult(step=record["step"] if record is not None else parse_step(loc.name), extra=values, path=loc.url,
+                      extra_by_rank=by_rank, missing_keys=matched.missing, unexpected_keys=matched.unexpected)
+
+
+def _extra_values(state: dict[str, Any], saved_leaves: list[tuple], record: dict | None,
+                  loc: Location) -> tuple[dict[str, Any], set[str], dict[int, dict[str, Any]]]:
+    """This rank's values of the saved ``extra`` and the keys it could not be given
+    (:func:`_own_values`), and every saved rank's own values."""
     by_rank = {int(r): v for r, v in state.get(PER_RANK, {}).items() if _rank_name(r)}
     leaves: dict[int, list[tuple]] = {}  # per saved rank: the paths in extra of its own values
     for rank_key, *sub in saved_leaves:
@@ -160,9 +168,7 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
             leaves.setdefault(int(rank_key), []).append(tuple(sub))
     saved_world = record.get("world_size") if record is not None else None
     values, unmatched = _own_values(state.get("extra", {}), by_rank, leaves, saved_world, loc)
-    _restore_in_place(extra, values, unmatched, loc)
-    return LoadResult(step=step, extra=values, path=loc.url, extra_by_rank=by_rank, missing_keys=matched.missing,
-                      unexpected_keys=matched.unexpected)
+    return values, unmatched, by_rank
 
 
 def _open(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], verify: bool) -> Any:
