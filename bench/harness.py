@@ -233,6 +233,7 @@ def main(spec: Spec, argv: list[str] | None = None) -> int:
             res = {"heading": s.heading, "tag": s.tag, "checkpoint": s.info, "torch": s.info.get("torch"), "machine": run.machine,
                    "options": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                    "cases": {n: best_of(rs, s.time_keys, s.peak_keys, s.pick) for n, rs in runs.items()}, "all_runs": runs}
+            res["torch"] = res["torch"] or next((c.get("torch") for c in res["cases"].values() if c.get("torch")), None)
             res["rows"], res["checks"] = spec.derive(res, run)
             results["sets"].append(res)
             results["torch"] = results.get("torch") or res["torch"]
