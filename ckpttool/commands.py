@@ -115,16 +115,15 @@ def convert(
     dst_loc = resolve(dst, storage_options)
     if (to == "hf") != (like is not None):
         raise UsageError("--to hf and --like HF_DIR go together", hint="--to hf --like a save_pretrained folder of the model")
-    if to == "hf":
-        assert like is not None
-        return _export_hf(src_loc, dst_loc, resolve(like, storage_options), key_map, dtype, max_shard_size, memory_budget,
-                          force, src_format, progress, read_ahead, parallel)
-    if to is not None and to not in formats.output_names():
-        raise UsageError(f"unknown format {to!r} for --to", hint=f"choose one of {', '.join(formats.output_names())}")
     if isinstance(dtype, str):
         if dtype not in DTYPE_NAMES:
             raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
         dtype = DTYPE_NAMES[dtype]
+    if like is not None:  # (--to hf)
+        return _export_hf(src_loc, dst_loc, resolve(like, storage_options), key_map, dtype, max_shard_size, memory_budget,
+                          force, src_format, progress, read_ahead, parallel)
+    if to is not None and to not in formats.output_names():
+        raise UsageError(f"unknown format {to!r} for --to", hint=f"choose one of {', '.join(formats.output_names())}")
     budget = parse_size(memory_budget, "--memory-budget")
     options = SinkOptions(max_shard_size=parse_size(max_shard_size, "--max-shard-size") if max_shard_size is not None else None,
                           compress=compress)
@@ -153,10 +152,6 @@ def _export_hf(src: Location, dst: Location, like: Location, key_map: dict[str, 
     """``convert --to hf --like``: see :func:`convert`."""
     import re
 
-    if isinstance(dtype, str):
-        if dtype not in DTYPE_NAMES:
-            raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
-        dtype = DTYPE_NAMES[dtype]
     weights = next((like.child(n) for n in HF_WEIGHTS if like.isdir() and like.child(n).exists()), None)
     if weights is None:
         raise UsageError("--like takes a save_pretrained folder (with model.safetensors, its index, or pytorch_model.bin)",
