@@ -1,34 +1,31 @@
 """Benchmark: a checkpoint larger than memory (issue 29, item 6), each command against ``cp -r``.
 
-Writes one DCP checkpoint of ``--size`` GB (default 32: more than this machine's RAM) as a ckpttool step
-saved on 2 ranks holds it (``__0_0.distcp``, ``__1_0.distcp``: FSDP2's Shard(0) boxes of every tensor;
-``.metadata``; the commit record with its manifest, xxh3 of every record). Nothing holds it in memory: a
-synthetic source (deterministic values, generated per region) is streamed by ckpttool's own offline writer
-(the engine and DCP sink of ``ckpttool reshard``), then the records are hashed into the commit record as
-the Checkpointer does. The state: the bundled Transformer's fp32 parameters with AdamW's exp_avg and
-exp_avg_sq (12 bytes a parameter), from 8 GB up at a Llama-3.2-3B-like width (vocabulary 128256, dim 3072:
-six tensors of 1.58 GB, more than the memory budget, streamed region by region), as many blocks as make
-``--size``.
+Writes one DCP checkpoint of ``--size`` GB (default 32: more than this machine's RAM) as a ckpttool step saved on 2
+ranks holds it (``__0_0.distcp``, ``__1_0.distcp``: FSDP2's Shard(0) boxes of every tensor; ``.metadata``; the commit
+record with its manifest, xxh3 of every record): the bundled Transformer's fp32 parameters with AdamW's exp_avg and
+exp_avg_sq (12 bytes a parameter), as many blocks as make ``--size``, from 8 GB at a Llama-3.2-3B-like width (vocabulary
+128256, dim 3072: six tensors of 1.58 GB, more than the memory budget, streamed region by region). Nothing holds it in
+memory: ckpttool's own offline writer (the engine and DCP sink of ``ckpttool reshard``) streams a synthetic source
+(deterministic values, generated per region), then the records are hashed into the commit record as the Checkpointer does.
 
 Then, each in a fresh process, the page cache dropped before it (as root):
 
-  cp -r      ``cp -r SRC DST`` + an fsync of every file of DST: the limit for a tool that reads and writes
-             every byte once (run before each ckpttool case: each ratio compares two commands minutes apart)
+  cp -r      ``cp -r SRC DST`` + an fsync of every file of DST: the limit for a tool that reads and writes every byte
+             once (run before each ckpttool case: each ratio compares two commands minutes apart)
   convert    ``ckpttool convert SRC DST.safetensors --to safetensors`` (one file)
   reshard    ``ckpttool reshard SRC DST --world-size 3`` (2 -> 3 ranks)
 
-Time: the whole command (spawn to exit) plus an fsync of its output (ckpttool fsyncs its files, cp does
-not): both timed to the bytes on disk. Peak memory of the process tree, two ways, the larger checked:
-``ru_maxrss`` (what ``/usr/bin/time -f %M`` prints: the largest process's peak VmRSS, mapped file pages
-included) and the polled peak (50 ms) of the tree's RssAnon + RssShmem. Every 0.5 s of a ckpttool case:
-VmRSS, the tree's anon+shmem, RssFile, disk reads and writes (``/proc/PID/io``; against the checkpoint's
-size: any read amplification, ~0.1 GB of libraries included), CPU time and the load average, to the JSON
-and a second plot (``--plot``'s name + ``-timeline``). The load average before and after each case is in
-the table: a busy machine slows ckpttool, which checksums every byte on the CPU, more than cp.
+Time: the whole command (spawn to exit) plus an fsync of its output (ckpttool fsyncs its files, cp does not): both
+timed to the bytes on disk. Peak memory of the process tree, two ways, the larger checked: ``ru_maxrss`` (what
+``/usr/bin/time -f %M`` prints: the largest process's peak VmRSS, mapped file pages included) and the polled peak
+(50 ms) of the tree's RssAnon + RssShmem. Every 0.5 s of a ckpttool case, to the JSON and a second plot (``--plot``'s
+name + ``-timeline``): VmRSS, the tree's anon+shmem, RssFile, disk reads and writes (``/proc/PID/io``; against the
+checkpoint's size: any read amplification, ~0.1 GB of libraries included), CPU time and the load average. The table
+has the load average before and after each case: a busy machine slows ckpttool, which checksums every byte on the
+CPU, more than cp.
 
-Disk: the source and one output at a time, so about 2x ``--size`` + 2 GB free on ``--out-dir``'s disk;
-with less it refuses (a failed verdict saying how much it needs). What it writes is removed at the end,
-also on failure or SIGTERM.
+Disk: the source and one output at a time, so about 2x ``--size`` + 2 GB free on ``--out-dir``'s disk; with less it
+refuses (a failed verdict saying how much it needs). What it writes is removed at the end, also on failure or SIGTERM.
 
     .venv/bin/python bench/large.py --size 32 --md docs/bench/large.md --plot docs/img/bench-large.png
     .venv/bin/python bench/large.py --size 2 --budget 256MiB        # a few minutes
@@ -38,6 +35,8 @@ Targets (issue 29, item 6): peak RSS < 1.5 GB and <= 1.1x the time of cp -r, for
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import os
@@ -47,16 +46,11 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import GB, GiB, MiB, code_version, drop_caches, fsync_tree, path_bytes, proc_io, proc_status, remove, report_failure, run_child
+from _dist import n_params  # importing _dist puts this repository first on sys.path: its ckpttool is the one measured
+from harness import Chart, Column, Panel, Set, Spec, add_common, check, main, parser
 
-from _common import (  # noqa: E402
-    GB, GiB, MiB, code_version, drop_caches, fsync_tree, path_bytes, proc_io, proc_status, remove, report_failure, run_child,
-)
-from _dist import n_params  # noqa: E402
-from harness import Chart, Column, Panel, Set, Spec, add_common, check, main, parser  # noqa: E402
-
-from ckpttool.choices import parse_size  # noqa: E402
+from ckpttool.choices import parse_size
 
 SCRIPT = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(SCRIPT))
@@ -71,32 +65,23 @@ TIMELINE = ["seconds", "tree anon+shmem KiB", "VmRSS KiB", "RssFile KiB", "read_
 EXIT = [0]  # 2 when the run was refused for lack of disk
 
 
-# --- the checkpoint ------------------------------------------------------------------------------
-
-
 def model_config(size_gb: float) -> dict[str, int]:
-    """The bundled Transformer with as many blocks (at least one) as make its fp32 params + AdamW state
-    reach ``size_gb`` GB, rounded up (never smaller than asked: 32 stays above a 24 GiB machine's RAM).
-    From 8 GB: Llama-3.2-3B's vocabulary and width; from 0.5 GB: 32000 x 2048 (262 MB); below: 8192 x 512."""
-    if size_gb >= 8:
-        cfg = dict(vocab_size=128256, dim=3072, n_layers=1, n_heads=24, seq_len=4096)
-    elif size_gb >= 0.5:
-        cfg = dict(vocab_size=32000, dim=2048, n_layers=1, n_heads=16, seq_len=2048)
-    else:
-        cfg = dict(vocab_size=8192, dim=512, n_layers=1, n_heads=8, seq_len=512)
+    """The bundled Transformer with as many blocks (at least one) as make its fp32 params + AdamW state reach ``size_gb``
+    GB, rounded up (never smaller than asked: 32 stays above a 24 GiB machine's RAM). From 8 GB: Llama-3.2-3B's
+    vocabulary and width; from 0.5 GB: 32000 x 2048 (262 MB); below: 8192 x 512."""
+    vocab, dim, heads, seq = ((128256, 3072, 24, 4096) if size_gb >= 8 else (32000, 2048, 16, 2048) if size_gb >= 0.5
+                              else (8192, 512, 8, 512))
+    cfg = dict(vocab_size=vocab, dim=dim, n_layers=1, n_heads=heads, seq_len=seq)
     fixed = n_params({**cfg, "n_layers": 0})
-    cfg["n_layers"] = max(1, math.ceil((size_gb * GB / 12 - fixed) / (n_params({**cfg, "n_layers": 1}) - fixed)))
+    cfg["n_layers"] = max(1, math.ceil((size_gb * GB / 12 - fixed) / (n_params(cfg) - fixed)))
     return cfg
 
 
 def make_source(cfg: dict[str, int], where: str):
-    """A ckpttool Source of the training state ``{"model", "optim", "extra"}`` of the Transformer ``cfg``
-    with AdamW after one step, keyed as ``get_state_dict`` flattens it, its values generated for any region
-    asked: element i of a tensor is element ``(i + hash(key)) % PATTERN`` of a random cycle of its kind
-    (weights +-0.05, exp_avg +-1e-3, exp_avg_sq in [0, 1e-6); step 1.0). Deterministic, incompressible,
-    nothing held but the three cycles (192 MiB)."""
-    import hashlib
-
+    """A ckpttool Source of the training state ``{"model", "optim", "extra"}`` of the Transformer ``cfg`` with AdamW after
+    one step, keyed as ``get_state_dict`` flattens it, its values generated for any region asked: element i of a tensor
+    is element ``(i + hash(key)) % PATTERN`` of a random cycle of its kind (weights +-0.05, exp_avg +-1e-3, exp_avg_sq in
+    [0, 1e-6); step 1.0). Deterministic, incompressible, nothing held but the three cycles (192 MiB)."""
     import torch
 
     from ckpttool.formats.base import Source
@@ -107,8 +92,8 @@ def make_source(cfg: dict[str, int], where: str):
     with torch.device("meta"):
         params = [(name, tuple(p.shape)) for name, p in Transformer(ModelConfig(**cfg)).named_parameters()]
     gen = torch.Generator().manual_seed(29)
-    cycles = {"param": torch.rand(PATTERN, generator=gen).mul_(0.1).sub_(0.05),
-              "exp_avg": torch.rand(PATTERN, generator=gen).mul_(2e-3).sub_(1e-3), "exp_avg_sq": torch.rand(PATTERN, generator=gen).mul_(1e-6)}
+    cycles = {kind: torch.rand(PATTERN, generator=gen).mul_(scale).sub_(low)
+              for kind, scale, low in (("param", 0.1, 0.05), ("exp_avg", 2e-3, 1e-3), ("exp_avg_sq", 1e-6, 0.0))}
     group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False, "maximize": False, "foreach": None,
              "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True, "params": [n for n, _ in params]}
     index = Index()
@@ -116,8 +101,8 @@ def make_source(cfg: dict[str, int], where: str):
                                                          for n, s in params for k in ("step", "exp_avg", "exp_avg_sq")]
     for path, shape in tensors:  # AdamW's state, per parameter, after the parameters: as get_state_dict keys it
         index.add(TensorEntry(".".join(path), shape, torch.float32, (Chunk((0,) * len(shape), shape),)), path)
-    objects = [*((("optim", "param_groups", 0, k), v) for k, v in group.items()), (("extra", "step"), 1), (("extra", "note"), "bench/large.py")]
-    for path, value in objects:
+    for path, value in [*((("optim", "param_groups", 0, k), v) for k, v in group.items()), (("extra", "step"), 1),
+                        (("extra", "note"), "bench/large.py")]:
         index.add(ObjectEntry(".".join(map(str, path)), value), path)
 
     class SyntheticSource(Source):
@@ -152,9 +137,9 @@ def make_source(cfg: dict[str, int], where: str):
 
 
 def generate(args) -> dict[str, Any]:
-    """The generator child: stream the synthetic state into a DCP step laid out on WORLD ranks (ckpttool's
-    engine and DCP sink, under ``--budget``; its progress in the log), then write the commit record with
-    the manifest (the records hashed, as the Checkpointer does) and fsync everything."""
+    """The generator child: stream the synthetic state into a DCP step laid out on WORLD ranks (ckpttool's engine and DCP
+    sink, under ``--budget``; its progress in the log), then write the commit record with the manifest (the records
+    hashed, as the Checkpointer does) and fsync everything."""
     import torch
 
     from ckpttool.engine import plan_entries, run
@@ -165,8 +150,7 @@ def generate(args) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     cfg, loc, last, t0 = model_config(args.size), resolve(args._dst), [0.0], time.perf_counter()
-    source = make_source(cfg, os.path.join(os.path.dirname(args._result), "synthetic-source"))
-    plan = plan_entries(source)
+    plan = plan_entries(source := make_source(cfg, os.path.join(os.path.dirname(args._result), "synthetic-source")))
 
     def progress(done: int, total: int, key: str) -> None:
         if time.perf_counter() - last[0] >= 10 or done == total:
@@ -183,9 +167,9 @@ def generate(args) -> dict[str, Any]:
     with DcpSource(loc) as back:  # a ckpttool step: its commit record and manifest read back as valid
         assert back.checks is not None and back.world_size == WORLD
     sizes = [s.nbytes for s in plan.tensors]
-    return {"ok": True, "cfg": cfg, "params": n_params(cfg), "tensors": len(sizes), "objects": len(plan.objects), "tensor_bytes": sum(sizes),
-            "largest_tensor_bytes": max(sizes), "tensors_over_1gb": sum(s >= GB for s in sizes), "file_bytes": path_bytes(args._dst),
-            "files": sorted(os.listdir(args._dst)), "write_s": t1 - t0, "hash_s": t2 - t1,
+    return {"ok": True, "cfg": cfg, "params": n_params(cfg), "tensors": len(sizes), "objects": len(plan.objects),
+            "tensor_bytes": sum(sizes), "largest_tensor_bytes": max(sizes), "tensors_over_1gb": sum(s >= GB for s in sizes),
+            "file_bytes": path_bytes(args._dst), "files": sorted(os.listdir(args._dst)), "write_s": t1 - t0, "hash_s": t2 - t1,
             "records": sum(len(v) for v in manifest["records"].values()), "gen_hwm_kib": proc_status("VmHWM"), "torch": torch.__version__}
 
 
@@ -200,41 +184,34 @@ def describe(info: dict[str, Any], budget: str) -> str:
             f"manifest in {info['hash_s']:.0f} s.")
 
 
-# --- the cases -----------------------------------------------------------------------------------
-
-
 def json_report(log_file: str) -> dict[str, Any] | None:
     """The JSON document a ckpttool command printed (``--json``) in its log, if any."""
     with open(log_file, errors="replace") as fh:
         text = fh.read()
     for at in (i for i, ch in enumerate(text) if ch == "{"):
-        try:
+        with contextlib.suppress(ValueError):
             return json.JSONDecoder().raw_decode(text, at)[0]
-        except ValueError:
-            pass
     return None
 
 
 def measure(run, name: str, src: str) -> dict[str, Any]:
-    """One run of a case in a fresh process: its wall time plus an fsync of its output, its peak memory
-    (both ways) and, for ckpttool, its timeline; the output is removed afterwards."""
-    ck, timeline, last = not name.startswith("cp"), [], [-1.0]
+    """One run of a case in a fresh process: its wall time plus an fsync of its output, its peak memory (both ways) and,
+    for ckpttool, its timeline; the output is removed afterwards (and with the work folder, if this fails)."""
+    ck, timeline, last, log = not name.startswith("cp"), [], [-1.0], os.path.join(run.work, f"{name}.log")
     dst = os.path.join(run.work, {"convert": "out.safetensors", "reshard": f"resharded-{RESHARD_TO}"}.get(name, "copy"))
     remove(dst)
     dropped = drop_caches() if run.cold else False
-    argv, log = ["cp", "-r", src, dst], os.path.join(run.work, f"{name}.log")
-    if ck:
-        how = ["convert", src, dst, "--to", "safetensors"] if name == "convert" else ["reshard", src, dst, "--world-size", str(RESHARD_TO)]
-        argv = [sys.executable, "-m", "ckpttool", *how, "--memory-budget", run.args.budget, "--json"]
+    how = {"convert": ["convert", src, dst, "--to", "safetensors"], "reshard": ["reshard", src, dst, "--world-size", str(RESHARD_TO)]}
+    argv = [sys.executable, "-m", "ckpttool", *how[name], "--memory-budget", run.args.budget, "--json"] if ck else ["cp", "-r", src, dst]
 
     def sample(t: float, tree_kib: int, pid: int) -> None:  # run_child's poll skips a sample that raises (the process gone)
         if t - last[0] >= 0.5:
             last[0], io = t, proc_io(pid)
             with open(f"/proc/{pid}/stat") as fh:
                 stat = fh.read().rsplit(")", 1)[1].split()  # CPU seconds: utime + stime, in clock ticks
-            timeline.append([round(t, 2), tree_kib, proc_status("VmRSS", pid) or 0, proc_status("RssFile", pid) or 0, io.get("read_bytes", 0),
-                             io.get("write_bytes", 0), round((int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK"), 2),
-                             round(os.getloadavg()[0], 2)])
+            timeline.append([round(t, 2), tree_kib, proc_status("VmRSS", pid) or 0, proc_status("RssFile", pid) or 0,
+                             io.get("read_bytes", 0), io.get("write_bytes", 0),
+                             round((int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK"), 2), round(os.getloadavg()[0], 2)])
 
     # the ckpttool measured is this repository's (the one this script is in), wherever the run starts
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
@@ -244,19 +221,17 @@ def measure(run, name: str, src: str) -> dict[str, Any]:
                      on_poll=sample if ck else None)
     r: dict[str, Any] = {"case": name, "argv": argv, "rc": proc.rc, "ok": proc.rc == 0, "cache_dropped": dropped,
                          "timed_out": proc.timed_out, "loadavg": [load_before, os.getloadavg()[0]]}
-    try:
-        if proc.rc == 0:
-            t0 = time.perf_counter()
-            out_bytes = fsync_tree(dst)
-            fsync_s = time.perf_counter() - t0
-            r.update(command_s=proc.wall_s, fsync_s=fsync_s, seconds=proc.wall_s + fsync_s, out_bytes=out_bytes, maxrss_kib=proc.maxrss_kib,
-                     tree_peak_kib=proc.tree_peak_kib, peak_kib=proc.peak_kib, user_s=proc.user_s, sys_s=proc.sys_s,
-                     timeline_columns=TIMELINE, rss_timeline=timeline, report=json_report(log) if ck else None)
-        else:
-            report_failure(name, proc)
-            r["log_tail"] = proc.log_tail[-4000:]
-    finally:
-        remove(dst)
+    if proc.rc == 0:
+        t0 = time.perf_counter()
+        out_bytes = fsync_tree(dst)
+        fsync_s = time.perf_counter() - t0
+        r.update(command_s=proc.wall_s, fsync_s=fsync_s, seconds=proc.wall_s + fsync_s, out_bytes=out_bytes, maxrss_kib=proc.maxrss_kib,
+                 tree_peak_kib=proc.tree_peak_kib, peak_kib=proc.peak_kib, user_s=proc.user_s, sys_s=proc.sys_s,
+                 timeline_columns=TIMELINE, rss_timeline=timeline, report=json_report(log) if ck else None)
+    else:
+        report_failure(name, proc)
+        r["log_tail"] = proc.log_tail[-4000:]
+    remove(dst)
     return r
 
 
@@ -304,9 +279,6 @@ def sets(run):
         print(f"warning: ckpttool/ changed during the run: {run.extra['code']} -> {run.extra['code_at_end']}", file=sys.stderr)
 
 
-# --- results -------------------------------------------------------------------------------------
-
-
 def ram_x(nbytes: int, res: dict[str, Any]) -> str:
     return f"{nbytes / ((res['machine'].get('mem_total_gib') or 1) * GiB):.2f}x RAM"
 
@@ -347,14 +319,11 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
 
 
 def draw_timeline(path: str, res: dict[str, Any]) -> None:
-    """The ckpttool commands' RSS over time (left), their disk reads and writes over time (right): line
-    plots, which harness's chart does not draw, in a second PNG beside ``--plot``'s."""
-    series = [(LABELS[n], c["rss_timeline"]) for n, c in res["cases"].items() if not n.startswith(("cp", "refused")) and c.get("rss_timeline")]
+    """The ckpttool commands' RSS over time (left), their disk reads and writes over time (right): line plots, which
+    harness's chart does not draw, in a second PNG beside ``--plot``'s."""
+    series = [(LABELS[n], c["rss_timeline"]) for n, c in res["cases"].items() if c.get("rss_timeline")]  # cp's is empty
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # the harness's chart, drawn first, chose the Agg backend
     except ImportError:
         return
     if not series:
@@ -393,8 +362,8 @@ SPEC = Spec(
     columns=[Column("case", "label", None),
              Column("time s (command + fsync)", lambda r: f"{r['seconds']:.1f} ({r['command_s']:.1f} + {r['fsync_s']:.1f})", ""),
              Column("GB/s", "gbps"), Column("× its cp -r", "x_cp"), Column("peak RSS MiB", "peak_mib", ".0f"),
-             Column("ru_maxrss MiB", "maxrss_mib", ".0f"), Column("tree anon+shmem MiB", "tree_mib", ".0f"), Column("CPU s", "cpu_s", ".0f"),
-             Column("output GB", "out_gb"), Column("read from disk GB", "disk_read_gb"),
+             Column("ru_maxrss MiB", "maxrss_mib", ".0f"), Column("tree anon+shmem MiB", "tree_mib", ".0f"),
+             Column("CPU s", "cpu_s", ".0f"), Column("output GB", "out_gb"), Column("read from disk GB", "disk_read_gb"),
              Column("load avg before/after", lambda r: "/".join(f"{x:.1f}" for x in r["loadavg"]) if r.get("loadavg") else None, "")],
     chart=Chart([Panel("seconds", "seconds: whole command + fsync of its output (grey: cp -r, blue: ckpttool)",
                        note=lambda r: f"{r['seconds']:.0f} s" + (f" ({r['x_cp']:.2f}x cp)" if r["x_cp"] else ""))],
@@ -408,7 +377,7 @@ if __name__ == "__main__":
     add_common(p, SPEC)
     a = p.parse_args()
     out_json = a.from_json or a.json or os.path.join(os.path.abspath(a.out_dir), "large-results.json")
-    if a.plot and not a._case and os.path.exists(out_json):  # the timeline, beside the chart
+    if a.plot and os.path.exists(out_json):  # the timeline, beside the chart (a --_case child has no --plot)
         with open(out_json) as fh:
             draw_timeline("{0}-timeline{1}".format(*os.path.splitext(a.plot)), json.load(fh)["sets"][0])
     sys.exit(rc or EXIT[0])
