@@ -1,12 +1,11 @@
 """Benchmark: offline commands on N = 1 and 2 workers (``--nproc``), on the local disk and on S3.
 
-Each case is the real command line (``python -m ckpttool ... --nproc N``) in a fresh process tree, timed
-from spawn to exit (interpreter, imports and the workers' start-up included: what a user waits for), with
-the peak memory of the whole tree (``_common.run_child``). The page cache is dropped before each local case
-(as root). Every output of N = 2 is compared byte for byte with N = 1's (verify: its printed report). The S3
-cases run against ``moto_server`` on loopback (warm: the server is the bottleneck), reading a DCP checkpoint
-uploaded first; they are opt-in (``--s3``): moto serves ranged GETs of large objects so slowly that a 1 GB
-reshard did not finish in 6.5 minutes.
+Each case is the real command line (``python -m ckpttool ... --nproc N``) in a fresh process tree, timed from spawn to
+exit (interpreter, imports and the workers' start-up included: what a user waits for), with the peak memory of the
+whole tree (``_common.run_child``). The page cache is dropped before each local case (as root). Every output of N = 2
+is compared byte for byte with N = 1's (verify: its printed report). The S3 cases run against ``moto_server`` on
+loopback (warm: the server is the bottleneck), reading a DCP checkpoint uploaded first; they are opt-in (``--s3``):
+moto serves ranged GETs of large objects so slowly that a 1 GB reshard did not finish in 6.5 minutes.
 
     .venv/bin/python bench/parallel.py --size 1 --md docs/bench/parallel.md
 
@@ -16,17 +15,15 @@ docs/scaling.md's model (per-worker throughput), not a claim of speed-up here.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
 from importlib.metadata import version
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _common import GB, drop_caches, remove, report_failure, run_child  # noqa: E402
-from harness import Column, Set, Spec, main  # noqa: E402
+from _common import GB, drop_caches, remove, report_failure, run_child
+from harness import Column, Set, Spec, main
 
 EXIT = [0]  # 1 when an output of N > 1 differs from N = 1's, or a command failed
 
@@ -62,8 +59,7 @@ def measure(run, key: str, argv: list[str], dst: str | None, env: dict[str, str]
         report_failure(key, proc)
         r["log_tail"] = proc.log_tail[-2000:]
     elif not dst:
-        with open(os.path.join(run.work, f"{tag}.log"), "rb") as f:
-            r["stdout_digest"] = hashlib.sha256(f.read()).hexdigest()
+        r["stdout_digest"] = digest_tree(os.path.join(run.work, f"{tag}.log"))["."]
     elif proc.rc == 0 and s3 is not None:
         r["digest"] = {os.path.relpath(p, dst): s3.info(p).get("ETag", "") for p in sorted(s3.find(dst)) if not p.endswith("/")}
     elif proc.rc == 0:
@@ -84,14 +80,13 @@ def sets(run):
         "convert -> HF-sharded safetensors (500MB shards)": (["convert", src, hf, "--to", "safetensors", "--max-shard-size", "500MB"], hf),
         "verify (integrity)": (["verify", src, "--json"], None)}
     cases = {f"{name} N={n}": (argv, dst, None, None) for name, (argv, dst) in local.items() for n in nprocs}
-    proc = None
-    try:
+    with contextlib.ExitStack() as stack:  # the S3 server, if any, stopped when the set is done
         if args.s3:
             import fsspec
 
-            from s3 import CREDENTIALS, start_moto
+            from s3 import CREDENTIALS, moto
 
-            proc, endpoint = start_moto(os.path.join(run.work, "moto.log"))
+            endpoint = stack.enter_context(moto(os.path.join(run.work, "moto.log")))
             env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
             s3 = fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=endpoint, key="bench", secret="bench")
             s3.mkdir("bench")
@@ -102,12 +97,8 @@ def sets(run):
                 cases[f"s3: verify N={n}"] = (["verify", "s3://bench/src", "--json"], None, env, s3)
         yield Set(list(cases), lambda k: measure(run, k, *cases[k]),
                   lambda k, r: f"{r['name']:<48} N={r['nproc']}  {r['seconds']:6.1f} s  peak {r['peak_kib'] / 1024:6.0f} MiB  rc {r['rc']}",
-                  heading=f"{info['file_bytes'] / GB:.2f} GB DCP checkpoint saved on 2 ranks; {'cold' if run.cold else 'warm'} page cache for "
-                          f"the local cases; S3 = moto_server on loopback, warm", info=info)
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
+                  heading=f"{info['file_bytes'] / GB:.2f} GB DCP checkpoint saved on 2 ranks; {'cold' if run.cold else 'warm'} page cache "
+                          f"for the local cases; S3 = moto_server on loopback, warm", info=info)
 
 
 def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -138,8 +129,7 @@ def options(p) -> None:
     p.add_argument("--src", help="use this existing DCP checkpoint instead of writing one")
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoint")
     p.add_argument("--warm", action="store_true", help="do not drop the page cache before each local case")
-    p.add_argument("--s3", action="store_true", help="also run reshard and verify on S3 (moto_server on loopback; slow: moto serves each "
-                                                     "ranged GET of a large object at a fraction of a core, see docs/scaling.md)")
+    p.add_argument("--s3", action="store_true", help="also reshard and verify on S3 (moto_server on loopback: slow, see docs/scaling.md)")
 
 
 SPEC = Spec("parallel", "Benchmark: offline commands on N workers", __doc__, os.path.abspath(__file__), options, sets, derive,

@@ -1,24 +1,24 @@
-"""Benchmark: ``ckpttool convert`` to and from ``s3://`` on an S3-API server on loopback, against the same
-conversions on the local disk and against plain s3fs moving the same bytes.
+"""Benchmark: ``ckpttool convert`` to and from ``s3://`` on ``moto_server`` (``moto[server]``, the test extra) on
+127.0.0.1, against plain s3fs moving the same bytes and against the same conversions on the local disk.
 
-It starts ``moto_server`` (``moto[server]``, the test extra) on 127.0.0.1, writes a state of ``--tensors`` fp32
-tensors of ``--tensor-mib`` MiB each with ``torch.save``, then times, in this one process (warm page cache: the
-server is the bottleneck, not the disk): plain s3fs uploading the .pt whole and downloading it whole (the
-transport), ckpttool.convert from the .pt to a DCP checkpoint on s3 (write) and from there to local
-safetensors (ranged reads), ckpttool.verify.verify_path of the s3 checkpoint (reads every byte); once, in the
-last round: s3fs ranged gets of ``--tensor-mib`` and of 64 KiB, ckpttool.convert .pt -> DCP -> safetensors on
-the local disk. The safetensors from s3 must equal the local ones bitwise.
+A state of ``--tensors`` fp32 tensors of ``--tensor-mib`` MiB each, written with ``torch.save``; timed in this one process
+(warm page cache: the server is the bottleneck, not the disk): plain s3fs uploading the .pt whole and downloading it whole
+(the transport), ckpttool.convert from the .pt to a DCP checkpoint on s3 (write) and from there to local safetensors
+(ranged reads), ckpttool.verify.verify_path of the s3 checkpoint (reads every byte); once, in the last round: s3fs ranged
+gets of ``--tensor-mib`` and of 64 KiB, ckpttool.convert .pt -> DCP -> safetensors on the local disk. The safetensors
+from s3 must equal the local ones bitwise.
 
-The s3 cases run in ``--repeat`` rounds, each ckpttool case right after its plain reference, after a warm-up of
-the server and of each case. A ratio is taken within a round and the verdicts use the median of the rounds'
-ratios: on a shared machine the load changes from second to second, and a case and its reference minutes apart
-compare the load. Loopback traffic only; the server is stopped (by PID) when the script ends.
+The s3 cases run in ``--repeat`` rounds, each ckpttool case right after its plain reference, after a warm-up of the server
+and of each case. A ratio is taken within a round and the verdicts use the median of the rounds' ratios: on a shared
+machine the load changes from second to second, and a case and its reference minutes apart compare the load. Loopback
+traffic only; the server is stopped (by PID) when the script ends.
 
     .venv/bin/python bench/s3.py --tensors 64 --tensor-mib 4
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -36,8 +36,9 @@ PLAIN = {"put": ("s3fs put of the .pt (plain upload)", "s3 write <= 1.0x a plain
 EXIT = [0]  # 1 when the bytes from s3 differ from the local ones, or verify fails
 
 
-def start_moto(log_path: str) -> tuple[subprocess.Popen, str]:
-    """``moto_server`` on 127.0.0.1 and a free port, once it accepts connections; its endpoint URL."""
+@contextlib.contextmanager
+def moto(log_path: str):
+    """``moto_server`` on 127.0.0.1 and a free port: its endpoint URL once it accepts connections; killed (by PID) at the end."""
     exe = shutil.which("moto_server", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     if not exe:
         raise SystemExit("moto_server is not installed: pip install 'moto[server]' (it is in ckpttool's test extra)")
@@ -45,23 +46,25 @@ def start_moto(log_path: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break  # it accepts connections
             time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"moto_server did not start; see {log_path}")
+        else:
+            raise SystemExit(f"moto_server did not start; see {log_path}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def sets(run):
     """The server, the state and the warm-up; one set of cases; the bitwise check; the server stopped."""
     args, work, rnd, reports = run.args, run.work, [0], []
-    proc, endpoint = start_moto(os.path.join(work, "moto.log"))
-    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
-    try:
+    with moto(os.path.join(work, "moto.log")) as endpoint:
+        os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
         import fsspec
         import torch
         from safetensors.torch import load_file
@@ -75,9 +78,8 @@ def sets(run):
         torch.save({"model": {f"w{i}": torch.randn(rng // 4) for i in range(args.tensors)}, "extra": {"step": 1}}, pt)
         s3 = fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=endpoint)
         s3.mkdir("bench")
-        # the first requests of a kind are slower (the server's imports and first allocations, and in this process
-        # ckpttool's and s3fs's first calls): warm both directions, the multipart path and each ckpttool case up on a
-        # small state before anything is timed
+        # the first requests of a kind are slower (the server's imports and first allocations, ckpttool's and s3fs's first calls):
+        # both directions, the multipart path and each ckpttool case are warmed up on a small state before anything is timed
         s3.put_file(pt, "bench/warm.pt", chunksize=8 * MiB)
         s3.get_file("bench/warm.pt", os.path.join(work, "warm-back.pt"))
         s3.rm("bench/warm.pt")
@@ -120,12 +122,6 @@ def sets(run):
         a, b = load_file(local), load_file(os.path.join(work, "from-s3-0.safetensors"))
         run.extra.update(bitwise=a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), verify_ok=all(r.ok for r in reports))
         EXIT[0] = 0 if run.extra["bitwise"] and run.extra["verify_ok"] else 1
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def derive(res: dict, run) -> tuple[list[dict], list[dict]]:
