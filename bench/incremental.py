@@ -1,17 +1,16 @@
 #!/usr/bin/env python3
 """Benchmark: incremental checkpoints of a model with a frozen base (issue 30).
 
-The bundled Transformer, about ``--size`` GB of state (fp32), on 2 gloo CPU ranks, 95% of its
-parameters frozen (AdamW holds state only for the other 5%), saves steps 1..``--saves`` with
-``Checkpointer(incremental=True)``, a training step before each (the trainable 5% and their AdamW
-state change); a plain Checkpointer saves the same states in another root, so each incremental save
-is compared with a full save of the same state. Saves are sync, timed barrier to barrier (slowest
-rank); the bytes written and shared are the incremental step's commit record's.
+The bundled Transformer, about ``--size`` GB of state (fp32), on 2 gloo CPU ranks, 95% of its parameters frozen (AdamW
+holds state only for the other 5%), saves steps 1..``--saves`` with ``Checkpointer(incremental=True)``, a training step
+before each (the trainable 5% and their AdamW state change); a plain Checkpointer saves the same states in another
+root, so each incremental save is compared with a full save of the same state. Saves are sync, timed barrier to
+barrier (slowest rank); the bytes written and shared are the incremental step's commit record's.
 
     .venv/bin/python bench/incremental.py --size 1 --md docs/bench/incremental.md
 
-Targets: every save after the first writes <= 1.1x the changed bytes (the trainable parameters and
-the optimizer's state: what a save must write) and takes <= 0.2x a full save.
+Targets: every save after the first writes <= 1.1x the changed bytes (the trainable parameters and the optimizer's
+state: what a save must write) and takes <= 0.2x a full save.
 """
 
 from __future__ import annotations
@@ -21,12 +20,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _common import MiB, remove  # noqa: E402
-from _dist import finish_rank, init_rank, make_mesh, model_dims, state_nbytes  # noqa: E402
-from harness import Column, Set, Spec, check, f, main  # noqa: E402
+from _common import MiB, remove
+from _dist import finish_rank, init_rank, make_mesh, model_dims, state_nbytes
+from harness import Column, Set, Spec, check, f, main
 
 FROZEN = 0.95
 
@@ -76,24 +72,23 @@ def rank_case(args) -> None:
     finish_rank(args, {"ok": True, "rows": rows, "frozen_fraction": 1 - training / total, "torch": torch.__version__})
 
 
-def measure(run, cfg: dict[str, int]) -> dict:
-    """The saves on 2 ranks (in a fresh root); per step the slowest rank's times and all ranks' changed bytes."""
-    root = os.path.join(run.work, "roots")
-    remove(root)
-    ranks, proc = run.ranks("incremental", 2, ["--_src", root, "--_cfg", json.dumps(cfg), "--_saves", str(run.args.saves)])
-    if ranks is None:
-        return {"ok": False, "rc": proc.rc}
-    steps = [{**rs[0], "inc_s": max(r["inc_s"] for r in rs), "full_s": max(r["full_s"] for r in rs),
-              "bytes_changed": sum(r["bytes_changed"] for r in rs)} for rs in zip(*(r["rows"] for r in ranks))]
-    return {"ok": True, "steps": steps, "frozen_fraction": ranks[0]["frozen_fraction"], "torch": ranks[0]["torch"],
-            "process_wall_s": proc.wall_s, "peak_kib": proc.peak_kib}
-
-
 def sets(run):
+    """One case: the saves on 2 ranks (in a fresh root); per step the slowest rank's times and all ranks' changed bytes."""
     # model_dims counts 12 bytes a parameter (fp32 + AdamW); with 95% frozen it is 4, plus 8 for the AdamW state of the 5% that train
-    cfg = model_dims(run.args.size * 12 / (4 + 8 * (1 - FROZEN)))
-    yield Set(["incremental"], lambda _: measure(run, cfg), lambda _, r: f"{len(r['steps'])} saves in {r['process_wall_s']:.1f} s",
-              info={"cfg": cfg}, time_keys=["process_wall_s"])
+    cfg, root = model_dims(run.args.size * 12 / (4 + 8 * (1 - FROZEN))), os.path.join(run.work, "roots")
+
+    def measure(_) -> dict:
+        remove(root)
+        ranks, proc = run.ranks("incremental", 2, ["--_src", root, "--_cfg", json.dumps(cfg), "--_saves", str(run.args.saves)])
+        if ranks is None:
+            return {"ok": False, "rc": proc.rc}
+        steps = [{**rs[0], "inc_s": max(r["inc_s"] for r in rs), "full_s": max(r["full_s"] for r in rs),
+                  "bytes_changed": sum(r["bytes_changed"] for r in rs)} for rs in zip(*(r["rows"] for r in ranks))]
+        return {"ok": True, "steps": steps, "frozen_fraction": ranks[0]["frozen_fraction"], "torch": ranks[0]["torch"],
+                "process_wall_s": proc.wall_s, "peak_kib": proc.peak_kib}
+
+    yield Set(["incremental"], measure, lambda _, r: f"{len(r['steps'])} saves in {r['process_wall_s']:.1f} s", info={"cfg": cfg},
+              time_keys=["process_wall_s"])
 
 
 def derive(res: dict, run) -> tuple[list[dict], list[dict]]:
