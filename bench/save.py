@@ -57,11 +57,9 @@ import threading
 import time
 from typing import Any
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _common import GB, MiB, drop_caches, pattern_buffer, proc_status, raw_write, remove, reset_peak_rss  # noqa: E402
-from _dist import finish_rank, init_rank, make_mesh, model_dims, n_params, state_nbytes  # noqa: E402
-from harness import Chart, Column, Panel, Set, Spec, check, main, md_table, render  # noqa: E402
+from _common import GB, MiB, drop_caches, pattern_buffer, proc_status, raw_write, remove, reset_peak_rss
+from _dist import finish_rank, init_rank, make_mesh, model_dims, n_params, state_nbytes  # (puts the repository on sys.path)
+from harness import Chart, Column, Panel, Set, Spec, check, main, md_table, render
 
 WORLD = 2
 WARMUP_STEPS = 4  # before anything is measured; AdamW state exists after the first
