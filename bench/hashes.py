@@ -6,8 +6,6 @@ already moves every byte once. Best of 3 per algorithm:
     .venv/bin/python bench/hashes.py
 """
 
-from __future__ import annotations
-
 import hashlib
 import os
 import zlib
@@ -16,19 +14,9 @@ import xxhash
 
 from _common import GB, timed
 
-
-def rate(fn, nbytes: int, reps: int = 3) -> float:
-    """GB/s of ``fn`` over ``nbytes``, from its best of ``reps`` runs."""
-    return nbytes / min(timed(fn) for _ in range(reps)) / GB
-
-
-def main() -> None:
+if __name__ == "__main__":
     buf = memoryview(os.urandom(256 << 20))
     for name, fn in [("xxh3_64 (xxhash)", lambda: xxhash.xxh3_64(buf).hexdigest()),
                      ("CRC-32 (zlib)", lambda: zlib.crc32(buf)),
                      ("SHA-256 (hashlib)", lambda: hashlib.sha256(buf).hexdigest())]:
-        print(f"{name:20s} {rate(fn, len(buf)):5.1f} GB/s")
-
-
-if __name__ == "__main__":
-    main()
+        print(f"{name:20s} {len(buf) / min(timed(fn) for _ in range(3)) / GB:5.1f} GB/s")

@@ -20,9 +20,8 @@ MiB = 1 << 20
 def model(size_tb: float, nodes: int, per_node: int, a: argparse.Namespace) -> dict[str, float]:
     s = size_tb * 1e12
     workers = nodes * per_node
-    keys = a.keys
     # records: one per (key, source rank) in SRC, one per (key, target rank) in DST
-    src_records, dst_records = keys * a.src_ranks, keys * a.dst_ranks
+    src_records, dst_records = a.keys * a.src_ranks, a.keys * a.dst_ranks
     bytes_per_worker = s / workers
     rec = s / src_records  # the mean source record
     if rec <= 16 * MiB:
@@ -72,11 +71,10 @@ def main() -> None:
     for size in [float(x) for x in a.sizes.split(",")]:
         for k in [int(x) for x in a.nodes.split(",")]:
             m = model(size, k, a.per_node, a)
-            total = m["total_s"]
             rows.append([f"{size:g} TB", f"{k} x {a.per_node}", f"{m['read_gb']:.1f}", f"{m['gets']:.0f}", f"{m['puts']:.0f}",
                          f"{m['peak_gib']:.1f}", f"{m['metadata_mb']:.0f}", f"{m['t_stream']:.0f}", f"{m['t_nic']:.0f}",
                          f"{m['t_requests']:.0f}", f"{m['t_metadata']:.0f}",
-                         f"{total / 3600:.1f} h" if total >= 5400 else f"{total / 60:.0f} min"])
+                         f"{m['total_s'] / 3600:.1f} h" if m["total_s"] >= 5400 else f"{m['total_s'] / 60:.0f} min"])
     print("inputs: " + ", ".join(f"{k}={v}" for k, v in vars(a).items() if k != "md"))
     if a.md:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
