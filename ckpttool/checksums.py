@@ -112,3 +112,81 @@ def hash_range(reader: Any, offset: int, length: int, buf: memoryview) -> str:
     h = new_hasher()
     scan(reader, offset, length, buf, crc_span=(offset, offset), hasher=h)
     return h.hexdigest()
+
+
+# --- one CRC-32 from pieces read apart (by several ranks) ----------------------------------------
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _zeros_operators() -> list[list[int]]:
+    """Operator k advances a CRC-32 register over 2**k zero bytes (zlib's crc32_combine, its
+    matrices squared once here instead of on every call)."""
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    for _ in range(3):  # -> one zero byte
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+    ops = [op]
+    for _ in range(63):
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+        ops.append(op)
+    return ops
+
+
+_ZEROS: list[list[int]] = []
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A + B from A's CRC ``crc1``, B's ``crc2`` and B's length (zlib's own
+    crc32_combine, which Python's zlib does not expose)."""
+    if not _ZEROS:
+        _ZEROS.extend(_zeros_operators())
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZEROS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+Piece = tuple[int, int, int]  # (start, end, CRC-32 of those bytes) inside one record
+
+
+def cover(pieces: list[Piece], length: int) -> list[tuple[int, int, int | None]]:
+    """``[0, length)`` as consecutive segments: pieces read (their CRC) where one starts where
+    the last ended (the longest), gaps (CRC None) where none does (not read, or read only in a
+    piece that straddles another's end): the bytes still to read before the whole can be checked."""
+    by_start: dict[int, Piece] = {}
+    for p in pieces:
+        if 0 <= p[0] < p[1] <= length and (p[0] not in by_start or p[1] > by_start[p[0]][1]):
+            by_start[p[0]] = p
+    starts = sorted(by_start)
+    out: list[tuple[int, int, int | None]] = []
+    pos, i = 0, 0
+    while pos < length:
+        if pos in by_start:
+            p = by_start[pos]
+            out.append(p)
+            pos = p[1]
+            continue
+        while i < len(starts) and starts[i] <= pos:
+            i += 1
+        nxt = starts[i] if i < len(starts) else length
+        out.append((pos, nxt, None))
+        pos = nxt
+    return out
+
+
+def combine(segments: list[tuple[int, int, int]]) -> int:
+    """The CRC-32 of consecutive segments ``(start, end, crc)``."""
+    crc = 0
+    for start, end, part in segments:
+        crc = crc32_combine(crc, part, end - start)
+    return crc

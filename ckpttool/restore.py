@@ -24,6 +24,7 @@ from .errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundEr
 from .formats import dcp as dcp_format
 from .formats.dcp.metadata import PER_RANK
 from .formats.dcp.save import Whole
+from .formats.torch_save import TorchSaveSource, check_together
 from .index import Index, TensorEntry, unflatten
 from .state_cache import optimizers_of, torch_state
 from .steps import list_root, parse_step, read_commit_record, step_health, step_name
@@ -132,20 +133,7 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     loc = resolve(path, storage_options)
     optimizers = optimizers_of(optimizer)
     state = training_state(model, optimizers, None)
-    record: dict | None = None
-    saved_leaves: list[tuple] = []
-    matched = keys.KeyMatch()
-    error: BaseException | None = None
-    try:
-        record = read_commit_record(loc)
-        with _open(loc, model, optimizers, verify) as source:
-            matched = _match(source.index(), state, loc, key_map, strict, bool(optimizers))
-            state, saved_leaves = _read_state(source, state, loc, matched)
-    except CkptError as exc:
-        error = exc
-    error = dist.first_error(error)
-    if error is not None:
-        raise error
+    record, matched, state, saved_leaves = _read_agreed(loc, model, optimizers, state, verify, key_map, strict)
     if optimizers:
         set_state_dict(model, optimizers if len(optimizers) > 1 else optimizers[0], model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
@@ -155,6 +143,35 @@ def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: 
     _restore_in_place(extra, values, unmatched, loc)
     return LoadResult(step=record["step"] if record is not None else parse_step(loc.name), extra=values, path=loc.url,
                       extra_by_rank=by_rank, missing_keys=matched.missing, unexpected_keys=matched.unexpected)
+
+
+def _read_agreed(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], state: dict[str, Any],
+                 verify: bool, key_map: dict[str, str] | None, strict: bool) -> tuple[dict | None, keys.KeyMatch, dict[str, Any], list[tuple]]:
+    """The commit record, the keys matched, ``state`` filled and the per-rank paths saved
+    (:func:`_read_state`); every rank raises the same error when any rank fails."""
+    record: dict | None = None
+    saved_leaves: list[tuple] = []
+    matched = keys.KeyMatch()
+    error: BaseException | None = None
+    source: Any = None
+    try:
+        record = read_commit_record(loc)
+        source = _open(loc, model, optimizers, verify)
+        matched = _match(source.index(), state, loc, key_map, strict, bool(optimizers))
+        state, saved_leaves = _read_state(source, state, loc, matched)
+    except CkptError as exc:
+        error = exc
+    try:
+        error = dist.first_error(error)
+        # a torch.save file: its records' CRC-32s from the pieces every rank read (the same on every rank)
+        if error is None and verify and isinstance(source, TorchSaveSource):
+            error = dist.first_error(check_together(source, dist.rank(), dist.all_gather))
+    finally:
+        if source is not None:
+            source.close()
+    if error is not None:
+        raise error
+    return record, matched, state, saved_leaves
 
 
 def _extra_values(state: dict[str, Any], saved_leaves: list[tuple], record: dict | None,
@@ -177,7 +194,10 @@ def _open(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.optim.O
     # a per-rank folder's optimizer state is keyed by index: paired through the live optimizers' own groups
     fqn = {id(p): n for n, p in model.named_parameters()}
     names = [[fqn.get(id(p), "?") for p in g["params"]] for o in optimizers for g in o.param_groups] if optimizers else None
-    return fmt.open_source(loc, verify, formats.Reading(rank=dist.rank(), optimizer_names=names))
+    source = fmt.open_source(loc, verify, formats.Reading(rank=dist.rank(), optimizer_names=names))
+    if isinstance(source, TorchSaveSource):  # each rank reads its rows; the records are checked together
+        source.check_together()
+    return source
 
 
 def _match(index: Index, state: dict[str, Any], loc: Location, key_map: dict[str, str] | None, strict: bool,

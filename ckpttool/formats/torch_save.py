@@ -11,10 +11,11 @@ nested dict, and memory holds one slab at a time.
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
-from ..checksums import new_block, scan
+from ..checksums import Piece, combine, cover, new_block, scan
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, flatten, unflatten
 from ..layout import Box, whole
@@ -55,6 +56,10 @@ class TorchFile:
     def __init__(self, location: Location, verify: bool = True):
         self.location = location
         self.crc_checked: set[str] | None = set() if verify else None
+        #: checked together (:func:`check_together`): per storage record, the pieces read (start,
+        #: end, CRC-32), and the key each record was first read for
+        self.pieces: dict[str, list[Piece]] | None = None
+        self.read_for: dict[str, str] = {}
         self.reader = location.open_reader()
         try:
             self.archive = read_archive(self.reader, 0, None, location.url)
@@ -72,7 +77,7 @@ class TorchFile:
     def checked_storage(self, ref: TensorRef, key: str) -> StoredStorage:
         """:meth:`storage_of`, its CRC-32 checked on first use when verifying."""
         storage = self.storage_of(ref, key)
-        if self.crc_checked is not None and storage.name not in self.crc_checked:
+        if self.crc_checked is not None and self.pieces is None and storage.name not in self.crc_checked:
             crc = scan(self.reader, storage.offset, storage.nbytes, new_block())
             if crc != storage.crc32:
                 raise ChecksumError(f"data of {key!r} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
@@ -81,11 +86,27 @@ class TorchFile:
         return storage
 
     def read(self, ref: TensorRef, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``box`` of the tensor ``ref`` (a tensor of this file), checked."""
-        return read_tensor_box(self.reader, ref, self.checked_storage(ref, key), box, f"{self.location.url} (key {key!r})", out)
+        """``box`` of the tensor ``ref`` (a tensor of this file), checked (or, checked together,
+        the CRC-32 of each range read kept for :func:`check_together`)."""
+        storage, reader = self.checked_storage(ref, key), self.reader
+        if self.pieces is not None:
+            reader = _Kept(reader, storage.offset, self.pieces.setdefault(ref.storage.key, []))
+            self.read_for.setdefault(ref.storage.key, key)
+        return read_tensor_box(reader, ref, storage, box, f"{self.location.url} (key {key!r})", out)
 
     def close(self) -> None:
         self.reader.close()
+
+
+class _Kept:
+    """A reader that keeps the CRC-32 of every range it reads, relative to a record at ``base``."""
+
+    def __init__(self, reader: Any, base: int, pieces: list[Piece]):
+        self.reader, self.base, self.pieces = reader, base, pieces
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        self.reader.readinto(offset, buf)
+        self.pieces.append((offset - self.base, offset - self.base + len(buf), zlib.crc32(buf)))
 
 
 class TorchSaveSource(Source):
@@ -183,6 +204,16 @@ class TorchSaveSource(Source):
         return materialise(super().read_object(key), lambda ref: part.read(ref, key, whole(ref.shape)),
                            f"{part.location.url} (object {key!r})")
 
+    def check_together(self) -> bool:
+        """With ``verify``: records are no longer scanned whole before their first read; the CRC-32
+        of each range read is kept, and :func:`check_together` (a collective) checks them, with the
+        ranks' pieces combined. Returns whether there is anything to check."""
+        if not self._verify:
+            return False
+        for part in self.parts:
+            part.pieces = {}
+        return True
+
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         storage = self.storage_of(self._ref(key), key)
         return [(self.part(key).location, storage.offset, storage.offset + storage.nbytes)]
@@ -264,6 +295,52 @@ class TorchSaveSink(ShardedOutput, Sink):
             weight_map = {spec.key: self.shard_file(i) for i, shard in enumerate(self._shards) for spec in shard}
             total = sum(spec.nbytes for shard in self._shards for spec in shard)
             self.tmp.child(INDEX_FILE).write_bytes(index_bytes(total, weight_map))
+
+
+def check_together(source: TorchSaveSource, rank: int, gather: Callable[[Any], list[Any]]) -> CkptError | None:
+    """Check the CRC-32 of every record any rank read (after :meth:`TorchSaveSource.check_together`)
+    from the pieces the ranks read, each rank reading its share of the bytes none did; the same
+    :class:`ChecksumError` on every rank for the first record that does not match. Exactly two
+    ``gather`` calls (``dist.all_gather``) on every rank, whatever fails where: a rank that cannot
+    read its share returns its error and the others None (agree on it after)."""
+    records: dict[tuple[int, str], tuple[str, list[Piece]]] = {}
+    everyone = gather([(i, name, part.read_for[name], pieces) for i, part in enumerate(source.parts)
+                       for name, pieces in (part.pieces or {}).items()])
+    for i, name, key, pieces in (item for rank_pieces in everyone for item in rank_pieces):
+        records.setdefault((i, name), (key, []))[1].extend(pieces)
+    plan = {rec: cover(pieces, source.parts[rec[0]].archive.storages[rec[1]].nbytes) for rec, (_, pieces) in sorted(records.items())}
+    world, shares, error = len(everyone), {}, None
+    try:  # this rank's share of each gap: the bytes no rank read
+        block = new_block()
+        for rec, segments in plan.items():
+            storage = source.parts[rec[0]].archive.storages[rec[1]]
+            for start, end, crc in segments:
+                lo, hi = start + (end - start) * rank // world, start + (end - start) * (rank + 1) // world
+                if crc is None and lo < hi:
+                    shares[(rec, lo)] = (hi, scan(source.parts[rec[0]].reader, storage.offset + lo, hi - lo, block))
+    except CkptError as exc:
+        error = exc
+    found = gather(None if error is not None else shares)
+    if error is not None or any(f is None for f in found):
+        return error
+    for f in found:
+        shares.update(f)
+    for rec, segments in plan.items():
+        parts: list[tuple[int, int, int]] = []
+        for start, end, crc in segments:
+            if crc is not None:
+                parts.append((start, end, crc))
+                continue
+            for r in range(world):
+                lo, hi = start + (end - start) * r // world, start + (end - start) * (r + 1) // world
+                if lo < hi:
+                    parts.append((lo, *shares[(rec, lo)]))
+        storage, part = source.parts[rec[0]].archive.storages[rec[1]], source.parts[rec[0]]
+        crc = combine(parts)
+        if crc != storage.crc32:
+            return ChecksumError(f"data of {records[rec][0]!r} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
+                                 where=part.location.url, hint="the file changed after it was written; restore it")
+    return None
 
 
 def check_record(part: TorchFile, ref: TensorRef, key: str, report: Report, checked: set[tuple[str, str]],
