@@ -32,9 +32,14 @@ def _child(fn: Callable, rank: int, world_size: int, rdzv: str, args: tuple, kwa
     os.environ.update(env or {})
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       OMP_NUM_THREADS="1")
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # a rank killed by a signal (SIGSEGV in a library) leaves every thread's Python stack here, for the error
+    fault = open(f"{rdzv}.fault{rank}", "w")
+    faulthandler.enable(fault, all_threads=True)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
@@ -76,7 +81,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, e
                         time.sleep(0.5)
                         if out.empty():
                             raise RankFailed(f"rank(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
-                                             + "".join(f"\n--- rank {r} failed:\n{tb}" for r, tb in errors.items()))
+                                             + "".join(f"\n--- rank {r} failed:\n{tb}" for r, tb in errors.items())
+                                             + "".join(_fault(tmp, r) for r in dead))
                     continue
                 if status == "ok":
                     results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
@@ -94,6 +100,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180, e
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
+
+
+def _fault(rdzv_dir: str, rank: int) -> str:
+    """What faulthandler wrote for a rank that died of a signal (its threads' stacks), if anything."""
+    try:
+        with open(os.path.join(rdzv_dir, f"rdzv.fault{rank}")) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return ""
+    return f"\n--- rank {rank} died here:\n{text}" if text else ""
 
 
 def spawn_ranks(fn: Callable, world_size: int, rdzv_dir: str, *args: Any, env: dict | None = None, **kwargs: Any):
