@@ -22,7 +22,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import GB, drop_caches, fsync_tree, path_bytes, raw_copy, remove  # noqa: E402
@@ -80,7 +79,8 @@ def sets(run):
 
     yield Set(list(CASES), measure,
               lambda n, r: f"{CASES[n][0]:<44} {r['seconds']:7.1f} s  {r['out_bytes'] / GB:6.3f} GB  peak {r['peak_kib'] / 1024:6.0f} MiB",
-              heading=f"{info['file_bytes'] / GB:.2f} GB checkpoint saved on 2 ranks, page cache {'cold' if run.cold else 'warm'}", info=info)
+              heading=f"{info['file_bytes'] / GB:.2f} GB checkpoint saved on 2 ranks, page cache {'cold' if run.cold else 'warm'}",
+              info=info)
 
 
 def derive(res: dict, run) -> tuple[list, list]:

@@ -26,7 +26,6 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import (GB, MiB, code_version, drop_caches, fsync_tree, pattern_buffer, proc_status, raw_copy,  # noqa: E402
@@ -70,8 +69,7 @@ def model_config(size_gb: float, large: bool = False) -> dict[str, int]:
 
 
 def run_case(args) -> dict[str, Any]:
-    """One case in its child: the work after imports, then an fsync of its output (torch.save and
-    save_file do not fsync: they would otherwise finish in the page cache)."""
+    """One case in its child: the work after imports, then an fsync of its output (torch.save and save_file do not fsync)."""
     name, src, dst = args._case, args._src, args._dst
     versions: dict[str, str] = {}
     if not name.startswith("raw"):
@@ -96,12 +94,9 @@ def run_case(args) -> dict[str, Any]:
         getattr(format_utils, "dcp_to_torch_save" if name == "torch_dcp_to_torch_save" else name)(src, dst)
     elif name == "torch_load_save_file":
         from safetensors.torch import save_file
-        from torch.distributed.checkpoint import FileSystemReader, _nested_dict, default_planner, state_dict_loader
+        from torch.distributed.checkpoint import FileSystemReader, _nested_dict, state_dict_loader
 
-        sd: dict[str, Any] = {}
-        state_dict_loader._load_state_dict(sd, storage_reader=FileSystemReader(src), planner=default_planner._EmptyStateDictLoadPlanner(),
-                                           no_dist=True)
-        flat, _ = _nested_dict.flatten_state_dict(sd)
+        flat, _ = _nested_dict.flatten_state_dict(state_dict_loader._load_state_dict_from_keys(storage_reader=FileSystemReader(src)))
         save_file({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}, dst, metadata={"format": "pt"})
     elif name.startswith("ckpt_"):
         from ckpttool import convert
@@ -180,10 +175,10 @@ def sets(run):
 
 
 def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per case: GB/s, ratios to raw write and plain torch, RSS; the verdicts of the ckpttool cases and,
-    with the last set, whether their peak RSS stays flat across the regular sizes."""
+    """Per case: GB/s, ratios to raw write and plain torch, RSS; the ckpttool cases' verdicts (the last set: peak RSS flat with size)."""
     info, cases, budget = res["checkpoint"], res["cases"], parse_size(run.args.budget)
-    limit_mib = (budget + 300 * 1000**2) / MiB
+    nbytes, limit_mib = info["tensor_bytes"], (budget + 300 * 1000**2) / MiB
+    tensor_gb, largest_mib = nbytes / GB, info["largest_tensor_bytes"] / MiB
     raw, d2t, copy = (cases.get(n, {}).get("seconds") for n in ("raw_write", "torch_dcp_to_torch_save", "raw_copy"))
     rows, checks = [], []
     for name, c in cases.items():
@@ -194,29 +189,31 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
             continue
         t, peak = c["seconds"], max(c["peak_kib_all"])  # the fastest run's time, the highest peak of all runs
         plain = cases.get(PLAIN_OF.get(name, ""), {}).get("seconds")
-        r.update(tensor_gb=info["tensor_bytes"] / GB, largest_tensor_mib=info["largest_tensor_bytes"] / MiB, seconds=t,
-                 size=f"{info['tensor_bytes'] / GB:.2f} GB", largest=f"{info['largest_tensor_bytes'] / MiB:.0f} MiB",
-                 gbps=(c["raw"]["bytes"] if name in ("raw_read", "raw_copy") else info["tensor_bytes"]) / t / GB,
+        r.update(tensor_gb=tensor_gb, largest_tensor_mib=largest_mib, seconds=t, size=f"{tensor_gb:.2f} GB",
+                 largest=f"{largest_mib:.0f} MiB", gbps=(c["raw"]["bytes"] if name in ("raw_read", "raw_copy") else nbytes) / t / GB,
                  x_raw_write_time=t / raw if raw else None, bw_vs_raw_write=raw / t if raw else None,
                  speedup_vs_dcp_to_torch_save=d2t / t if (d2t and name == "ckpt_dcp_to_pt") else None,  # same input and output format
-                 speedup_vs_plain=plain / t if (plain and name.startswith("ckpt_")) else None,
-                 peak_mib=peak / 1024, growth_mib=(peak - run.extra["baseline"]["peak_kib"]) / 1024, hwm_growth_mib=c.get("hwm_growth_kib", 0) / 1024)
+                 speedup_vs_plain=plain / t if (plain and name.startswith("ckpt_")) else None, peak_mib=peak / 1024,
+                 growth_mib=(peak - run.extra["baseline"]["peak_kib"]) / 1024, hwm_growth_mib=c.get("hwm_growth_kib", 0) / 1024)
         if not name.startswith("ckpt_"):
             continue
         if not r["large"]:  # same tensor shapes at every size: only their number grows
             run.flat_rows.append(r)
-        tag = f"{r['label']} @ {r['tensor_gb']:.1f} GB" + (f" (largest tensor {r['largest_tensor_mib']:.0f} MiB)" if r["large"] else "")
+        tag = f"{r['label']} @ {tensor_gb:.1f} GB" + (f" (largest tensor {largest_mib:.0f} MiB)" if r["large"] else "")
         if copy:
-            checks.append(check("<= 1.1x a copy of the same bytes (+fsync)", tag, f"{t:.1f} s vs {copy:.1f} s = {t / copy:.2f}x", t / copy <= 1.1))
+            checks.append(check("<= 1.1x a copy of the same bytes (+fsync)", tag, f"{t:.1f} s vs {copy:.1f} s = {t / copy:.2f}x",
+                                t / copy <= 1.1))
         if (x := r["speedup_vs_dcp_to_torch_save"]) is not None:
             checks.append(check(">= 4x faster than dcp_to_torch_save", tag, f"{x:.2f}x", x >= 4))
-        checks.append(check(f"peak RSS <= budget + 300 MB ({limit_mib:.0f} MiB)", tag, f"{r['peak_mib']:.0f} MiB", r["peak_mib"] <= limit_mib))
+        checks.append(check(f"peak RSS <= budget + 300 MB ({limit_mib:.0f} MiB)", tag, f"{r['peak_mib']:.0f} MiB",
+                            r["peak_mib"] <= limit_mib))
+    tol = budget / MiB / 10
     for name in dict.fromkeys(r["case"] for r in run.flat_rows) if info["last"] else ():
-        rs, tol = sorted((r for r in run.flat_rows if r["case"] == name), key=lambda r: r["tensor_gb"]), budget / MiB / 10
+        rs = sorted((r for r in run.flat_rows if r["case"] == name), key=lambda r: r["tensor_gb"])
+        peaks = [r["peak_mib"] for r in rs]
         if len(rs) >= 2:
-            checks.append(check(f"peak RSS flat with size (spread <= {tol:.0f} MiB)", CASES[name][0],
-                                " / ".join(f"{r['peak_mib']:.0f}" for r in rs) + " MiB at " + " / ".join(f"{r['tensor_gb']:.1f}" for r in rs) + " GB",
-                                max(r["peak_mib"] for r in rs) - min(r["peak_mib"] for r in rs) <= tol))
+            checks.append(check(f"peak RSS flat with size (spread <= {tol:.0f} MiB)", CASES[name][0], " / ".join(f"{p:.0f}" for p in peaks)
+                                + " MiB at " + " / ".join(f"{r['tensor_gb']:.1f}" for r in rs) + " GB", max(peaks) - min(peaks) <= tol))
     return rows, checks
 
 
@@ -226,7 +223,7 @@ def options(p) -> None:
     p.add_argument("--budget", default="1GiB", help="ckpttool --memory-budget (default 1GiB)")
     p.add_argument("--large-tensor-sizes", default="12", help="also these sizes with 1.5 GiB tensors (embedding, output, their AdamW "
                    "state), over the budget: ckpttool cases and raw write only (default 12; '' for none)")
-    p.add_argument("--plain-max-gb", type=float, default=4, help="run the plain-torch cases (which load everything) only up to this size (default 4)")
+    p.add_argument("--plain-max-gb", type=float, default=4, help="plain-torch cases (they load it all) only up to this size (default 4)")
     p.add_argument("--cases", help="regex: run only the matching cases (raw_write, ckpt_dcp_to_st, ...)")
     p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
 

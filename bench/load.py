@@ -30,7 +30,6 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import GB, MiB, cache_states, drop_caches, proc_io, proc_status, raw_read, reset_peak_rss  # noqa: E402
@@ -56,11 +55,11 @@ def rank_case(args) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     rank_bytes = state_nbytes(get_state_dict(model, optimizer))  # creates the AdamW state: not part of the load
     build_s = time.perf_counter() - t
-    ck, step_dir = Checkpointer(os.path.dirname(args._src)), args._src
+    ck = Checkpointer(os.path.dirname(args._src))
 
     def plain_dcp_load() -> None:
         state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-        dcp.load(state, checkpoint_id=step_dir)
+        dcp.load(state, checkpoint_id=args._src)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     phases: dict[str, Any] = {}
@@ -164,7 +163,8 @@ SPEC = Spec(
         ("load on", lambda r: mesh_label(r["mesh"]), None), ("saved on", lambda r: mesh_label(r["src"]), None), ("cache", "cache", None),
         ("load s", "load_s"), ("GB/s", "gbps"), ("dcp.load s", "dcp_s"), ("× dcp.load", "x_dcp"), ("unchecked s", "nocheck_s"),
         ("× unchecked", "x_nocheck"), ("× same layout", "x_matched"), (f"× load on {SAVED_ON}", "x_same2"), ("verify_loaded s", "verify_s"),
-        ("verify / load", "verify_x_load"), ("read / needed", "read_x_needed"), ("peak RSS/rank MiB", lambda r: r["rank_peak_kib"] / 1024, ".0f"),
+        ("verify / load", "verify_x_load"), ("read / needed", "read_x_needed"),
+        ("peak RSS/rank MiB", lambda r: r["rank_peak_kib"] / 1024, ".0f"),
         ("added by load MiB/rank (rank state)", lambda r: f"+{r['load_added_kib'] / 1024:.0f} ({r['rank_state_bytes'] / MiB:.0f})", "s"),
         ("added by verify MiB", lambda r: r["verify_added_kib"] / 1024, "+.0f"),
         ("tree peak anon+shmem MiB", lambda r: r["tree_peak_kib"] / 1024, ".0f")]],

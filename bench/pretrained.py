@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark: a ``save_pretrained`` folder loaded into FSDP2 on 2 ranks (issue 37).
 
 A Llama-shaped model of about ``--size`` GB of fp32 weights (transformers' LlamaForCausalLM, random
@@ -15,8 +14,9 @@ Then each case on 2 gloo CPU ranks, in fresh processes, the page cache dropped b
 
 Per rank: the seconds of the load (barrier to barrier, after the model is built; from_pretrained:
 the load and the sharding), the bytes its read calls returned during the load (``/proc/self/io``
-rchar; ckpttool.load only: the others map the files, which rchar does not count) against its shard's bytes, and its peak RSS (VmHWM, imports included) against its shard +
-0.5 GB. The slowest rank and the largest figures are reported; one run per case, the fastest.
+rchar; ckpttool.load only: the others map the files, which rchar does not count) against its
+shard's bytes, and its peak RSS (VmHWM, imports included) against its shard + 0.5 GB. The slowest
+rank and the largest figures are reported; one run per case, the fastest.
 
     .venv/bin/python bench/pretrained.py --size 2 --md docs/bench/pretrained.md --plot docs/img/bench-pretrained.png
 
@@ -32,7 +32,6 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import GB, MiB, drop_caches, path_bytes, proc_io, proc_status, reset_peak_rss  # noqa: E402
@@ -151,32 +150,28 @@ def _has_hf_reader() -> bool:
 
 
 def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    cases = res["cases"]
+    """The rows (time against ckpttool.load; bytes read and peak RSS per rank against its shard) and the verdicts."""
+    cases, rows, checks = res["cases"], [], []
     ours = cases.get("ckpt_load", {})
-    rows, checks = [], []
     for name, c in cases.items():
+        rows.append(row := {"case": name, "label": CASES[name]})
         if not c.get("ok"):
-            rows.append({"case": name, "label": CASES[name], "failed": True})
+            row["failed"] = True
             continue
-        limit_mib = (c["shard_bytes"] + 0.5 * GB) / MiB
-        rows.append({"case": name, "label": CASES[name], "seconds": c["seconds"], "build_s": c["build_s"] or None,
-                     "x_ours": c["seconds"] / ours["seconds"] if ours.get("ok") else None,
-                     # read() calls only: the others map the files (safetensors' safe_open), which rchar does not count
-                     "read_x": c["read_x"] if name == "ckpt_load" else None,
-                     "read_gb": c["read_bytes"] / GB if name == "ckpt_load" else None, "shard_gb": c["shard_bytes"] / GB, "peak_mib": c["hwm_kib"] / 1024,
-                     "limit_mib": limit_mib})
+        mine = name == "ckpt_load"  # read() calls only: the others map the files (safe_open), which rchar does not count
+        row.update(seconds=c["seconds"], build_s=c["build_s"] or None, x_ours=c["seconds"] / ours["seconds"] if ours.get("ok") else None,
+                   read_x=c["read_x"] if mine else None, read_gb=c["read_bytes"] / GB if mine else None, shard_gb=c["shard_bytes"] / GB,
+                   peak_mib=c["hwm_kib"] / 1024, limit_mib=(c["shard_bytes"] + 0.5 * GB) / MiB)
     if ours.get("ok"):
-        tag = f"ckpttool.load, {res['checkpoint']['file_bytes'] / GB:.2f} GB on 2 ranks"
-        row = rows[0]
-        checks.append(check("bytes each rank reads <= 1.1x its shard's bytes", tag,
-                            f"{row['read_gb']:.2f} GB read for a {row['shard_gb']:.2f} GB shard = {row['read_x']:.2f}x", row["read_x"] <= 1.1))
-        checks.append(check("peak RSS per rank <= its shard + 0.5 GB", tag, f"{row['peak_mib']:.0f} MiB (limit {row['limit_mib']:.0f} MiB)",
-                            row["peak_mib"] <= row["limit_mib"]))
-        for other in ("hf_every_rank", "dcp_hf_reader"):
-            if cases.get(other, {}).get("ok"):
-                checks.append(check(f"time against {CASES[other]}", tag,
-                                    f"{cases[other]['seconds']:.2f} s vs ckpttool {ours['seconds']:.2f} s = {cases[other]['seconds'] / ours['seconds']:.2f}x (> 1: ckpttool faster)",
-                                    None))
+        tag, row = f"ckpttool.load, {res['checkpoint']['file_bytes'] / GB:.2f} GB on 2 ranks", rows[0]
+        checks.append(check("bytes each rank reads <= 1.1x its shard's bytes", tag, f"{row['read_gb']:.2f} GB read for a "
+                            f"{row['shard_gb']:.2f} GB shard = {row['read_x']:.2f}x", row["read_x"] <= 1.1))
+        checks.append(check("peak RSS per rank <= its shard + 0.5 GB", tag,
+                            f"{row['peak_mib']:.0f} MiB (limit {row['limit_mib']:.0f} MiB)", row["peak_mib"] <= row["limit_mib"]))
+        for other in (n for n in ("hf_every_rank", "dcp_hf_reader") if cases.get(n, {}).get("ok")):
+            t = cases[other]["seconds"]
+            checks.append(check(f"time against {CASES[other]}", tag,
+                                f"{t:.2f} s vs ckpttool {ours['seconds']:.2f} s = {t / ours['seconds']:.2f}x (> 1: ckpttool faster)", None))
     return rows, checks
 
 
