@@ -11,11 +11,10 @@ nested dict, and memory holds one slab at a time.
 from __future__ import annotations
 
 import re
-import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
-from ..checksums import Piece, combine, cover, new_block, scan
+from ..checksums import Piece, combine, cover, crc32, new_block, scan
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, flatten, unflatten
 from ..layout import Box, whole
@@ -106,7 +105,7 @@ class _Kept:
 
     def readinto(self, offset: int, buf: memoryview) -> None:
         self.reader.readinto(offset, buf)
-        self.pieces.append((offset - self.base, offset - self.base + len(buf), zlib.crc32(buf)))
+        self.pieces.append((offset - self.base, offset - self.base + len(buf), crc32(buf)))
 
 
 class TorchSaveSource(Source):

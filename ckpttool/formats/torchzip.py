@@ -15,18 +15,19 @@ import pickle
 import struct
 import sys
 import zipfile
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 from ..buffers import read_c_order_box, tensor_buffer
+from ..checksums import crc32
 from ..dtypes import LEGACY_STORAGE, dtype_of, torch_dtype
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError
 from ..index import dtype_size, plausible_shape
 from ..safe_dtensor import DTensorRef
 from ..safe_pickle import StorageRef, TensorRef, load_torch_pickle
 from ..storage import RangeReader
+from .zipwrite import ZipOut
 
 if TYPE_CHECKING:
     import torch
@@ -232,7 +233,7 @@ def load_object_record(reader: RangeReader, start: int, length: int, where: str)
         if storage is None:
             raise CorruptCheckpointError("object record lacks the data of a tensor it holds", where=where)
         check_ref(ref, storage, where)
-        crc = zlib.crc32(reader.read(storage.offset, storage.nbytes))
+        crc = crc32(reader.read(storage.offset, storage.nbytes))
         if crc != storage.crc32:  # like tensor records: an object's data is checked as it is read
             raise ChecksumError(f"a tensor inside the object does not match its CRC-32 (stored {storage.crc32:08x}, "
                                 f"computed {crc:08x})", where=where, hint="the bytes changed after they were written")
@@ -332,21 +333,15 @@ class ArchiveWriter:
         self._stream = stream
         self._start = stream.tell() if stream.seekable() else 0
         self._out = _Tell(stream, self._start)
-        self._zip = zipfile.ZipFile(self._out, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        self._zip = ZipOut(self._out)
         self._name = name
         self._next_key = 0
 
     def __enter__(self) -> ArchiveWriter:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            # The output is being discarded: end the zip now, while its stream is open, so that
-            # ZipFile.__del__ has nothing left to write into a closed file later.
-            try:
-                self._zip.close()
-            except Exception:  # noqa: BLE001 - the archive is garbage; the error in flight matters
-                pass
+    def __exit__(self, *exc: Any) -> None:
+        pass  # (an archive that raised is garbage: its output is discarded whole)
 
     def new_tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_Placeholder, IO[bytes]]:
         """Open the record for a new tensor; write its C-order bytes into the returned stream, close it,
@@ -361,14 +356,13 @@ class ArchiveWriter:
 
     def _open_record(self, name: str, nbytes: int) -> IO[bytes]:
         info = zipfile.ZipInfo(f"{self._name}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
-        info.compress_type = zipfile.ZIP_STORED
         info.file_size = nbytes
         zip64 = nbytes * 1.05 > zipfile.ZIP64_LIMIT
         pos = self._out.tell()
         header = 30 + len(info.filename.encode()) + (20 if zip64 else 0)
         pad = (-(pos + header + 4)) % ALIGN
         info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # 'FB': torch's own padding id
-        return self._zip.open(info, mode="w", force_zip64=zip64)
+        return self._zip.open(info, zip64)
 
     def write_bytes_record(self, name: str, data: bytes) -> None:
         with self._open_record(name, len(data)) as f:

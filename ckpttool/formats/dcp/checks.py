@@ -14,11 +14,10 @@ the key, file and rank.
 from __future__ import annotations
 
 import math
-import zlib
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...buffers import SlabBuffers, tensor_buffer
-from ...checksums import DIGEST_CHARS, HASH_BLOCK, block_count, hash_range, new_block, new_hasher, scan
+from ...checksums import DIGEST_CHARS, HASH_BLOCK, block_count, crc32, hash_range, new_block, new_hasher, scan
 from ...errors import ChecksumError
 from ...index import Chunk, TensorEntry, dtype_size
 from ...layout import Box, relative
@@ -137,7 +136,7 @@ class RecordChecks:
         if stream.hasher is not None:
             stream.hasher.update(data)
         else:
-            stream.crc = zlib.crc32(data, stream.crc)
+            stream.crc = crc32(data, stream.crc)
         stream.next += len(data)
         if stream.next == storage.nbytes:
             del self._streams[name]
@@ -186,12 +185,12 @@ class RecordChecks:
             full = raw[: storage.nbytes // item * item].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.storage_offset)
             dst.copy_(full[relative(part, (chunk.offsets, chunk.sizes))])
         if self.manifest is None:
-            self._compare_crc(key, chunk, zlib.crc32(data), storage.crc32)
+            self._compare_crc(key, chunk, crc32(data), storage.crc32)
         elif packed:  # the manifest hashed the compressed bytes: hash them as stored, and check the CRC too
             if self._block is None:
                 self._block = new_block()
             self._compare_digest(key, info, hash_range(source.reader(info.relative_path), info.offset, info.length, self._block))
-            self._compare_crc(key, chunk, zlib.crc32(data), storage.crc32)
+            self._compare_crc(key, chunk, crc32(data), storage.crc32)
         else:
             h = new_hasher()
             h.update(reader.read(info.offset, storage.offset - info.offset))
