@@ -26,11 +26,9 @@ RAW_BUFFER = 64 * MiB  # one os.write / os.readv call moves this much
 
 def read_text(path: str) -> str:
     """A file's text (undecodable bytes replaced); empty if it cannot be read (a process gone)."""
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return f.read()
+    return ""
 
 
 def _proc_numbers(path: str) -> dict[str, int]:
@@ -87,7 +85,6 @@ def tree_rss_kib(pid: int) -> int:
 @dataclass
 class ChildRun:
     """What one child process did: exit status, wall time, peak memory, its JSON result."""
-    argv: list[str]
     rc: int
     wall_s: float  # from spawn to exit, interpreter start and imports included
     maxrss_kib: int  # getrusage-style peak RSS of the child and its waited-for descendants (wait4): the largest single process
@@ -105,13 +102,12 @@ class ChildRun:
 
 def run_child(argv: list[str], result_file: str, log_file: str, env: dict[str, str] | None = None, poll_s: float = 0.05,
               timeout_s: float | None = None, on_poll: Callable[[float, int, int], None] | None = None) -> ChildRun:
-    """Run ``argv`` as a fresh process, which writes a JSON object to ``result_file``; measure its wall
-    time and its process tree's peak memory, two ways: ``wait4``'s ``ru_maxrss`` (exact, but of the
-    largest *single* process) and a poll every ``poll_s`` of the tree's summed RssAnon + RssShmem
-    (:func:`tree_rss_kib`: concurrent children; a spike shorter than the interval may be missed).
-    The child leads a session of its own: past ``timeout_s`` (seen by the poll), and whenever members
-    of its group outlive it or this function (an exception, a launcher's ranks left behind), the
-    whole group gets SIGKILL. ``on_poll(seconds, tree_kib, pid)``: called after each poll (large.py)."""
+    """Run ``argv`` as a fresh process, which writes a JSON object to ``result_file``; measure its wall time and its
+    process tree's peak memory, two ways: ``wait4``'s ``ru_maxrss`` (exact, but of the largest *single* process) and a
+    poll every ``poll_s`` of the tree's summed RssAnon + RssShmem (:func:`tree_rss_kib`: concurrent children; a spike
+    shorter than the interval may be missed). The child leads a session of its own: past ``timeout_s`` (seen by the
+    poll), and whenever members of its group outlive it or this function (an exception, a launcher's ranks left behind),
+    the whole group gets SIGKILL. ``on_poll(seconds, tree_kib, pid)``: called after each poll (large.py)."""
     remove(result_file)
     peak, timed_out, done = [0], [False], threading.Event()
     with open(log_file, "w") as log:
@@ -157,7 +153,7 @@ def run_child(argv: list[str], result_file: str, log_file: str, env: dict[str, s
     tail = read_text(log_file)[-4000:]
     if timed_out[0]:
         tail += f"\n[run_child: killed the process group after the {timeout_s:g} s timeout]"
-    return ChildRun(list(argv), os.waitstatus_to_exitcode(status), wall, int(usage.ru_maxrss), peak[0], result, tail,
+    return ChildRun(os.waitstatus_to_exitcode(status), wall, int(usage.ru_maxrss), peak[0], result, tail,
                     user_s=usage.ru_utime, sys_s=usage.ru_stime, timed_out=timed_out[0])
 
 
@@ -181,12 +177,10 @@ def timed(fn: Callable[[], Any]) -> float:
 def drop_caches() -> bool:
     """``sync`` then drop the page cache (needs root); True when the cache was dropped."""
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+    with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
         return True
-    except OSError:
-        return False
+    return False
 
 
 def cache_states(spec: str, instead: str = "cold cases skipped") -> list[str]:
@@ -234,13 +228,11 @@ def pattern_buffer(size: int = RAW_BUFFER) -> memoryview:
     return memoryview((block * (size // len(block) + 1))[:size])
 
 
-def raw_write(path: str, nbytes: int, buf_size: int = RAW_BUFFER, buf: memoryview | None = None,
-              start: threading.Barrier | None = None) -> dict[str, float]:
-    """Write ``nbytes`` to a new file with ``os.write`` of one large buffer (``buf``, else one built before the
-    clock), then fsync; ``start``: a barrier to wait on just before the clock (parallel streams start together).
-    The writes' and the fsync's time, their sum, and the ``perf_counter`` at the start and end (``t_start``,
+def raw_write(path: str, nbytes: int, buf: memoryview, start: threading.Barrier | None = None) -> dict[str, float]:
+    """Write ``nbytes`` to a new file with ``os.write`` of one large buffer (``buf``: :func:`pattern_buffer`'s, built
+    before the clock), then fsync; ``start``: a barrier to wait on just before the clock (parallel streams start
+    together). The writes' and the fsync's time, their sum, and the ``perf_counter`` at the start and end (``t_start``,
     ``t_end``: the span of parallel streams)."""
-    buf = pattern_buffer(buf_size) if buf is None else buf
     if start is not None:
         start.wait()
     t0 = time.perf_counter()
@@ -267,19 +259,17 @@ def read_chunks(path: str, buf: bytearray) -> Iterator[int]:
         os.close(fd)
 
 
-def raw_read(paths: list[str], buf_size: int = RAW_BUFFER) -> dict[str, float]:
+def raw_read(paths: list[str]) -> dict[str, float]:
     """Read files start to end with ``os.readv`` into one buffer (cold when the cache was dropped)."""
-    buf = bytearray(buf_size)
-    t0 = time.perf_counter()
+    buf, t0 = bytearray(RAW_BUFFER), time.perf_counter()
     total = sum(n for p in paths for n in read_chunks(p, buf))
     return {"seconds": time.perf_counter() - t0, "bytes": total}
 
 
-def raw_copy(paths: list[str], dst: str, buf_size: int = RAW_BUFFER) -> dict[str, float]:
+def raw_copy(paths: list[str], dst: str) -> dict[str, float]:
     """Read files and append them to one output, then fsync: what an ideal one-disk converter does."""
-    buf = bytearray(buf_size)
-    view, total = memoryview(buf), 0
-    t0 = time.perf_counter()
+    buf = bytearray(RAW_BUFFER)
+    view, total, t0 = memoryview(buf), 0, time.perf_counter()
     out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for n in (n for p in paths for n in read_chunks(p, buf)):
@@ -295,16 +285,11 @@ def raw_copy(paths: list[str], dst: str, buf_size: int = RAW_BUFFER) -> dict[str
 
 def machine_facts(path: str) -> dict[str, Any]:
     """Cores, memory, CPU, kernel and the disk behind ``path``: what a reader needs to compare runs."""
-    facts: dict[str, Any] = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
-    if hasattr(os, "sched_getaffinity"):
-        facts["cpus_usable"] = len(os.sched_getaffinity(0))
-    mem = _proc_numbers("/proc/meminfo")
-    if mem:
-        facts["mem_total_gib"] = round(mem.get("MemTotal", 0) / MiB, 1)
-        facts["swap_gib"] = round(mem.get("SwapTotal", 0) / MiB, 1)
-    cpuinfo = read_text("/proc/cpuinfo").splitlines()
-    if cpuinfo:
-        facts["cpu_model"] = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    mem, cpuinfo = _proc_numbers("/proc/meminfo"), read_text("/proc/cpuinfo").splitlines()  # (Linux, as all of bench/)
+    facts: dict[str, Any] = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+                             "cpus_usable": len(os.sched_getaffinity(0)), "mem_total_gib": round(mem.get("MemTotal", 0) / MiB, 1),
+                             "swap_gib": round(mem.get("SwapTotal", 0) / MiB, 1),
+                             "cpu_model": next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")}
     usage = shutil.disk_usage(path)
     facts["disk_total_gb"], facts["disk_free_gb"] = round(usage.total / GB, 1), round(usage.free / GB, 1)
     real, mount = os.path.realpath(path), ("", "", "")  # the longest mount point above path
@@ -319,15 +304,13 @@ def machine_facts(path: str) -> dict[str, Any]:
 
 
 def code_version(repo: str, paths: tuple[str, ...] = ("ckpttool",)) -> dict[str, Any]:
-    """The commit and a digest of uncommitted changes under ``paths``: what code a run measured (taken at
-    its start and end: if they differ, the code changed under it)."""
+    """The commit and a digest of uncommitted changes under ``paths``: the code a run measured (at its start and end)."""
     import hashlib
 
     def git(*args: str) -> str:
-        try:
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
             return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, check=True).stdout
-        except (OSError, subprocess.CalledProcessError):
-            return ""
+        return ""
 
     diff = git("diff", "HEAD", "--", *paths)
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or None,
@@ -336,10 +319,9 @@ def code_version(repo: str, paths: tuple[str, ...] = ("ckpttool",)) -> dict[str,
 
 def read_json(path: str, default: Any = None) -> Any:
     """The JSON document in ``path``, or ``default`` when there is no such file."""
-    if not os.path.exists(path):
-        return default
-    with open(path) as f:
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
         return json.load(f)
+    return default
 
 
 def write_json(path: str, doc: Any) -> None:
