@@ -1,9 +1,8 @@
 """The model behind docs/scaling.md: a reshard (or sharded convert, or verify) of a 1 TB or 5 TB DCP
 checkpoint by K nodes x n workers reading from and writing to an object store.
 
-It is arithmetic, not a measurement: every input is a flag, printed with the table, and the
-defaults are the assumptions docs/scaling.md states (with the per-worker figures measured by
-bench/parallel.py where this machine can measure them).
+It is arithmetic, not a measurement: every input is a flag, printed with the table, and the defaults are the assumptions
+docs/scaling.md states (with the per-worker figures measured by bench/parallel.py where this machine can measure them).
 
     .venv/bin/python bench/scaling_model.py --md
 """
@@ -13,13 +12,11 @@ from __future__ import annotations
 import argparse
 import math
 
-GB = 1e9
-MiB = 1 << 20
+from _common import GB, MiB
 
 
 def model(size_tb: float, nodes: int, per_node: int, a: argparse.Namespace) -> dict[str, float]:
-    s = size_tb * 1e12
-    workers = nodes * per_node
+    s, workers = size_tb * 1e12, nodes * per_node
     # records: one per (key, source rank) in SRC, one per (key, target rank) in DST
     src_records, dst_records = a.keys * a.src_ranks, a.keys * a.dst_ranks
     bytes_per_worker = s / workers
@@ -44,7 +41,7 @@ def model(size_tb: float, nodes: int, per_node: int, a: argparse.Namespace) -> d
             "t_requests": t_requests, "t_metadata": t_metadata, "total_s": total}
 
 
-def main() -> None:
+if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1,5", help="checkpoint sizes in TB")
     p.add_argument("--nodes", default="1,4,16,64")
@@ -83,7 +80,3 @@ def main() -> None:
     else:
         for r in [head, *rows]:
             print("  ".join(f"{c:>12}" for c in r))
-
-
-if __name__ == "__main__":
-    main()
