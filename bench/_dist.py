@@ -1,8 +1,7 @@
-"""The multi-rank side of the benchmarks. Parent side (standard library only): :func:`measure_ranks`
-runs a case as a launcher process that spawns W ranks (gloo, file rendezvous); ``run_child`` measures
-the launcher's whole tree (all ranks together), each rank reports its timings and ``VmHWM``;
-:func:`generate` writes a benchmark's checkpoint. Rank side (torch imported lazily): group set-up,
-an FSDP2 model on a mesh with random training state, the generator's rank.
+"""The multi-rank side of the benchmarks. Parent side (standard library only): :func:`measure_ranks` runs a case as a
+launcher process that spawns W ranks (gloo, file rendezvous); ``run_child`` measures the launcher's whole tree (all
+ranks together), each rank reports its timings and ``VmHWM`` (harness's ``Run.checkpoint`` so runs the generator). Rank
+side (torch imported lazily): group set-up, an FSDP2 model on a mesh with random training state, the generator's rank.
 
 As a script, the launcher: ``python bench/_dist.py --launch SCRIPT WORLD RESULT LOGPREFIX -- ARGS...``
 starts ``python -u SCRIPT --_rank R --_world WORLD --_rdzv FILE --_result RESULT.R ARGS...`` for each
@@ -11,7 +10,6 @@ rank R, kills the others as soon as one fails, and writes ``{"rcs": [...], "rank
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -39,8 +37,7 @@ def measure_ranks(script: str, world: int, args: list[str], work: str, name: str
 
 def launch(script: str, world: int, result: str, log_prefix: str, args: list[str]) -> int:
     """The launcher's body (runs in its own process): spawn the ranks, wait, merge their results."""
-    rdzv = f"{result}.rdzv-{os.getpid()}-{time.time_ns()}"
-    procs = []
+    rdzv, procs = f"{result}.rdzv-{os.getpid()}-{time.time_ns()}", []
     for r in range(world):
         remove(f"{result}.{r}")
         with open(f"{log_prefix}{r}.log", "w") as log:  # the rank writes to its own copy of the descriptor
@@ -62,22 +59,6 @@ def launch(script: str, world: int, result: str, log_prefix: str, args: list[str
     return 0 if all(rc == 0 for rc in rcs) else 1
 
 
-def remove_checkpoint(root: str) -> None:
-    """Remove a generated checkpoint and its facts."""
-    remove(root)
-    remove(root + ".json")
-
-
-def generate(script: str, dst: str, cfg: dict[str, int], mesh_spec: str, how: str, work: str, name: str) -> dict[str, Any]:
-    """Write ``dst`` anew with ``mesh_spec`` ranks of ``script --_gen`` (:func:`gen_rank`): a benchmark's
-    set-up, not a case; if it fails the benchmark stops."""
-    remove(dst)
-    run = measure_ranks(script, mesh_world(mesh_spec), ["--_gen", dst, json.dumps(cfg), mesh_spec, how], work, name)
-    if run.rc != 0:
-        raise SystemExit(f"writing the checkpoint {dst} failed (exit {run.rc}):\n{run.log_tail}")
-    return {**run.result["ranks"][0], "cfg": cfg, "mesh": mesh_spec, "how": how, "gen_wall_s": run.wall_s, "path": dst}
-
-
 def dcp_dir_of(path: str) -> str:
     """The DCP directory: ``path`` itself, or the newest ``step-<N>`` of a ckpttool training root."""
     if os.path.exists(os.path.join(path, ".metadata")):
@@ -88,11 +69,6 @@ def dcp_dir_of(path: str) -> str:
 def dcp_files(path: str) -> list[str]:
     """The DCP files of a checkpoint directory (``.metadata`` and the ``.distcp`` files)."""
     return sorted(os.path.join(path, n) for n in os.listdir(path) if n == ".metadata" or n.endswith(".distcp"))
-
-
-def dcp_bytes(path: str) -> int:
-    """Bytes of the DCP files of a checkpoint directory: what a raw read or copy of it moves."""
-    return sum(os.path.getsize(p) for p in dcp_files(path))
 
 
 def mesh_label(mesh: str) -> str:
@@ -112,12 +88,12 @@ def n_params(cfg: dict[str, int]) -> int:
     return 2 * v * d + s * d + 2 * d + cfg["n_layers"] * per_layer
 
 
-def fit_layers(cfg: dict[str, int], size_gb: float) -> dict[str, int]:
-    """``cfg`` with as many blocks (at least one) as bring its fp32 params + AdamW exp_avg +
-    exp_avg_sq (12 bytes/param) closest to ``size_gb`` GB."""
+def fit_layers(cfg: dict[str, int], size_gb: float, up: bool = False) -> dict[str, int]:
+    """``cfg`` with as many blocks (at least one) as bring its fp32 params + AdamW exp_avg + exp_avg_sq (12 bytes/param)
+    closest to ``size_gb`` GB (``up``: the fewest that reach it)."""
     fixed = n_params({**cfg, "n_layers": 0})
     per_layer = n_params({**cfg, "n_layers": 1}) - fixed
-    cfg["n_layers"] = max(1, round((size_gb * GB / 12 - fixed) / per_layer))
+    cfg["n_layers"] = max(1, (math.ceil if up else round)((size_gb * GB / 12 - fixed) / per_layer))
     return cfg
 
 
@@ -171,8 +147,7 @@ def state_nbytes(state: Any) -> int:
 
 
 def shell_model(cfg: dict[str, int], mesh):
-    """An FSDP2 model on ``mesh`` with uninitialised storage (meta -> fully_shard -> to_empty):
-    what a job builds before it loads a checkpoint into it."""
+    """An FSDP2 model on ``mesh``, storage uninitialised (meta -> fully_shard -> to_empty): what a job loads into."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -195,8 +170,7 @@ def gen_rank(dst: str, cfg: dict[str, int], mesh_spec: str, how: str, step: int 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    mesh = make_mesh(mesh_spec)
-    model = shell_model(cfg, mesh)
+    model = shell_model(cfg, mesh := make_mesh(mesh_spec))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1000 + (mesh.get_local_rank(mesh.ndim - 1) if mesh.ndim > 1 else dist.get_rank()))
     with torch.no_grad():

@@ -19,16 +19,13 @@ state early in training and zero-initialised buffers compress more.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import GB, drop_caches, fsync_tree, path_bytes, raw_copy, remove
+from _dist import dcp_files  # importing _dist puts this repository first on sys.path: its ckpttool is the one measured
+from harness import Column, Set, Spec, main
 
-from _common import GB, drop_caches, fsync_tree, path_bytes, raw_copy, remove  # noqa: E402
-from _dist import dcp_files  # noqa: E402
-from harness import Column, Set, Spec, main  # noqa: E402
-
-from ckpttool.choices import parse_size  # noqa: E402
+from ckpttool.choices import parse_size
 
 CASES = {  # name: label, output in the work folder (a read case reads its write case's)
     "raw_copy": ("raw copy (cp of the DCP files)", "copy.bin"),
@@ -98,17 +95,10 @@ def derive(res: dict, run) -> tuple[list, list]:
     return rows, []
 
 
-def options(p) -> None:
-    p.add_argument("--size", type=float, default=1.0, help="checkpoint size in GB (default 1)")
-    p.add_argument("--budget", default="1GiB", help="ckpttool's --memory-budget (default 1GiB)")
-    p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
-    p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoint")
-
-
-SPEC = Spec("compress", "Benchmark: zstd-compressed DCP", __doc__, os.path.abspath(__file__), options, sets, derive,
+SPEC = Spec("compress", "Benchmark: zstd-compressed DCP", __doc__, os.path.abspath(__file__), sets, derive,
+            options={"--size": dict(type=float, default=1.0, help="checkpoint size in GB (default 1)")},
             columns=[Column("case", "label", None), Column("seconds", "seconds", ".1f"), Column("x raw copy", "x_copy"),
                      Column("x plain", "x_plain"), Column("output GB", "out_gb"), Column("x plain size", "x_size", ".3f"),
-                     Column("peak MiB", "peak_mib", ".0f")], child=single_case)
+                     Column("peak MiB", "peak_mib", ".0f")], child=single_case, flags=("budget", "warm", "keep"))
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC))
+main(SPEC, __name__)

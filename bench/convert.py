@@ -26,17 +26,13 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import (GB, MiB, code_version, drop_caches, fsync_tree, pattern_buffer, proc_status, raw_copy, raw_read, raw_write,
+                     remove, reset_peak_rss)
+from _dist import dcp_files, fit_layers  # importing _dist puts this repository first on sys.path: its ckpttool is the one measured
+from harness import Chart, Column, Panel, Set, Spec, check, main
 
-from _common import (GB, MiB, code_version, drop_caches, fsync_tree, pattern_buffer, proc_status, raw_copy,  # noqa: E402
-                     raw_read, raw_write, remove, reset_peak_rss, write_json)
-from _dist import dcp_bytes, dcp_files, fit_layers, generate, remove_checkpoint  # noqa: E402
-from harness import Chart, Column, Panel, Set, Spec, check, main  # noqa: E402
+from ckpttool.choices import parse_size
 
-from ckpttool.choices import parse_size  # noqa: E402
-
-SCRIPT = os.path.abspath(__file__)
-WORLD = 2
 PT = "full.pt"  # ckpt_dcp_to_pt's output: the .pt the ``*_to_dcp`` cases read (removed after each round)
 
 #: name: label, output in the work folder, ckpttool.convert's arguments. Plain torch (torch_*): only up to --plain-max-gb.
@@ -81,8 +77,7 @@ def run_case(args) -> dict[str, Any]:
         torch.set_num_threads(1)
         versions = {"torch": torch.__version__, "ckpttool": sys.modules["ckpttool"].__version__}
     buf = pattern_buffer() if name == "raw_write" else None  # built before the clock
-    rss0 = reset_peak_rss()
-    t0 = time.perf_counter()
+    rss0, t0 = reset_peak_rss(), time.perf_counter()
     out: dict[str, Any] = {}
     if name == "raw_write":
         out = raw_write(dst, int(args._bytes), buf=buf)
@@ -126,8 +121,8 @@ def measure(run, name: str, src: str, nbytes: int) -> dict[str, Any]:
 
 def sets(run):
     """The baseline (a bare import, as many runs as a case), then a set per size point on a checkpoint from _dist's generator
-    (plain dcp.save on WORLD ranks; --keep: kept, and reused), removed once measured; the code measured at the start and the end."""
-    args, repo = run.args, os.path.dirname(os.path.dirname(SCRIPT))
+    (plain dcp.save on 2 ranks; --keep: kept, and reused), removed once measured; the code measured at the start and the end."""
+    args, repo = run.args, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run.extra["code"] = code_version(repo)
     print(f"code: {json.dumps(run.extra['code'])}", flush=True)
     base = [measure(run, "baseline", "", 0) for _ in range(args.repeat)]
@@ -137,21 +132,12 @@ def sets(run):
     points += [(float(s), True) for s in (args.large_tensor_sizes or "").split(",") if s.strip()]
     run.flat_rows = []  # the regular checkpoints' ckpttool rows: is peak RSS flat with size?
     for i, (size, large) in enumerate(points):
-        src = os.path.join(run.out_dir, f"dcp-{size:g}GB" + ("-large" if large else ""))
-        if args.keep and os.path.exists(os.path.join(src, ".metadata")) and os.path.exists(src + ".json"):
-            with open(src + ".json") as fh:
-                info = json.load(fh)
-            print(f"reusing {src}", flush=True)
-        else:
-            print(f"writing the {size:g} GB DCP checkpoint with {WORLD} ranks ...", flush=True)
-            info = generate(SCRIPT, src, cfg := model_config(size, large), str(WORLD), "dcp", run.work, "gen")
-            # from the config: an fp32 param, exp_avg and exp_avg_sq and a 4-byte step per parameter tensor; the
-            # largest tensor is an embedding, the output or an MLP weight
-            info.update(size_gb=size, large=large, file_bytes=dcp_bytes(src), tensor_bytes=12 * info["params"] + 4 * info["tensors"] // 3,
-                        largest_tensor_bytes=4 * cfg["dim"] * max(cfg["vocab_size"], cfg["seq_len"], 4 * cfg["dim"]))
-            write_json(src + ".json", info)
-            if not args.keep:
-                run.made.append(src)  # removed at the end if the run stops early
+        src, info = run.checkpoint(size, "2", model_config(size, large), "dcp", f"dcp-{size:g}GB" + ("-large" if large else ""))
+        # from the config: an fp32 param, exp_avg and exp_avg_sq and a 4-byte step per parameter tensor; the largest tensor is an
+        # embedding, the output or an MLP weight
+        cfg = info["cfg"]
+        info.update(size_gb=size, large=large, tensor_bytes=12 * info["params"] + 4 * info["tensors"] // 3,
+                    largest_tensor_bytes=4 * cfg["dim"] * max(cfg["vocab_size"], cfg["seq_len"], 4 * cfg["dim"]))
         print(f"   {info['params'] / 1e6:.0f}M params, {info['tensors']} tensors, {info['tensor_bytes'] / GB:.2f} GB tensor data, "
               f"{info['file_bytes'] / GB:.2f} GB on disk, largest tensor {info['largest_tensor_bytes'] / MiB:.0f} MiB; "
               f"dcp.save took {info['save_s']:.1f} s", flush=True)
@@ -167,8 +153,8 @@ def sets(run):
                   + f"; page cache {'dropped before each case' if run.cold else 'warm'}; import torch, ckpttool {base_kib / 1024:.0f} MiB",
                   tag=f"{size:g}GB" + ("-large" if large else ""), info={**info, "last": i == len(points) - 1},
                   after_round=lambda: remove(os.path.join(run.work, PT)))
-        if not args.keep:
-            remove_checkpoint(src)
+        for path in run.made:  # this checkpoint, once measured (none with --keep)
+            remove(path)
     run.extra["code_at_end"] = code_version(repo)
     if run.extra["code_at_end"] != run.extra["code"]:
         print(f"warning: ckpttool/ changed during the run: {run.extra['code']} -> {run.extra['code_at_end']}", file=sys.stderr)
@@ -217,19 +203,13 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
     return rows, checks
 
 
-def options(p) -> None:
-    p.add_argument("--sizes", default="1,4,12", help="checkpoint sizes in GB of tensor data, comma-separated (default 1,4,12)")
-    p.add_argument("--keep", action="store_true", help="keep the generated DCP checkpoints (and reuse them on the next run)")
-    p.add_argument("--budget", default="1GiB", help="ckpttool --memory-budget (default 1GiB)")
-    p.add_argument("--large-tensor-sizes", default="12", help="also these sizes with 1.5 GiB tensors (embedding, output, their AdamW "
-                   "state), over the budget: ckpttool cases and raw write only (default 12; '' for none)")
-    p.add_argument("--plain-max-gb", type=float, default=4, help="plain-torch cases (they load it all) only up to this size (default 4)")
-    p.add_argument("--cases", help="regex: run only the matching cases (raw_write, ckpt_dcp_to_st, ...)")
-    p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
-
-
 SPEC = Spec(
-    "convert", "Benchmark: ckpttool convert", __doc__, SCRIPT, options, sets, derive,
+    "convert", "Benchmark: ckpttool convert", __doc__, os.path.abspath(__file__), sets, derive,
+    options={"--sizes": dict(default="1,4,12", help="checkpoint sizes in GB of tensor data, comma-separated (default 1,4,12)"),
+             "--large-tensor-sizes": dict(default="12", help="also these sizes with 1.5 GiB tensors (embedding, output, their AdamW "
+                                          "state), over the budget: ckpttool cases and raw write only (default 12; '' for none)"),
+             "--plain-max-gb": dict(type=float, default=4, help="plain-torch cases (they load it all) only up to this size (default 4)"),
+             "--cases": dict(help="regex: run only the matching cases (raw_write, ckpt_dcp_to_st, ...)")},
     columns=[Column("size", "size", None), Column("largest tensor", "largest", None), Column("case", "label", None),
              Column("time s", "seconds", ".1f"), Column("GB/s", "gbps"), Column("× raw-write time", "x_raw_write_time"),
              Column("BW / raw write", "bw_vs_raw_write"), Column("× vs dcp_to_torch_save", "speedup_vs_dcp_to_torch_save"),
@@ -239,7 +219,6 @@ SPEC = Spec(
                  Panel("peak_mib", "peak RSS of the process tree (MiB), highest of the runs", log=True, limit_label="budget + 300 MB",
                        limit=lambda res: (parse_size(res["options"]["budget"]) + 300 * 1000**2) / MiB)],
                 title=lambda res: f"ckpttool convert vs disk and plain torch, {res['heading']}"),
-    child=run_case, hidden=("--_bytes",), repeat=2, case_timeout=3600, verdict_widths=(42, 52))
+    child=run_case, hidden=("--_bytes",), flags=("keep", "budget", "warm"), repeat=2, case_timeout=3600, verdict_widths=(42, 52))
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC))
+main(SPEC, __name__)

@@ -1,9 +1,9 @@
-"""The one pipeline of every benchmark in ``bench/``: a script is a :class:`Spec` and ``main(SPEC)``.
-Options -> (a child process: its case, a rank, a generator rank, and out) -> OUT_DIR and the machine's
-facts -> for each :class:`Set` the script yields (a checkpoint and the cases on it): interleaved rounds,
-one representative run per case (:func:`best_of`), rows and verdicts (``spec.derive``), the JSON
-rewritten -> text tables and verdicts, ``--md``, ``--plot`` (:func:`plot_file`) -> what it wrote removed.
-Standard library only at import time, like ``_common.py`` and ``_dist.py``: the parent stays small.
+"""The one pipeline of every benchmark in ``bench/``: a script is a :class:`Spec` and ``main(SPEC, __name__)``. Options
+-> (a child process: its case, a rank, a generator rank, and out) -> OUT_DIR and the machine's facts -> for each
+:class:`Set` the script yields (a checkpoint and the cases on it): interleaved rounds, one representative run per case
+(:func:`best_of`), rows and verdicts (``spec.derive``), the JSON rewritten -> text tables and verdicts, ``--md``,
+``--plot`` (:func:`plot_file`) -> what it wrote removed, also on an error or SIGTERM -> ``spec.exit``'s status. Standard
+library only at import time, like ``_common.py`` and ``_dist.py``: the parent stays small.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from _common import GB, ChildRun, cache_states, child_argv, machine_facts, read_json, remove, report_failure, run_child, write_json
-from _dist import (dcp_bytes, dcp_dir_of, finish_rank, gen_rank, generate, init_rank, measure_ranks, mesh_label, model_dims,
-                   remove_checkpoint)
+from _dist import dcp_dir_of, dcp_files, finish_rank, gen_rank, init_rank, measure_ranks, mesh_label, mesh_world, model_dims
 
 Row = dict[str, Any]
 
@@ -50,12 +50,14 @@ class Panel:
 
 @dataclass
 class Chart:
-    """A script's figure: its panels side by side, once per value of the row key ``split`` (a cache
-    state) if given; bars coloured by ``color(row)``; the title is ``title(set)`` after the machine."""
+    """A script's figure: its panels side by side, once per value of the row key ``split`` (a cache state) if given;
+    bars coloured by ``color(row)``; the title is ``title(set)`` after the machine. ``more(pyplot, path, set)``: a
+    figure of its own beside it (large.py's lines over time), its path returned if written."""
     panels: list[Panel]
     title: Callable[[dict[str, Any]], str]
     split: str | None = None
     color: Callable[[Row], str] | None = None
+    more: Callable[[Any, str, dict[str, Any]], str | None] | None = None
 
 
 @dataclass
@@ -79,23 +81,26 @@ class Set:
 
 @dataclass
 class Spec:
-    """A benchmark: ``options(parser)`` adds its own; ``sets(run)`` yields what to measure, one :class:`Set` at a
-    time (a checkpoint is written when its set comes); ``derive(set, run)`` gives a measured set's rows and verdicts;
-    ``child(args)`` is a case in a child process (returns its result), ``rank(args)`` a rank of a multi-rank case,
-    ``hidden`` their extra options; ``epilogue(results)``: text printed and written after the tables."""
+    """A benchmark: ``sets(run)`` yields what to measure, one :class:`Set` at a time (a checkpoint is written when its
+    set comes); ``derive(set, run)`` gives a measured set's rows and verdicts; ``options``: its own, flag -> keyword
+    arguments of ``add_argument``, and ``flags``, the shared ones of :data:`FLAGS` it takes; ``child(args)`` is a case in
+    a child process (returns its result), ``rank(args)`` a rank of a multi-rank case, ``hidden`` their extra options;
+    ``epilogue(results)``: text printed and written after the tables; ``exit(results)``: a run's exit status (else 0)."""
     name: str
     title: str
     doc: str
     script: str
-    options: Callable[[argparse.ArgumentParser], None]
     sets: Callable[["Run"], Iterable[Set]]
     derive: Callable[[dict[str, Any], "Run"], tuple[list[Row], list[dict[str, Any]]]]
     columns: list[Column]
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
     chart: Chart | None = None
     child: Callable[[argparse.Namespace], dict[str, Any]] | None = None
     rank: Callable[[argparse.Namespace], None] | None = None
     hidden: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
     epilogue: Callable[[dict[str, Any]], str] | None = None
+    exit: Callable[[dict[str, Any]], int] | None = None
     repeat: int = 2
     case_timeout: float = 1800
     verdict_widths: tuple[int, int] = (48, 40)
@@ -114,28 +119,34 @@ class Run:
         self.machine = machine_facts(self.out_dir)
         print(f"machine: {json.dumps(self.machine)}", flush=True)
         self.cold = not getattr(args, "warm", False) and "cold" in cache_states("cold", "running warm")
-        self.made: list[str] = []
-        self.extra: dict[str, Any] = {}
+        self.made, self.extra = [], {}  # paths removed at the end; keys for the results JSON
 
-    def checkpoint(self, size_gb: float, mesh: str = "2", use_src: bool = True) -> tuple[str, dict[str, Any]]:
-        """The DCP directory to measure and its facts, with ``file_bytes``: ``--src``'s (facts: ``SRC.json``, if any) unless
-        not ``use_src``, else a training root of ``size_gb`` GB saved on ``mesh`` (``ROOT.json``; an earlier one with ``--keep``)."""
+    def checkpoint(self, size_gb: float, mesh: str = "2", cfg: dict[str, int] | None = None, how: str = "ckpttool",
+                   name: str = "") -> tuple[str, Row]:
+        """The DCP directory to measure and its facts, with ``file_bytes``: ``--src``'s (facts: ``SRC.json``, if any), else
+        one of ``size_gb`` GB (``cfg``, by default :func:`model_dims`'s) saved on ``mesh`` by ``how`` (ckpttool: a training
+        root; dcp: a DCP directory) as OUT_DIR/``name`` (facts: ``NAME.json``; an earlier one reused with ``--keep``)."""
         keep, src = getattr(self.args, "keep", False), getattr(self.args, "src", None)
-        if use_src and src:
+        if src:
             step, info = dcp_dir_of(os.path.abspath(src)), read_json(os.path.abspath(src).rstrip("/") + ".json", {})
         else:
-            root = os.path.join(self.out_dir, f"ckpt-{size_gb:g}GB-on-{mesh}")
+            root = os.path.join(self.out_dir, name or f"ckpt-{size_gb:g}GB-on-{mesh}")
+            self.made += [] if keep else [root, root + ".json"]  # removed at the end (also if writing it fails)
             if keep and os.path.exists(root + ".json") and os.path.isdir(root):
                 print(f"reusing {root}", flush=True)
                 info = read_json(root + ".json")
-            else:
-                print(f"saving {size_gb:g} GB with ckpttool on {mesh_label(mesh)} ...", flush=True)
-                info = generate(self.spec.script, root, model_dims(size_gb), mesh, "ckpttool", self.work, f"gen-{mesh}")
+            else:  # a set-up, not a case: if it fails, the benchmark stops
+                print(f"saving {size_gb:g} GB with {how} on {mesh_label(mesh)} ...", flush=True)
+                remove(root)
+                cfg = cfg or model_dims(size_gb)
+                gen = measure_ranks(self.spec.script, mesh_world(mesh), ["--_gen", root, json.dumps(cfg), mesh, how], self.work,
+                                    f"gen-{mesh}")
+                if gen.rc != 0:
+                    raise SystemExit(f"writing the checkpoint {root} failed (exit {gen.rc}):\n{gen.log_tail}")
+                info = {**gen.result["ranks"][0], "cfg": cfg, "mesh": mesh, "how": how, "gen_wall_s": gen.wall_s, "path": root}
                 write_json(root + ".json", info)
             step = dcp_dir_of(root)
-            if not keep:
-                self.made.append(root)
-        info["file_bytes"] = dcp_bytes(step)
+        info["file_bytes"] = sum(os.path.getsize(p) for p in dcp_files(step))  # what a raw read or copy of it moves
         print(f"   {step}: {info['file_bytes'] / GB:.2f} GB of DCP files", flush=True)
         return step, info
 
@@ -161,13 +172,21 @@ class Run:
         return ranks, run
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-    """A benchmark's argument parser: its docstring (how it measures) is the --help."""
-    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+#: options several benchmarks take (a :class:`Spec`'s ``flags`` names them)
+FLAGS: dict[str, dict[str, Any]] = {"warm": dict(action="store_true", help="do not drop the page cache before each case"),
+                                    "keep": dict(action="store_true", help="keep (and reuse) the generated checkpoint"),
+                                    "budget": dict(default="1GiB", help="ckpttool's --memory-budget (default 1GiB)")}
 
 
-def add_common(p: argparse.ArgumentParser, spec: Spec) -> None:
-    """The options every benchmark has, and the hidden ones its child processes receive."""
+def main(spec: Spec, module: str = "__main__", argv: list[str] | None = None) -> None:
+    """Run the benchmark ``spec`` and exit with its status (``spec.exit(results)``, else 0) if ``module``, the script's
+    ``__name__``, is ``"__main__"`` (imported, a script only defines its SPEC). See the module's docstring; the script's
+    docstring, how it measures, is its --help."""
+    if module != "__main__":
+        return
+    p = argparse.ArgumentParser(description=spec.doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, kw in [*spec.options.items(), *((f"--{flag}", FLAGS[flag]) for flag in spec.flags)]:
+        p.add_argument(flag, **kw)
     default_dir = f"/tmp/ckpttool-bench-{spec.name}"
     p.add_argument("--repeat", type=int, default=spec.repeat,
                    help=f"runs of each case, rounds interleaved; one representative run is reported (default {spec.repeat})")
@@ -180,30 +199,27 @@ def add_common(p: argparse.ArgumentParser, spec: Spec) -> None:
     p.add_argument("--from-json", metavar="JSON", help="run nothing: print the tables and write --md and --plot from a saved --json")
     hidden = [(name, {}) for name in ("--_case", "--_src", "--_dst", "--_cfg", "--_mesh", "--_rdzv", "--_result", *spec.hidden)]
     for name, kw in hidden + [("--_rank", {"type": int}), ("--_world", {"type": int}), ("--_gen", {"nargs": 4})]:
-        p.add_argument(name, **kw, help=argparse.SUPPRESS)
-
-
-def main(spec: Spec, argv: list[str] | None = None) -> int:
-    """Run the benchmark ``spec`` (see the module's docstring)."""
-    p = parser(spec.doc)
-    spec.options(p)
-    add_common(p, spec)
+        p.add_argument(name, **kw, help=argparse.SUPPRESS)  # what a child process receives
     args = p.parse_args(argv)
     if args.from_json:
         with open(args.from_json) as fh:
             report(spec, json.load(fh), args, None)
-        return 0
-    if args._gen:  # a rank of the checkpoint generator
+    elif args._gen:  # a rank of the checkpoint generator
         init_rank(args)
         dst, cfg, mesh, how = args._gen
         finish_rank(args, gen_rank(dst, json.loads(cfg), mesh, how))
-        return 0
-    if args._rank is not None and spec.rank is not None:
+    elif args._rank is not None:  # a rank of a case
         spec.rank(args)
-        return 0
-    if args._case and spec.child is not None:
+    elif args._case:  # a case in its child process
         write_json(args._result, spec.child(args))
-        return 0
+    if args.from_json or args._gen or args._rank is not None or args._case:
+        return
+
+    def on_term(signum, frame):  # SIGTERM (run_all's, a kill): out through the clean-up below, which a second must not cut short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     run = Run(spec, args)
     out_json = args.json or os.path.join(run.out_dir, f"{spec.name}-results.json")
     command = [os.path.relpath(sys.executable), os.path.relpath(spec.script), *(argv if argv is not None else sys.argv[1:])]
@@ -227,16 +243,14 @@ def main(spec: Spec, argv: list[str] | None = None) -> int:
         write_json(out_json, results)
         report(spec, results, args, out_json)
     finally:
-        if not getattr(args, "keep", False):
-            for root in run.made:
-                remove_checkpoint(root)
+        for path in run.made:
+            remove(path)
         remove(run.work)
-    return 0
+    sys.exit(spec.exit(results) if spec.exit else 0)
 
 
 def run_rounds(repeat: int, s: Set) -> dict[str, list[dict[str, Any]]]:
-    """Every case of ``s`` ``repeat`` times in interleaved rounds (a drift of the machine touches every case
-    alike), a line per successful run; each case's runs in order."""
+    """Every case of ``s`` in ``repeat`` interleaved rounds (the machine's drift touches all alike): its runs; a line per good one."""
     runs: dict[str, list[dict[str, Any]]] = {} if s.explode else {n: [] for n in s.cases}
     for rnd in range(repeat):
         for case in s.cases:
@@ -250,28 +264,21 @@ def run_rounds(repeat: int, s: Set) -> dict[str, list[dict[str, Any]]]:
     return runs
 
 
-def best_of(runs: list[dict[str, Any]], time_keys: list[str], peak_keys: list[str],
-            pick: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One representative run of a case, ``pick``ed among the successful runs (default: the fastest, the
-    smallest ``time_keys[0]``): every value of a row comes from one run. For the spread, each key in
-    ``time_keys`` and ``peak_keys`` also gets ``KEY_all``, its value in each successful run in order;
-    ``picked`` is the index of the chosen run among them, ``runs`` their number."""
-    ok = [r for r in runs if r.get("ok")]
+def best_of(runs: list[Row], time_keys: list[str], peak_keys: list[str], pick: Callable[[list[Row]], Row] | None = None) -> Row:
+    """One representative run of a case, ``pick``ed among the successful runs (default: the fastest, the smallest
+    ``time_keys[0]``, runs without it last): every value of a row comes from one run. For the spread, each key in
+    ``time_keys`` and ``peak_keys`` also gets ``KEY_all``, its value in each successful run in order; ``picked`` is the
+    index of the chosen run among them, ``runs`` their number."""
+    ok, key = [r for r in runs if r.get("ok")], time_keys[0]
     if not ok:
         return {"failed": True, "runs": runs}
-    rep = (pick or pick_smallest(time_keys[0]))(ok)
+    rep = pick(ok) if pick else min(ok, key=lambda r: r[key] if r.get(key) is not None else float("inf"))
     out = dict(rep)
     for k in [*time_keys, *peak_keys]:
         if any(r.get(k) is not None for r in ok):
             out[k + "_all"] = [r.get(k) for r in ok]
-    out["picked"] = next(i for i, r in enumerate(ok) if r is rep)
-    out["runs"] = len(ok)
+    out.update(picked=next(i for i, r in enumerate(ok) if r is rep), runs=len(ok))
     return out
-
-
-def pick_smallest(key: str) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
-    """A ``best_of`` pick: the run with the smallest ``key`` (runs without it last)."""
-    return lambda ok: min(ok, key=lambda r: r[key] if r.get(key) is not None else float("inf"))
 
 
 def check(target: str, case: str, value: str, passed: bool | None) -> dict[str, Any]:
@@ -358,8 +365,7 @@ def plot_file(path: str, c: Chart, res: dict[str, Any]) -> str:
     for j, split in enumerate(splits):
         rs = [r for r in rows if c.split is None or r[c.split] == split]
         y, colors = list(range(len(rs))), [color(r) for r in rs]
-        for k, panel in enumerate(c.panels):
-            ax = axes[0][j * len(c.panels) + k]
+        for panel, ax in zip(c.panels, axes[0][j * len(c.panels):]):
             shift, height = (0.2, 0.4) if panel.also else (0.0, 0.8)
             bars = [(panel.key, -shift, None, panel.legend[0])] + ([(panel.also, shift, 0.4, panel.legend[1])] if panel.also else [])
             for key, dy, alpha, label in bars:  # the second, lighter, beside the first
@@ -384,4 +390,5 @@ def plot_file(path: str, c: Chart, res: dict[str, Any]) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return f"plot written to {path}"
+    more = c.more(plt, path, res) if c.more is not None else None
+    return f"plot written to {path}" + (f"\nplot written to {more}" if more else "")

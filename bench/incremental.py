@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark: incremental checkpoints of a model with a frozen base (issue 30).
 
 The bundled Transformer, about ``--size`` GB of state (fp32), on 2 gloo CPU ranks, 95% of its parameters frozen (AdamW
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 from _common import MiB, remove
@@ -105,13 +103,10 @@ def derive(res: dict, run) -> tuple[list[dict], list[dict]]:
               f"{r['inc_s']:.2f} s vs {r['full_s']:.2f} s = {r['x_full']:.2f}x", r["x_full"] <= 0.2))]
 
 
-def options(p) -> None:
-    p.add_argument("--size", type=float, default=1.0, help="state size in GB (default 1)")
-    p.add_argument("--saves", type=int, default=5, help="saves (steps 1..N; default 5)")
-
-
 SPEC = Spec(
-    "incremental", "Incremental checkpoints", __doc__, os.path.abspath(__file__), options, sets, derive,
+    "incremental", "Incremental checkpoints", __doc__, os.path.abspath(__file__), sets, derive,
+    options={"--size": dict(type=float, default=1.0, help="state size in GB (default 1)"),
+             "--saves": dict(type=int, default=5, help="saves (steps 1..N; default 5)")},
     columns=[Column("step", "step", None), Column("incremental s", "inc_s"), Column("full s", "full_s"), Column("× full", "x_full")]
     + [Column(f"{k} MiB", lambda r, k=k: (r[f"bytes_{k}"] or 0) / MiB, ".1f") for k in ("written", "shared", "changed")]
     + [Column("written / changed", "x_written")],
@@ -119,5 +114,4 @@ SPEC = Spec(
                                        "times are the slowest rank's." for s in results["sets"] if "frozen_fraction" in s),
     rank=rank_case, hidden=("--_saves",), repeat=1)
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC))
+main(SPEC, __name__)

@@ -15,21 +15,18 @@ Then, each in a fresh process, the page cache dropped before it (as root):
   convert    ``ckpttool convert SRC DST.safetensors --to safetensors`` (one file)
   reshard    ``ckpttool reshard SRC DST --world-size 3`` (2 -> 3 ranks)
 
-Time: the whole command (spawn to exit) plus an fsync of its output (ckpttool fsyncs its files, cp does not): both
-timed to the bytes on disk. Peak memory of the process tree, two ways, the larger checked: ``ru_maxrss`` (what
-``/usr/bin/time -f %M`` prints: the largest process's peak VmRSS, mapped file pages included) and the polled peak
-(50 ms) of the tree's RssAnon + RssShmem. Every 0.5 s of a ckpttool case, to the JSON and a second plot (``--plot``'s
-name + ``-timeline``): VmRSS, the tree's anon+shmem, RssFile, disk reads and writes (``/proc/PID/io``; against the
-checkpoint's size: any read amplification, ~0.1 GB of libraries included), CPU time and the load average. The table
-has the load average before and after each case: a busy machine slows ckpttool, which checksums every byte on the
-CPU, more than cp.
+Time: the whole command (spawn to exit) plus an fsync of its output (ckpttool fsyncs its files, cp does not): both timed
+to the bytes on disk. Peak memory of the process tree, two ways, the larger checked: ``ru_maxrss`` (what
+``/usr/bin/time -f %M`` prints: the largest process's peak VmRSS, mapped file pages included) and the polled peak (50 ms)
+of the tree's RssAnon + RssShmem. Every 0.5 s of a ckpttool case, to the JSON and a second plot (``--plot``'s name +
+``-timeline``): VmRSS, the tree's anon+shmem, RssFile, disk reads and writes (``/proc/PID/io``; against the checkpoint's
+size: any read amplification, ~0.1 GB of libraries included), CPU time and the load average. The table has the load
+average before and after each case: a busy machine slows ckpttool, which checksums every byte on the CPU, more than cp.
 
 Disk: the source and one output at a time, so about 2x ``--size`` + 2 GB free on ``--out-dir``'s disk; with less it
 refuses (a failed verdict saying how much it needs). What it writes is removed at the end, also on failure or SIGTERM.
 
     .venv/bin/python bench/large.py --size 32 --md docs/bench/large.md --plot docs/img/bench-large.png
-    .venv/bin/python bench/large.py --size 2 --budget 256MiB        # a few minutes
-    .venv/bin/python bench/large.py --smoke                        # 0.2 GB: the plumbing only
 
 Targets (issue 29, item 6): peak RSS < 1.5 GB and <= 1.1x the time of cp -r, for a checkpoint larger than RAM.
 """
@@ -41,19 +38,18 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from typing import Any
 
-from _common import GB, GiB, MiB, code_version, drop_caches, fsync_tree, path_bytes, proc_io, proc_status, remove, report_failure, run_child
-from _dist import n_params  # importing _dist puts this repository first on sys.path: its ckpttool is the one measured
-from harness import Chart, Column, Panel, Set, Spec, add_common, check, main, parser
+from _common import (GB, GiB, MiB, code_version, drop_caches, fsync_tree, path_bytes, proc_io, proc_status, read_text, remove,
+                     report_failure, run_child)
+from _dist import fit_layers, n_params  # importing _dist puts this repository first on sys.path: its ckpttool is the one measured
+from harness import Chart, Column, Panel, Set, Spec, check, main
 
 from ckpttool.choices import parse_size
 
-SCRIPT = os.path.abspath(__file__)
-REPO = os.path.dirname(os.path.dirname(SCRIPT))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD, RESHARD_TO = 2, 3  # the ranks the checkpoint was "saved" on; reshard's target
 SMOKE_SIZE, SMOKE_BUDGET = 0.2, "16MiB"
 RSS_LIMIT, TIME_LIMIT = 1.5 * GB, 1.1  # the targets: peak RSS under 1.5 GB, at most 1.1x the time of cp -r
@@ -62,7 +58,6 @@ PATTERN = (1 << 24) + 43  # period (elements) of the values' cycle: 64 MiB of fp
 LABELS = {"cp_convert": "cp -r (+fsync), before convert", "convert": "ckpttool convert --to safetensors",  # cp_X: the cp -r before X
           "cp_reshard": "cp -r (+fsync), before reshard", "reshard": f"ckpttool reshard --world-size {RESHARD_TO}"}
 TIMELINE = ["seconds", "tree anon+shmem KiB", "VmRSS KiB", "RssFile KiB", "read_bytes", "write_bytes", "CPU s (user+sys)", "load avg 1 min"]
-EXIT = [0]  # 2 when the run was refused for lack of disk
 
 
 def model_config(size_gb: float) -> dict[str, int]:
@@ -71,10 +66,7 @@ def model_config(size_gb: float) -> dict[str, int]:
     vocabulary and width; from 0.5 GB: 32000 x 2048 (262 MB); below: 8192 x 512."""
     vocab, dim, heads, seq = ((128256, 3072, 24, 4096) if size_gb >= 8 else (32000, 2048, 16, 2048) if size_gb >= 0.5
                               else (8192, 512, 8, 512))
-    cfg = dict(vocab_size=vocab, dim=dim, n_layers=1, n_heads=heads, seq_len=seq)
-    fixed = n_params({**cfg, "n_layers": 0})
-    cfg["n_layers"] = max(1, math.ceil((size_gb * GB / 12 - fixed) / (n_params(cfg) - fixed)))
-    return cfg
+    return fit_layers(dict(vocab_size=vocab, dim=dim, n_layers=1, n_heads=heads, seq_len=seq), size_gb, up=True)
 
 
 def make_source(cfg: dict[str, int], where: str):
@@ -173,21 +165,9 @@ def generate(args) -> dict[str, Any]:
             "records": sum(len(v) for v in manifest["records"].values()), "gen_hwm_kib": proc_status("VmHWM"), "torch": torch.__version__}
 
 
-def describe(info: dict[str, Any], budget: str) -> str:
-    """The checkpoint in one sentence."""
-    cfg = info["cfg"]
-    return (f"{info['file_bytes'] / GB:.2f} GB of DCP files ({info['tensor_bytes'] / GB:.2f} GB of tensors: {info['params'] / 1e9:.2f}B "
-            f"fp32 parameters + AdamW exp_avg, exp_avg_sq), as a ckpttool step saved on {WORLD} ranks: {', '.join(info['files'])}. "
-            f"Transformer of vocabulary {cfg['vocab_size']}, dim {cfg['dim']}, {cfg['n_layers']} blocks; {info['tensors']} tensors, "
-            f"{info['objects']} objects, {info['records']} records; largest tensor {info['largest_tensor_bytes'] / GB:.2f} GB "
-            f"({info['tensors_over_1gb']} of >= 1 GB); memory budget {budget}. Written in {info['write_s']:.0f} s, hashed for the "
-            f"manifest in {info['hash_s']:.0f} s.")
-
-
 def json_report(log_file: str) -> dict[str, Any] | None:
     """The JSON document a ckpttool command printed (``--json``) in its log, if any."""
-    with open(log_file, errors="replace") as fh:
-        text = fh.read()
+    text = read_text(log_file)
     for at in (i for i, ch in enumerate(text) if ch == "{"):
         with contextlib.suppress(ValueError):
             return json.JSONDecoder().raw_decode(text, at)[0]
@@ -244,12 +224,6 @@ def sets(run):
     names = [n for n in args.cases.split(",") if n]
     if any(n not in ("convert", "reshard") for n in names):
         raise SystemExit(f"large.py: unknown case in --cases {args.cases!r}: convert, reshard")
-
-    def on_term(signum, frame):  # SIGTERM (a timeout, kill PID): out through the harness's clean-up, which a second must not cut short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_term)
     est = 12 * n_params(model_config(args.size)) + 64 * MiB  # 12 bytes a parameter, the records' headers and the metadata
     need, free, ram = 2 * est + HEADROOM, shutil.disk_usage(run.out_dir).free, (run.machine.get("mem_total_gib") or 0) * GiB
     run.extra.update(size_gb=args.size, budget=args.budget, code=code_version(REPO), estimated_bytes=est, disk_needed=need, disk_free=free)
@@ -260,7 +234,6 @@ def sets(run):
                f"at a time, {HEADROOM / GB:.0f} GB headroom), there are {free / GB:.1f} GB; free {math.ceil((need - free) / GB)} GB more, "
                f"or pass a smaller --size or another --out-dir")
         print(f"large.py: {why}", file=sys.stderr)
-        EXIT[0] = 2
         yield Set(["refused"], lambda n: {"ok": False}, lambda n, r: "", info={"refused": why, "size_gb": args.size})
         return
     src = os.path.join(run.work, "ckpt", "step-1")
@@ -269,11 +242,18 @@ def sets(run):
     if not info["ok"]:
         raise SystemExit(f"writing the checkpoint failed (exit {info['rc']})")
     info.update(gen_wall_s=info.pop("process_wall_s"), gen_peak_kib=info.pop("peak_kib"))
+    cfg = info["cfg"]  # the checkpoint in one sentence: the set's heading
+    heading = (f"{info['file_bytes'] / GB:.2f} GB of DCP files ({info['tensor_bytes'] / GB:.2f} GB of tensors: {info['params'] / 1e9:.2f}B "
+               f"fp32 parameters + AdamW exp_avg, exp_avg_sq), as a ckpttool step saved on {WORLD} ranks: {', '.join(info['files'])}. "
+               f"Transformer of vocabulary {cfg['vocab_size']}, dim {cfg['dim']}, {cfg['n_layers']} blocks; {info['tensors']} tensors, "
+               f"{info['objects']} objects, {info['records']} records; largest tensor {info['largest_tensor_bytes'] / GB:.2f} GB "
+               f"({info['tensors_over_1gb']} of >= 1 GB); memory budget {args.budget}. Written in {info['write_s']:.0f} s, hashed for "
+               f"the manifest in {info['hash_s']:.0f} s.")
     yield Set([c for n in names for c in ("cp_" + n, n)], lambda n: measure(run, n, src),
               lambda n, r: (f"{LABELS[n]:<36} {r['seconds']:7.1f} s ({r['command_s']:.1f} + fsync {r['fsync_s']:.1f})  "
                             f"{info['file_bytes'] / r['seconds'] / GB:5.2f} GB/s  peak RSS {r['peak_kib'] / 1024:6.0f} MiB "
                             f"(ru_maxrss {r['maxrss_kib'] / 1024:.0f}, tree {r['tree_peak_kib'] / 1024:.0f})"),
-              heading=describe(info, args.budget), info=info, time_keys=["seconds"])
+              heading=heading, info=info, time_keys=["seconds"])
     run.extra["code_at_end"] = code_version(REPO)
     if run.extra["code_at_end"] != run.extra["code"]:
         print(f"warning: ckpttool/ changed during the run: {run.extra['code']} -> {run.extra['code_at_end']}", file=sys.stderr)
@@ -318,16 +298,12 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
     return rows, checks
 
 
-def draw_timeline(path: str, res: dict[str, Any]) -> None:
+def draw_timeline(plt, path: str, res: dict[str, Any]) -> str | None:
     """The ckpttool commands' RSS over time (left), their disk reads and writes over time (right): line plots, which
-    harness's chart does not draw, in a second PNG beside ``--plot``'s."""
+    harness's chart does not draw, in a second PNG beside ``--plot``'s (``path``) with ``-timeline`` in its name."""
     series = [(LABELS[n], c["rss_timeline"]) for n, c in res["cases"].items() if c.get("rss_timeline")]  # cp's is empty
-    try:
-        import matplotlib.pyplot as plt  # the harness's chart, drawn first, chose the Agg backend
-    except ImportError:
-        return
     if not series:
-        return
+        return None
     fig, (rss, disk) = plt.subplots(1, 2, figsize=(13, 5))
     for label, tl in series:
         color = rss.plot([p[0] for p in tl], [p[2] / 1024 for p in tl], label=f"{label}: VmRSS")[0].get_color()
@@ -344,21 +320,17 @@ def draw_timeline(path: str, res: dict[str, Any]) -> None:
             ax.legend(fontsize=8)
     fig.suptitle(f"{title(res)}: the ckpttool commands over time, torch {res.get('torch')}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path := "{0}-timeline{1}".format(*os.path.splitext(path)), dpi=110)
     plt.close(fig)
-    print(f"plot written to {path}")
-
-
-def options(p) -> None:
-    p.add_argument("--size", type=float, default=32.0, help="checkpoint size in GB of tensor data (default 32)")
-    p.add_argument("--smoke", action="store_true", help=f"--size {SMOKE_SIZE:g} --budget {SMOKE_BUDGET}: checks the plumbing only")
-    p.add_argument("--budget", default="1GiB", help="ckpttool --memory-budget, also the writer's (default 1GiB)")
-    p.add_argument("--cases", default="convert,reshard", help="ckpttool cases to run, each after its cp -r (default convert,reshard)")
-    p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
+    return path
 
 
 SPEC = Spec(
-    "large", "Benchmark: a checkpoint larger than memory", __doc__, SCRIPT, options, sets, derive,
+    "large", "Benchmark: a checkpoint larger than memory", __doc__, os.path.abspath(__file__), sets, derive,
+    options={"--size": dict(type=float, default=32.0, help="checkpoint size in GB of tensor data (default 32)"),
+             "--smoke": dict(action="store_true", help=f"--size {SMOKE_SIZE:g} --budget {SMOKE_BUDGET}: checks the plumbing only"),
+             "--budget": dict(default="1GiB", help="ckpttool --memory-budget, also the writer's (default 1GiB)"),
+             "--cases": dict(default="convert,reshard", help="ckpttool cases to run, each after its cp -r (default convert,reshard)")},
     columns=[Column("case", "label", None),
              Column("time s (command + fsync)", lambda r: f"{r['seconds']:.1f} ({r['command_s']:.1f} + {r['fsync_s']:.1f})", ""),
              Column("GB/s", "gbps"), Column("× its cp -r", "x_cp"), Column("peak RSS MiB", "peak_mib", ".0f"),
@@ -367,17 +339,8 @@ SPEC = Spec(
              Column("load avg before/after", lambda r: "/".join(f"{x:.1f}" for x in r["loadavg"]) if r.get("loadavg") else None, "")],
     chart=Chart([Panel("seconds", "seconds: whole command + fsync of its output (grey: cp -r, blue: ckpttool)",
                        note=lambda r: f"{r['seconds']:.0f} s" + (f" ({r['x_cp']:.2f}x cp)" if r["x_cp"] else ""))],
-                title=title, color=lambda r: "#888888" if r["case"].startswith("cp") else "#1f77b4"),
-    child=generate, repeat=1, case_timeout=7200, verdict_widths=(52, 60))
+                title=title, color=lambda r: "#888888" if r["case"].startswith("cp") else "#1f77b4", more=draw_timeline),
+    child=generate, flags=("warm",), repeat=1, case_timeout=7200, verdict_widths=(52, 60),
+    exit=lambda results: 2 if "refused" in results["sets"][0]["checkpoint"] else 0)  # 2: refused for lack of disk
 
-if __name__ == "__main__":
-    rc = main(SPEC)
-    p = parser(__doc__)
-    options(p)
-    add_common(p, SPEC)
-    a = p.parse_args()
-    out_json = a.from_json or a.json or os.path.join(os.path.abspath(a.out_dir), "large-results.json")
-    if a.plot and os.path.exists(out_json):  # the timeline, beside the chart (a --_case child has no --plot)
-        with open(out_json) as fh:
-            draw_timeline("{0}-timeline{1}".format(*os.path.splitext(a.plot)), json.load(fh)["sets"][0])
-    sys.exit(rc or EXIT[0])
+main(SPEC, __name__)

@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _common import GB, MiB, cache_states, drop_caches, proc_io, proc_status, raw_read, reset_peak_rss  # noqa: E402
-from _dist import dcp_files, finish_rank, init_rank, make_mesh, mesh_label, mesh_world, model_dims, state_nbytes  # noqa: E402
-from harness import Chart, Column, Panel, Set, Spec, check, main, pick_smallest  # noqa: E402
+from _common import GB, MiB, cache_states, drop_caches, proc_io, proc_status, raw_read, reset_peak_rss
+from _dist import dcp_files, finish_rank, init_rank, make_mesh, mesh_label, mesh_world, model_dims, state_nbytes
+from harness import Chart, Column, Panel, Set, Spec, check, main
 
 SAVED_ON = "2"
 
@@ -119,7 +116,7 @@ def sets(run):
                             f"verify_loaded {r['verify_s']:6.2f} s  peak/rank {r['rank_peak_kib'] / 1024:5.0f} MiB"),
               info=made[SAVED_ON][1], time_keys=["load_s", "verify_s", "build_s", "dcp_s", "nocheck_s"],
               peak_keys=["rank_peak_kib", "load_added_kib", "verify_added_kib", "tree_peak_kib"],
-              pick=pick_smallest("load_s"), explode=lambda case, out: {f"{case}|{c}": r for c, r in out.items()})
+              explode=lambda case, out: {f"{case}|{c}": r for c, r in out.items()})
 
 
 def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -149,16 +146,12 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
     return rows, checks
 
 
-def options(p) -> None:
-    p.add_argument("--size", type=float, default=1.0, help="state size in GB (default 1)")
-    p.add_argument("--meshes", default="1,3,4,2x2", help="target layouts besides the source's 2 ranks (default 1,3,4,2x2)")
-    p.add_argument("--no-matched", action="store_true", help="skip the checkpoints saved natively on each target layout")
-    p.add_argument("--caches", default="cold,warm", help="cache states to load in, in the same processes (default cold,warm)")
-    p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoints")
-
-
 SPEC = Spec(
-    "load", "Benchmark: loading on the same and on other layouts", __doc__, os.path.abspath(__file__), options, sets, derive,
+    "load", "Benchmark: loading on the same and on other layouts", __doc__, os.path.abspath(__file__), sets, derive,
+    options={"--size": dict(type=float, default=1.0, help="state size in GB (default 1)"),
+             "--meshes": dict(default="1,3,4,2x2", help="target layouts besides the source's 2 ranks (default 1,3,4,2x2)"),
+             "--no-matched": dict(action="store_true", help="skip the checkpoints saved natively on each target layout"),
+             "--caches": dict(default="cold,warm", help="cache states to load in, in the same processes (default cold,warm)")},
     columns=[Column(*c) for c in [
         ("load on", lambda r: mesh_label(r["mesh"]), None), ("saved on", lambda r: mesh_label(r["src"]), None), ("cache", "cache", None),
         ("load s", "load_s"), ("GB/s", "gbps"), ("dcp.load s", "dcp_s"), ("× dcp.load", "x_dcp"), ("unchecked s", "nocheck_s"),
@@ -172,7 +165,6 @@ SPEC = Spec(
                        legend=("load", "verify_loaded"))], split="cache", color=lambda r: "#1f77b4" if r["src"] == r["mesh"] else "#ff7f0e",
                 title=lambda res: f"ckpttool load of {res['checkpoint']['state_bytes'] / GB:.2f} GB saved on {SAVED_ON} ranks (3-4 ranks "
                                   "oversubscribe the cores)"),
-    rank=rank_case, hidden=("--_phases",))
+    rank=rank_case, hidden=("--_phases",), flags=("keep",))
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC))
+main(SPEC, __name__)

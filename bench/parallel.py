@@ -25,8 +25,6 @@ from typing import Any
 from _common import GB, drop_caches, remove, report_failure, run_child
 from harness import Column, Set, Spec, main
 
-EXIT = [0]  # 1 when an output of N > 1 differs from N = 1's, or a command failed
-
 
 def digest_tree(path: str) -> dict[str, str]:
     """sha256 of every file under ``path`` (or of the file), by relative name."""
@@ -70,8 +68,7 @@ def measure(run, key: str, argv: list[str], dst: str | None, env: dict[str, str]
 
 def sets(run):
     """The checkpoint (or --src); the commands on it for each N, then (--s3) on its copy on S3."""
-    args = run.args
-    reshard, hf = os.path.join(run.work, "outputs", "reshard"), os.path.join(run.work, "outputs", "hf")
+    args, reshard, hf = run.args, os.path.join(run.work, "outputs", "reshard"), os.path.join(run.work, "outputs", "hf")
     src, info = run.checkpoint(args.size, "2")
     info.setdefault("torch", version("torch"))
     nprocs = args.nprocs.split(",")
@@ -118,25 +115,20 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
             ratio = 1.0 if base is None else c["seconds"] / base["seconds"] if base.get("ok") else None  # (no N = 1 run: 1.0)
             rows.append({"case": name, "nproc": str(n), "seconds": c["seconds"], "cpu_s": c["user_s"] + c["sys_s"],
                          "peak_mib": c["peak_kib"] / 1024, "same": same, "ratio": ratio})
-    EXIT[0] = int(any(r.get("failed") or r["same"] == "NO" for r in rows))
     return rows, []
 
 
-def options(p) -> None:
-    p.add_argument("--size", type=float, default=1.0, help="checkpoint size in GB (default 1)")
-    p.add_argument("--nprocs", default="1,2", help="worker counts (default 1,2)")
-    p.add_argument("--worlds", type=int, default=4, help="reshard's target world size (default 4)")
-    p.add_argument("--src", help="use this existing DCP checkpoint instead of writing one")
-    p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoint")
-    p.add_argument("--warm", action="store_true", help="do not drop the page cache before each local case")
-    p.add_argument("--s3", action="store_true", help="also reshard and verify on S3 (moto_server on loopback: slow, see docs/scaling.md)")
-
-
-SPEC = Spec("parallel", "Benchmark: offline commands on N workers", __doc__, os.path.abspath(__file__), options, sets, derive,
+SPEC = Spec("parallel", "Benchmark: offline commands on N workers", __doc__, os.path.abspath(__file__), sets, derive,
+            options={"--size": dict(type=float, default=1.0, help="checkpoint size in GB (default 1)"),
+                     "--nprocs": dict(default="1,2", help="worker counts (default 1,2)"),
+                     "--worlds": dict(type=int, default=4, help="reshard's target world size (default 4)"),
+                     "--src": dict(help="use this existing DCP checkpoint instead of writing one"),
+                     "--s3": dict(action="store_true",
+                                  help="also reshard and verify on S3 (moto_server on loopback: slow, see docs/scaling.md)")},
             columns=[Column("case", "case", None), Column("workers", "nproc", None), Column("wall s", "seconds", ".1f"),
                      Column("× N=1", "ratio"), Column("CPU s (user+sys)", "cpu_s", ".1f"), Column("peak MiB (tree)", "peak_mib", ".0f"),
                      Column("same bytes as N=1", "same", "")],
-            repeat=1)
+            flags=("keep", "warm"), repeat=1,  # exit 1: an output of N > 1 is not N = 1's, or a command failed
+            exit=lambda results: int(any(r.get("failed") or r["same"] == "NO" for s in results["sets"] for r in s["rows"])))
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC) or EXIT[0])
+main(SPEC, __name__)

@@ -1,22 +1,20 @@
 """Benchmark: a ``save_pretrained`` folder loaded into FSDP2 on 2 ranks (issue 37).
 
-A Llama-shaped model of about ``--size`` GB of fp32 weights (transformers' LlamaForCausalLM, random
-values) is written by ``save_pretrained`` (1 GB shards and the index), or ``--src`` names a folder.
-Then each case on 2 gloo CPU ranks, in fresh processes, the page cache dropped before it (unless
-``--warm``):
+A Llama-shaped model of about ``--size`` GB of fp32 weights (transformers' LlamaForCausalLM, random values) is written
+by ``save_pretrained`` (1 GB shards and the index), or ``--src`` names a folder. Then each case on 2 gloo CPU ranks, in
+fresh processes, the page cache dropped before it (unless ``--warm``):
 
   ckpttool.load        meta device, ``fully_shard`` per decoder layer and the root, ``to_empty``, then
                        ``ckpttool.load(folder, model)``: each rank reads its own rows of each tensor
   from_pretrained      what fine-tuning scripts do: ``from_pretrained`` on every rank (the whole model
                        in each rank's memory), then ``fully_shard``
   dcp + HF reader      meta + ``fully_shard`` + ``to_empty``, then torch's ``HuggingFaceStorageReader``
-                       with ``dcp.load`` and ``set_model_state_dict`` (where the torch has it)
+                       with ``dcp.load`` and ``set_model_state_dict`` (where the torch has it: 2.8 and later)
 
-Per rank: the seconds of the load (barrier to barrier, after the model is built; from_pretrained:
-the load and the sharding), the bytes its read calls returned during the load (``/proc/self/io``
-rchar; ckpttool.load only: the others map the files, which rchar does not count) against its
-shard's bytes, and its peak RSS (VmHWM, imports included) against its shard + 0.5 GB. The slowest
-rank and the largest figures are reported; one run per case, the fastest.
+Per rank: the seconds of the load (barrier to barrier, after the model is built; from_pretrained: the load and the
+sharding), the bytes its read calls returned during the load (``/proc/self/io`` rchar; ckpttool.load only: the others
+map the files, which rchar does not count) against its shard's bytes, and its peak RSS (VmHWM, imports included) against
+its shard + 0.5 GB. The slowest rank and the largest figures are reported; one run per case, the fastest.
 
     .venv/bin/python bench/pretrained.py --size 2 --md docs/bench/pretrained.md --plot docs/img/bench-pretrained.png
 
@@ -28,15 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
+from importlib.metadata import version
 from typing import Any
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _common import GB, MiB, drop_caches, path_bytes, proc_io, proc_status, reset_peak_rss  # noqa: E402
-from _dist import finish_rank, init_rank  # noqa: E402
-from harness import Chart, Column, Panel, Set, Spec, check, main  # noqa: E402
+from _common import GB, MiB, drop_caches, path_bytes, proc_io, proc_status, reset_peak_rss
+from _dist import finish_rank, init_rank  # importing _dist puts this repository first on sys.path: its ckpttool is the one measured
+from harness import Chart, Column, Panel, Set, Spec, check, main
 
 CASES = {"ckpt_load": "ckpttool.load into FSDP2", "hf_every_rank": "from_pretrained on every rank + fully_shard",
          "dcp_hf_reader": "dcp.load + HuggingFaceStorageReader"}
@@ -46,9 +42,8 @@ def llama_config(size_gb: float) -> dict[str, int]:
     """A Llama shape of about ``size_gb`` GB of fp32 weights: dim 1024, vocab 32000, as many layers as fit."""
     dim, vocab, hidden = 1024, 32000, 2816
     per_layer = 3 * dim * dim + 3 * dim * hidden + 2 * dim  # q, o; k, v at half (4 of 8 heads); the MLP; two norms
-    layers = max(1, round((size_gb * GB / 4 - 2 * vocab * dim) / per_layer))
-    return dict(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers,
-                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+    return dict(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_attention_heads=8, num_key_value_heads=4,
+                max_position_embeddings=512, num_hidden_layers=max(1, round((size_gb * GB / 4 - 2 * vocab * dim) / per_layer)))
 
 
 def generate(args) -> dict[str, Any]:
@@ -83,8 +78,7 @@ def rank_case(args) -> None:
         fully_shard(model)
         return model
 
-    case, folder = args._case, args._src
-    build_s = 0.0
+    case, folder, build_s = args._case, args._src, 0.0
     if case != "hf_every_rank":
         t = time.perf_counter()
         with torch.device("meta"):
@@ -127,26 +121,18 @@ def measure(run, name: str, folder: str) -> dict[str, Any]:
 def sets(run):
     args = run.args
     folder = os.path.abspath(args.src) if args.src else os.path.join(run.out_dir, f"llama-{args.size:g}GB")
+    run.made += [] if args.src or args.keep else [folder]  # removed at the end (also if writing it fails)
     if not args.src and not (args.keep and os.path.exists(os.path.join(folder, "config.json"))):
         print(f"writing a {args.size:g} GB save_pretrained folder ...", flush=True)
         made, _ = run.child("generate", ["--_case", "generate", "--_dst", folder, "--_cfg", json.dumps(llama_config(args.size))])
         if not made["ok"]:
             raise SystemExit("writing the save_pretrained folder failed")
-    if not args.src and not args.keep:
-        run.made.append(folder)
-    names = ["ckpt_load", "hf_every_rank"] + (["dcp_hf_reader"] if _has_hf_reader() else [])
+    has_reader = tuple(int(x) for x in version("torch").split(".")[:2]) >= (2, 8)  # (without importing torch here)
+    names = ["ckpt_load", "hf_every_rank"] + (["dcp_hf_reader"] if has_reader else [])
     info = {"path": folder, "file_bytes": path_bytes(folder)}
     yield Set(names, lambda n: measure(run, n, folder),
               lambda n, r: f"{CASES[n]:<46} {r['seconds']:7.2f} s  read {r['read_x']:.2f}x shard  peak {r['hwm_kib'] / 1024:6.0f} MiB",
               heading=f"{info['file_bytes'] / GB:.2f} GB save_pretrained folder on 2 ranks", info=info)
-
-
-def _has_hf_reader() -> bool:
-    """Whether the pinned torch has DCP's HuggingFaceStorageReader (2.8 and later), asked without importing torch here."""
-    import subprocess
-
-    code = "import torch.distributed.checkpoint as d; print(hasattr(d, 'HuggingFaceStorageReader'))"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
 
 
 def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -175,15 +161,10 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
     return rows, checks
 
 
-def options(p) -> None:
-    p.add_argument("--size", type=float, default=2.0, help="the model's fp32 weights in GB (default 2)")
-    p.add_argument("--src", help="an existing save_pretrained folder of a Llama model instead of writing one")
-    p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated folder")
-    p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
-
-
 SPEC = Spec(
-    "pretrained", "Benchmark: a save_pretrained folder into FSDP2", __doc__, os.path.abspath(__file__), options, sets, derive,
+    "pretrained", "Benchmark: a save_pretrained folder into FSDP2", __doc__, os.path.abspath(__file__), sets, derive,
+    options={"--size": dict(type=float, default=2.0, help="the model's fp32 weights in GB (default 2)"),
+             "--src": dict(help="an existing save_pretrained folder of a Llama model instead of writing one")},
     columns=[Column("case", "label", None), Column("load s (slowest rank)", "seconds"), Column("× ckpttool.load", "x_ours"),
              Column("model build s", "build_s"), Column("read() GB / rank", "read_gb"), Column("shard GB / rank", "shard_gb"),
              Column("read × shard", "read_x"), Column("peak RSS MiB / rank", "peak_mib", ".0f"),
@@ -193,7 +174,6 @@ SPEC = Spec(
                  Panel("peak_mib", "peak RSS per rank (MiB)", limit=lambda res: res["rows"][0].get("limit_mib"),
                        limit_label="shard + 0.5 GB")],
                 title=lambda res: f"a {res['checkpoint']['file_bytes'] / GB:.2f} GB save_pretrained folder into FSDP2 on 2 ranks"),
-    child=generate, rank=rank_case, repeat=1)
+    child=generate, rank=rank_case, flags=("keep", "warm"), repeat=1)
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC))
+main(SPEC, __name__)

@@ -1,8 +1,7 @@
 """Benchmark: offline ``ckpttool reshard`` against a file copy and against resharding online.
 
-A ~4 GB checkpoint (fp32 params + AdamW state) is saved with ckpttool from 2 gloo CPU ranks (a plain DCP
-directory plus the commit record), or ``--src`` names one. Each case runs in fresh processes, the page cache
-dropped before it:
+A ~4 GB checkpoint (fp32 params + AdamW state) is saved with ckpttool from 2 gloo CPU ranks (a plain DCP directory plus
+the commit record), or ``--src`` names one. Each case runs in fresh processes, the page cache dropped before it:
 
   raw copy             the DCP files read and written to one file + fsync (``_common.raw_copy``, one Python
                        process): the limit for a tool that reads and writes every byte once
@@ -26,17 +25,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import GB, MiB, drop_caches, fsync_tree, path_bytes, proc_status, raw_copy, remove, reset_peak_rss, timed
+from _dist import dcp_files, finish_rank, init_rank, model_dims  # importing _dist puts this repository first on sys.path
+from harness import Chart, Column, Panel, Set, Spec, check, main
 
-from _common import GB, MiB, drop_caches, fsync_tree, path_bytes, proc_status, raw_copy, remove, reset_peak_rss  # noqa: E402
-from _dist import dcp_files, finish_rank, init_rank, model_dims  # noqa: E402
-from harness import Chart, Column, Panel, Set, Spec, check, main  # noqa: E402
-
-from ckpttool.choices import parse_size  # noqa: E402
+from ckpttool.choices import parse_size
 
 SAVED_ON = "2"
 
@@ -97,9 +93,7 @@ def measure(run, name: str, src: str, cfg: dict[str, int]) -> dict[str, Any]:
         ranks, proc = run.ranks(name, int(name.split("_")[1]), args)
         r = {"ok": ranks is not None, "rc": proc.rc}
         if ranks is not None:
-            t0 = time.perf_counter()
-            fsync_tree(dst)  # DCP fsyncs its files already: this only makes sure
-            extra_sync = time.perf_counter() - t0
+            extra_sync = timed(lambda: fsync_tree(dst))  # DCP fsyncs its files already: this only makes sure
             r.update({k: max(x[k] for x in ranks) for k in ("seconds", "load_s", "save_s", "build_s")},
                      process_wall_s=proc.wall_s + extra_sync, peak_kib=proc.peak_kib, rank_peak_kib=max(x["hwm_kib"] for x in ranks))
             r["seconds"] += extra_sync
@@ -126,8 +120,7 @@ def sets(run):
     """The checkpoint (or --src): the raw copy, the reshard to each of --worlds, the online way to each."""
     src, info = run.checkpoint(run.args.size, SAVED_ON)
     worlds, cfg = [int(w) for w in run.args.worlds.split(",") if w], info.get("cfg") or model_dims(run.args.size)
-    names = ["raw_copy"] + [f"ckpt_reshard_{w}" for w in worlds] + [f"online_{w}" for w in worlds]
-    yield Set(names, lambda n: measure(run, n, src, cfg),
+    yield Set(["raw_copy"] + [f"ckpt_reshard_{w}" for w in worlds] + [f"online_{w}" for w in worlds], lambda n: measure(run, n, src, cfg),
               lambda n, r: (f"{label(n):<44} work {r['seconds']:7.1f} s  whole {r['process_wall_s']:7.1f} s  "
                             f"peak {r['peak_kib'] / 1024:6.0f} MiB"),
               heading=f"{info['file_bytes'] / GB:.2f} GB checkpoint saved on {SAVED_ON} ranks", info=info)
@@ -167,17 +160,11 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
     return rows, checks
 
 
-def options(p) -> None:
-    p.add_argument("--size", type=float, default=4.0, help="checkpoint size in GB (default 4)")
-    p.add_argument("--worlds", default="1,3,4", help="target world sizes (default 1,3,4)")
-    p.add_argument("--budget", default="1GiB", help="ckpttool reshard's --memory-budget (default 1GiB)")
-    p.add_argument("--src", help="use this existing DCP checkpoint (or ckpttool training root) instead of writing one")
-    p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoint")
-    p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
-
-
 SPEC = Spec(
-    "reshard", "Benchmark: offline reshard", __doc__, os.path.abspath(__file__), options, sets, derive,
+    "reshard", "Benchmark: offline reshard", __doc__, os.path.abspath(__file__), sets, derive,
+    options={"--size": dict(type=float, default=4.0, help="checkpoint size in GB (default 4)"),
+             "--worlds": dict(default="1,3,4", help="target world sizes (default 1,3,4)"),
+             "--src": dict(help="use this existing DCP checkpoint (or ckpttool training root) instead of writing one")},
     columns=[Column("case", "label", None), Column("work s", "seconds", ".1f"), Column("GB/s", "gbps"),
              Column("× copy time", "x_copy"), Column("online / this (work)", "speedup_online"),
              Column("whole processes s", "wall_s", ".1f"), Column("online / this (whole)", "speedup_online_wall"),
@@ -187,7 +174,6 @@ SPEC = Spec(
                  Panel("peak_mib", "peak RSS of the process tree (MiB)", log=True, limit_label="budget + 300 MB",
                        limit=lambda res: (parse_size(res["options"]["budget"]) + 300 * 1000**2) / MiB)],
                 title=lambda res: f"reshard {res['checkpoint']['file_bytes'] / GB:.2f} GB saved on {SAVED_ON} ranks"),
-    child=single_case, rank=online_rank)
+    child=single_case, rank=online_rank, flags=("budget", "keep", "warm"))
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC))
+main(SPEC, __name__)

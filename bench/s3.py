@@ -18,6 +18,7 @@ traffic only; the server is stopped (by PID) when the script ends.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -33,7 +34,6 @@ from harness import Column, Set, Spec, check, main
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 PLAIN = {"put": ("s3fs put of the .pt (plain upload)", "s3 write <= 1.0x a plain upload", 1.0),  # a reference, its target, the limit
          "get": ("s3fs get of the object (plain download)", "s3 read <= 1.5x a plain whole download", 1.5)}
-EXIT = [0]  # 1 when the bytes from s3 differ from the local ones, or verify fails
 
 
 @contextlib.contextmanager
@@ -121,7 +121,6 @@ def sets(run):
                           f"round(s); torch {torch.__version__}, fsspec {fsspec.__version__}", info={"torch": torch.__version__})
         a, b = load_file(local), load_file(os.path.join(work, "from-s3-0.safetensors"))
         run.extra.update(bitwise=a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), verify_ok=all(r.ok for r in reports))
-        EXIT[0] = 0 if run.extra["bitwise"] and run.extra["verify_ok"] else 1
 
 
 def derive(res: dict, run) -> tuple[list[dict], list[dict]]:
@@ -142,17 +141,14 @@ def derive(res: dict, run) -> tuple[list[dict], list[dict]]:
     return rows, checks
 
 
-def options(p) -> None:
-    p.add_argument("--tensors", type=int, default=64)
-    p.add_argument("--tensor-mib", type=int, default=4)
-    p.set_defaults(warm=True)  # no cache to drop: the server is what is measured
-
-
-SPEC = Spec("s3", "Benchmark: s3 on loopback", __doc__, os.path.abspath(__file__), options, sets, derive,
+SPEC = Spec("s3", "Benchmark: s3 on loopback", __doc__, os.path.abspath(__file__), sets, derive,
+            options={"--tensors": dict(type=int, default=64), "--tensor-mib": dict(type=int, default=4),
+                     # no cache to drop: the server is what is measured
+                     "--warm": dict(action="store_true", default=True, help=argparse.SUPPRESS)},
             columns=[Column("case", "case", None), Column("time s (median)", "median"), Column("each round s", "each", ""),
                      Column("GB/s", "gbps", ".3f"), Column("× plain s3fs, same direction and round (median, range)", "ratio", "")],
             epilogue=lambda res: f"safetensors from s3 equal the local ones bitwise: {res.get('bitwise')}; verify of the s3 checkpoint ok: "
-                                 f"{res.get('verify_ok')}", repeat=3)
+                                 f"{res.get('verify_ok')}", repeat=3,
+            exit=lambda res: 0 if res["bitwise"] and res["verify_ok"] else 1)  # 1: the bytes from s3 differ, or verify failed
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC) or EXIT[0])
+main(SPEC, __name__)

@@ -49,15 +49,15 @@ state (+5%) to host memory, steadily over the loop's saves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 from typing import Any
 
-from _common import GB, MiB, drop_caches, pattern_buffer, proc_status, raw_write, remove, reset_peak_rss
+from _common import GB, MiB, drop_caches, pattern_buffer, proc_status, raw_write, remove, reset_peak_rss, timed
 from _dist import finish_rank, init_rank, make_mesh, model_dims, n_params, state_nbytes  # (puts the repository on sys.path)
 from harness import Chart, Column, Panel, Set, Spec, check, main, md_table, render
 
@@ -77,11 +77,6 @@ RANK_OPTS = ("steps", "batch_size", "prior_saves", "loop_saves", "loop_block", "
 #: a save case's figures taken from the slowest rank (the highest); the rest are rank 0's (each rank's: "ranks")
 SLOWEST = ("blocking_s", "fence_s", "ref_step_s", "k_steps", "overlap_s", "extra_s", "wait_s", "commit_s", "rank_state_bytes",
            "build_s", "loop_cost_s", "loop_cost_median_s", "bg_cpu_s", "main_cpu_extra_s", "main_runq_extra_s", "staging_bytes")
-
-
-def state_bytes(cfg: dict[str, int]) -> int:
-    """Bytes of the state: 12 per parameter plus AdamW's 0-d step counters."""
-    return 12 * n_params(cfg) + 4 * (5 + 16 * cfg["n_layers"])
 
 
 def rank_case(args) -> None:
@@ -176,8 +171,7 @@ def rank_case(args) -> None:
     t0 = time.perf_counter()
     start_save(args.prior_saves)  # the measured save
     t1 = time.perf_counter()
-    overlap: list[float] = []  # the steps that overlap the background save (at least nsteps)
-    still = 1
+    overlap, still = [], 1  # the steps that overlap the background save (at least nsteps); ranks whose save still runs
     while still or len(overlap) < nsteps:
         d, still = train_step(lambda: ck.saving if method == "ckpt_async" else method == "dcp_async" and not fut.done())
         overlap.append(d)
@@ -241,9 +235,7 @@ def loop_case(args, ck, model, optimizer, train_step, events: list) -> dict[str,
         plain_blocks.append(block(None))
         rss_kib.append(proc_status("VmRSS") or 0)
         pair_hwm.append(proc_status("VmHWM") or 0)
-    tw = time.perf_counter()
-    ck.wait()
-    wait_s, hwm = time.perf_counter() - tw, max(pair_hwm + [proc_status("VmHWM") or 0])
+    wait_s, hwm = timed(ck.wait), max(pair_hwm + [proc_status("VmHWM") or 0])
     staging_bytes = sum({s.data_ptr(): s.nbytes() for s in (b.untyped_storage() for b in ck.staging.buffers.values())}.values())
     ck.close()  # frees the staging buffers (one mapping: at once) before training's own peak after the loop
     after_hwm, sync_s = peak_of_steps(), []
@@ -269,18 +261,16 @@ def loop_case(args, ck, model, optimizer, train_step, events: list) -> dict[str,
 
 def run_delay() -> float:
     """Seconds the calling thread has waited for a CPU (its run queue delay, Linux schedstat); 0 elsewhere."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as fh:
-            return int(fh.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as fh:
+        return int(fh.read().split()[1]) / 1e9
+    return 0.0
 
 
 def raw_case(args) -> dict[str, Any]:
     """A raw write of the state's bytes into the directory ``--_dst``, in 1 or 2 streams."""
     from concurrent.futures import ThreadPoolExecutor
 
-    nbytes, streams = state_bytes(json.loads(args._cfg)), 2 if args._case == "raw_write_2" else 1
+    nbytes, streams = int(args._bytes), 2 if args._case == "raw_write_2" else 1
     rss0, bufs, start = reset_peak_rss(), [pattern_buffer() for _ in range(streams)], threading.Barrier(streams)
     os.makedirs(args._dst, exist_ok=True)
     with ThreadPoolExecutor(streams) as pool:
@@ -296,7 +286,7 @@ def measure(run, name: str, info: dict[str, Any]) -> dict[str, Any]:
     dropped = drop_caches() if run.cold else False
     dst = os.path.join(run.work, name)
     remove(dst)
-    argv = ["--_case", name, "--_dst", dst, "--_cfg", json.dumps(info["cfg"])]
+    argv = ["--_case", name, "--_dst", dst, "--_cfg", json.dumps(info["cfg"]), "--_bytes", str(info["state_bytes"])]
     if name in RAW:
         r, _ = run.child(name, argv)
     else:
@@ -354,7 +344,8 @@ def sets(run):
     print(measured, flush=True)
     for size_gb in sizes:
         cfg = model_dims(size_gb)
-        info = {"size_gb": size_gb, "cfg": cfg, "params": n_params(cfg), "state_bytes": state_bytes(cfg)}
+        # the state's bytes: 12 per parameter plus AdamW's 0-d step counters
+        info = {"size_gb": size_gb, "cfg": cfg, "params": n_params(cfg), "state_bytes": 12 * n_params(cfg) + 4 * (5 + 16 * cfg["n_layers"])}
         yield Set([n for n in names if n != LOOP or size_gb in loop_sizes], lambda n, info=info: measure(run, n, info), progress,
                   pick=pick_run, info=info, tag=f"{size_gb:g}gb",
                   heading=f"{info['state_bytes'] / GB:.2f} GB of state ({info['params'] / 1e6:.1f}M params), {WORLD} ranks",
@@ -363,8 +354,7 @@ def sets(run):
 
 
 def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The rows (ratios to the raw write, the sync save and plain torch) and the verdicts; the loop case's row, a table of its
-    own, goes to ``res["loop"]``."""
+    """The rows (ratios to the raw write, the sync save, plain torch) and verdicts; the loop case's row: ``res["loop"]``."""
     cases, nbytes = res["cases"], res["checkpoint"]["state_bytes"]
     ok = {n: c for n, c in cases.items() if c.get("ok")}
     raw_s = min((ok[n]["commit_s"] for n in RAW if n in ok), default=None)  # None: no raw case ran
@@ -409,8 +399,7 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
 
 
 def derive_loop(c: dict[str, Any], sync_case_s: float | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The loop case's row and verdicts; the denominator is the sync case's save of this run (as every other ratio here), else
-    the sync saves the loop case made at its end."""
+    """The loop case's row and verdicts; the denominator: this run's sync case (as every ratio here), else the loop's sync saves."""
     in_loop = statistics.median(c["sync_in_loop_s"]) if c.get("sync_in_loop_s") else None
     sync_s, n, stall = sync_case_s or in_loop, c["loop_saves"], c["blocking_s"] + c["fence_s"]
     rss = [kib / 1024 for kib in c["rss_after_kib"]]
@@ -447,8 +436,7 @@ def derive_loop(c: dict[str, Any], sync_case_s: float | None) -> tuple[dict[str,
 
 
 def epilogue(results: dict[str, Any]) -> str:
-    """The method, the loop case's table of each size, and where ckpttool's time goes: its phases of the measured save (rank 0,
-    representative run), blocking and background."""
+    """The method, each size's loop case table, and where ckpttool's time goes: the measured save's phases (rank 0, its run)."""
     steps, sets_ = results.get("steps"), results["sets"]
     out = [f"Method: {results.get('measured_save')}; {WARMUP_STEPS} warm-up steps; reference windows of {steps} steps before the save "
            f"and after its commit; extra loop time = time of the k steps that overlap the save (k >= {steps}) - k × the median step of "
@@ -459,20 +447,6 @@ def epilogue(results: dict[str, Any]) -> str:
         + md_table(["phase", "start", "end", "duration", "thread"], [[str(x) for x in row] for row in r["cases"][name]["timeline"]],
                    left=(0, 4)) for r in sets_ for name in ("ckpt_sync", "ckpt_async") if r["cases"].get(name, {}).get("ok")]
     return "\n\n".join(out) + "\n"
-
-
-def options(p) -> None:
-    p.add_argument("--sizes", default="1", help="state sizes in GB, comma-separated (default 1)")
-    p.add_argument("--steps", type=int, default=10, help="steps of a reference window, the least overlapping the save (default 10)")
-    p.add_argument("--prior-saves", type=int, default=1, help="untimed, waited saves before the measured one (default 1; 0: none)")
-    p.add_argument("--batch-size", type=int, default=2, help="global batch size (default 2; seq_len 32)")
-    p.add_argument("--cases", default=",".join([*RAW, *METHODS, LOOP]), help="the cases, comma-separated (default: all)")
-    p.add_argument("--loop-saves", type=int, default=20, help=f"{LOOP}: async saves in the loop (default 20)")
-    p.add_argument("--loop-block", type=int, default=3, help=f"{LOOP}: steps of a save block and of a plain block (default 3)")
-    p.add_argument("--loop-sizes", default="smallest", help=f"sizes (GB, comma-separated) at which {LOOP} runs, or 'smallest' (default)")
-    p.add_argument("--writer-nice", type=int, help="ckpttool cases: Checkpointer(writer_nice=N) (default: the training thread's)")
-    p.add_argument("--loop-sync", type=int, default=2, help=f"{LOOP}: sync saves at the end, in the same processes (default 2)")
-    p.add_argument("--warm", action="store_true", help="do not drop the page cache before each case")
 
 
 def added(r: dict[str, Any]) -> str | None:
@@ -490,7 +464,17 @@ LOOP_COLUMNS = [
     Column("staging buffers × state", "staging_x_state", ".3f"), Column("peak per save: drift MiB", "pair_drift_mib", "+.0f")]
 
 SPEC = Spec(
-    "save", "Benchmark: save from the training loop (sync and async)", __doc__, os.path.abspath(__file__), options, sets, derive,
+    "save", "Benchmark: save from the training loop (sync and async)", __doc__, os.path.abspath(__file__), sets, derive,
+    options={"--sizes": dict(default="1", help="state sizes in GB, comma-separated (default 1)"),
+             "--steps": dict(type=int, default=10, help="steps of a reference window, the least overlapping the save (default 10)"),
+             "--prior-saves": dict(type=int, default=1, help="untimed, waited saves before the measured one (default 1; 0: none)"),
+             "--batch-size": dict(type=int, default=2, help="global batch size (default 2; seq_len 32)"),
+             "--cases": dict(default=",".join([*RAW, *METHODS, LOOP]), help="the cases, comma-separated (default: all)"),
+             "--loop-saves": dict(type=int, default=20, help=f"{LOOP}: async saves in the loop (default 20)"),
+             "--loop-block": dict(type=int, default=3, help=f"{LOOP}: steps of a save block and of a plain block (default 3)"),
+             "--loop-sizes": dict(default="smallest", help=f"sizes (GB, comma-separated) at which {LOOP} runs, or 'smallest' (default)"),
+             "--writer-nice": dict(type=int, help="ckpttool cases: Checkpointer(writer_nice=N) (default: the training thread's)"),
+             "--loop-sync": dict(type=int, default=2, help=f"{LOOP}: sync saves at the end, in the same processes (default 2)")},
     columns=[Column("case", "label", None), Column("save() blocks s", "blocking_s", ".3f"), Column("fence s", "fence_s", ".3f"),
              Column("loop: ref ms/step × steps during save",
                     lambda r: f"{1000 * r['ref_step_s']:.0f} × {r['k_steps']}" if "k_steps" in r else None, ""),
@@ -503,16 +487,13 @@ SPEC = Spec(
     chart=Chart([Panel("blocking_s", "seconds (the sync rows' extra loop time is the noise floor; may be < 0)", also="extra_s",
                        legend=("save() blocks", "extra loop time while the save runs")),
                  Panel("commit_s", "seconds to durable commit", limit_label="raw write + fsync (the faster)",
-                       limit=lambda res: min((r["commit_s"] for r in res["rows"] if r["case"] in RAW and not r.get("failed")),
-                                             default=None)),
+                       limit=lambda res: min((r["commit_s"] for r in res["rows"] if r["case"] in RAW and "commit_s" in r), default=None)),
                  Panel("peak_mib", "MiB per rank", also="added_mib",
                        legend=("peak RSS per rank", "added by saving (over training steps without)"),
                        limit=lambda res: next((r["rank_state_mib"] for r in res["rows"] if r.get("rank_state_mib")), None),
                        limit_label="one copy of the rank's state")],
-                title=lambda res: f"save {res['checkpoint']['state_bytes'] / GB:.2f} GB state on {WORLD} ranks: what a save costs the "
-                                  "loop (" + (f"after {res['options']['prior_saves']} prior save(s)" if res['options']['prior_saves']
-                                              else "first save") + ")"),
-    child=raw_case, rank=rank_case, epilogue=epilogue)
+                title=lambda res: (f"save {res['checkpoint']['state_bytes'] / GB:.2f} GB state on {WORLD} ranks: what a save costs the "
+                                   f"loop ({f'after {n} prior save(s)' if (n := res['options']['prior_saves']) else 'first save'})")),
+    child=raw_case, rank=rank_case, hidden=("--_bytes",), flags=("warm",), epilogue=epilogue)
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC))
+main(SPEC, __name__)

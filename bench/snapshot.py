@@ -21,30 +21,29 @@ Target (issue 35): health adds at most 10% to the writer's CPU per save.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import os
 import resource
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import xxhash
 
-import torch  # noqa: E402
-import xxhash  # noqa: E402
+from _common import timed
+from harness import Chart, Column, Panel, Set, Spec, check, main, md_table  # before ckpttool: it puts this repository on sys.path
 
-from _common import timed  # noqa: E402
-from ckpttool import snapshot  # noqa: E402
-from ckpttool.formats.dcp.save import write_rank  # noqa: E402
-from ckpttool.health import Check, count_nonfinite  # noqa: E402
-from ckpttool.index import iter_leaves  # noqa: E402
-from ckpttool.state_cache import torch_state  # noqa: E402
-from ckpttool.storage import resolve  # noqa: E402
-from ckpttool.trainer.model import PRESETS, build_model, synthetic_batch  # noqa: E402
-from harness import Chart, Column, Panel, Set, Spec, check, main, md_table  # noqa: E402
+from ckpttool import snapshot
+from ckpttool.formats.dcp.save import write_rank
+from ckpttool.health import Check, count_nonfinite
+from ckpttool.index import iter_leaves
+from ckpttool.state_cache import torch_state
+from ckpttool.storage import resolve
+from ckpttool.trainer.model import PRESETS, build_model, synthetic_batch
 
 PARTS = (("user CPU", "user"), ("system CPU", "system"), ("CPU", "cpu"), ("wall", "wall"))
 STATS = (("min", min), ("median", statistics.median), ("max", max))
@@ -76,12 +75,8 @@ def write_once(state: dict, trainable: set[str], root: str, health: bool, before
 
 class _Never:
     """Copies that stay in flight and never match a write: the guard's whole check, every op."""
-
-    def before_write(self, spans) -> None:
-        pass
-
-    def pending(self) -> bool:
-        return True
+    before_write = staticmethod(lambda spans: None)
+    pending = staticmethod(lambda: True)
 
 
 def guard_cost(preset: str, steps: int) -> dict[str, float]:
@@ -157,17 +152,14 @@ def epilogue(results: dict) -> str:
             + "\n")
 
 
-def options(p) -> None:
-    p.add_argument("--size-gb", type=float, default=1.0)
-    p.add_argument("--rounds", dest="repeat", metavar="N", type=int, default=5, help="writes with health and without it, alternated "
-                   "(default 5 each)")
-    p.add_argument("--guard-presets", default="tiny,small,1g", help="trainer presets the guard's cost is measured on")
-    p.add_argument("--guard-steps", type=int, default=12)
-    p.set_defaults(warm=True)  # no cache to drop: a write is measured after a warm-up write
-
-
 SPEC = Spec(
-    "snapshot", "Benchmark: what the snapshot promise costs (issue 35)", __doc__, os.path.abspath(__file__), options, sets, derive,
+    "snapshot", "Benchmark: what the snapshot promise costs (issue 35)", __doc__, os.path.abspath(__file__), sets, derive,
+    options={"--size-gb": dict(type=float, default=1.0), "--guard-steps": dict(type=int, default=12),
+             "--rounds": dict(dest="repeat", metavar="N", type=int, default=5, help="writes with health and without it, alternated "
+                              "(default 5 each)"),
+             "--guard-presets": dict(default="tiny,small,1g", help="trainer presets the guard's cost is measured on"),
+             # no cache to drop: a write is measured after a warm-up write
+             "--warm": dict(action="store_true", default=True, help=argparse.SUPPRESS)},
     columns=[Column("writer", "label", None), *(Column(f"{part} s {k}", f"{key}_{k}", ".3f") for part, key in PARTS for k, _ in STATS)],
     chart=Chart([Panel("stacked", "writer CPU s per save (medians)", also="system_median", legend=("user + system CPU", "system CPU"),
                        limit=lambda res: LIMIT * res["rows"][0]["stacked"], limit_label="target: off + 10%")],
@@ -175,5 +167,4 @@ SPEC = Spec(
                 color=lambda r: "#888888" if r["case"] == "health off" else "#1f77b4"),
     epilogue=epilogue, repeat=5)
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC))
+main(SPEC, __name__)

@@ -28,12 +28,10 @@ import time
 import zlib
 from typing import Any
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _common import (  # noqa: E402
-    GB, MiB, RAW_BUFFER, cache_states, drop_caches, proc_status, raw_read, read_chunks, report_failure, reset_peak_rss, run_child)
-from _dist import dcp_files  # noqa: E402
-from harness import Chart, Column, Panel, Set, Spec, check, main  # noqa: E402
+from _common import (GB, MiB, RAW_BUFFER, cache_states, drop_caches, proc_status, raw_read, read_chunks, report_failure, reset_peak_rss,
+                     run_child)
+from _dist import dcp_files  # importing _dist puts this repository first on sys.path: its ckpttool is the one measured
+from harness import Chart, Column, Panel, Set, Spec, check, main
 
 LIMIT_MIB = ((1 << 30) + 300 * 1000**2) / MiB  # verify's default --memory-budget (1GiB) + 300 MB
 CLI = os.path.join(os.path.dirname(sys.executable), "ckpttool")
@@ -110,22 +108,17 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
     return rows, checks
 
 
-def options(p) -> None:
-    p.add_argument("--size", type=float, default=4.0, help="checkpoint size in GB (default 4)")
-    p.add_argument("--src", help="an existing ckpttool step directory or training root to verify instead of writing one")
-    p.add_argument("--keep", action="store_true", help="keep (and reuse) the generated checkpoint")
-    p.add_argument("--caches", default="cold,warm", help="cache states to run each case in (default cold,warm)")
-
-
 SPEC = Spec(
-    "verify", "Benchmark: ckpttool verify", __doc__, os.path.abspath(__file__), options, sets, derive,
+    "verify", "Benchmark: ckpttool verify", __doc__, os.path.abspath(__file__), sets, derive,
+    options={"--size": dict(type=float, default=4.0, help="checkpoint size in GB (default 4)"),
+             "--src": dict(help="an existing ckpttool step directory or training root to verify instead of writing one"),
+             "--caches": dict(default="cold,warm", help="cache states to run each case in (default cold,warm)")},
     columns=[Column("case", "label", None), Column("cache", "cache", None), Column("time s", "seconds"), Column("GB/s", "gbps"),
              Column("× read+CRC-32", "x_crc"), Column("× raw read", "x_raw"), Column("peak RSS MiB", "peak_mib", ".0f")],
     # the target line is 1.1x the read + CRC-32 time of the same cache state: drawn on the ratio (a panel has one line for all caches)
     chart=Chart([Panel("seconds", "seconds", note=lambda r: f"{r['seconds']:.1f} s, {r['peak_mib']:.0f} MiB"),
                  Panel("x_crc", "× read + CRC-32 (same cache)", limit=lambda res: 1.1, limit_label="target: 1.1x read + CRC-32")],
                 title=lambda res: f"ckpttool verify of {res['checkpoint']['file_bytes'] / GB:.2f} GB", split="cache"),
-    child=single_case)
+    child=single_case, flags=("keep",))
 
-if __name__ == "__main__":
-    sys.exit(main(SPEC))
+main(SPEC, __name__)
