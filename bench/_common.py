@@ -3,8 +3,6 @@ cache, raw disk bandwidth (the limits), the machine's facts. Standard library on
 time: a benchmark's parent and its raw-disk cases stay small; each measured case runs in a fresh child.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

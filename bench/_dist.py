@@ -8,8 +8,6 @@ starts ``python -u SCRIPT --_rank R --_world WORLD --_rdzv FILE --_result RESULT
 rank R, kills the others as soon as one fails, and writes ``{"rcs": [...], "ranks": [...]}`` to RESULT.
 """
 
-from __future__ import annotations
-
 import math
 import os
 import subprocess

@@ -16,8 +16,6 @@ Random-valued fp32 state compresses little (its mantissas are noise), as do real
 state early in training and zero-initialised buffers compress more.
 """
 
-from __future__ import annotations
-
 import os
 import time
 

@@ -17,8 +17,6 @@ cache). "Δ over import": the peak over a bare ``import torch, ckpttool``, measu
     .venv/bin/python bench/convert.py --sizes 1,4,12 --plot docs/img/bench-convert.png
 """
 
-from __future__ import annotations
-
 import json
 import os
 import re

@@ -6,8 +6,6 @@
 library only at import time, like ``_common.py`` and ``_dist.py``: the parent stays small.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os

@@ -12,8 +12,6 @@ Targets: every save after the first writes <= 1.1x the changed bytes (the traina
 state: what a save must write) and takes <= 0.2x a full save.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import time

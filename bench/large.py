@@ -30,8 +30,6 @@ refuses (a failed verdict saying how much it needs). What it writes is removed a
 
 Targets (issue 29, item 6): peak RSS < 1.5 GB and <= 1.1x the time of cp -r, for a checkpoint larger than RAM.
 """
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import json

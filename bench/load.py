@@ -22,8 +22,6 @@ Targets: resharding load <= 1.1x the load saved on that layout, verify_loaded <=
 oversubscribe 2 cores: both sides of a comparison run on the same ranks.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import time

@@ -13,8 +13,6 @@ On this machine (2 cores, one virtio disk) little gain is expected: the figures 
 docs/scaling.md's model (per-worker throughput), not a claim of speed-up here.
 """
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import os

@@ -22,8 +22,6 @@ Targets (issue 37): bytes each rank reads <= 1.1x its shard's bytes; peak RSS pe
 shard + 0.5 GB; time against from_pretrained + fully_shard and against the HF reader + dcp.load.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import time

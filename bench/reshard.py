@@ -21,8 +21,6 @@ pages: shared library pages do not count). The fastest run of each case is repor
 Targets (issue "offline reshard"): <= 1.1x the copy's time; >= 2x faster than online; peak RSS <= budget + 300 MB.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import time

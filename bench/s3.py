@@ -16,8 +16,6 @@ traffic only; the server is stopped (by PID) when the script ends.
     .venv/bin/python bench/s3.py --tensors 64 --tensor-mib 4
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import os

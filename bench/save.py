@@ -47,8 +47,6 @@ Targets (issues "async save" and 29): async save() + fence <= 1% of the sync sav
 state (+5%) to host memory, steadily over the loop's saves.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

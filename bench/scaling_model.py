@@ -7,8 +7,6 @@ docs/scaling.md states (with the per-worker figures measured by bench/parallel.p
     .venv/bin/python bench/scaling_model.py --md
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 

@@ -19,8 +19,6 @@ flight (every writing op looks up the storages it writes), and with the guard on
 Target (issue 35): health adds at most 10% to the writer's CPU per save.
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import itertools

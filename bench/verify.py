@@ -20,8 +20,6 @@ Targets (issue 16): <= 1.1x the read + CRC-32 pass (same cache state), the comma
 library call; peak RSS <= budget (1 GiB default) + 300 MB.
 """
 
-from __future__ import annotations
-
 import os
 import sys
 import time
