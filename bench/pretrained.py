@@ -1,18 +1,19 @@
 """Benchmark: a ``save_pretrained`` folder loaded into FSDP2 on 2 ranks (issue 37).
 
 A Llama-shaped model of about ``--size`` GB of fp32 weights (transformers' LlamaForCausalLM, random values) is written
-by ``save_pretrained`` (1 GB shards and the index), or ``--src`` names a folder. Then each case on 2 gloo CPU ranks, in
-fresh processes, the page cache dropped before it (unless ``--warm``):
+by ``save_pretrained`` (1 GB shards and the index) and as one ``torch.save`` file (FOLDER.pt), or ``--src`` names a
+folder. Then each case on 2 gloo CPU ranks, in fresh processes, the page cache dropped before it (unless ``--warm``):
 
   ckpttool.load        meta device, ``fully_shard`` per decoder layer and the root, ``to_empty``, then
                        ``ckpttool.load(folder, model)``: each rank reads its own rows of each tensor
+  ... of the .pt       the same from FOLDER.pt (where it exists), the records' CRC-32s checked from every rank's pieces
   from_pretrained      what fine-tuning scripts do: ``from_pretrained`` on every rank (the whole model
                        in each rank's memory), then ``fully_shard``
   dcp + HF reader      meta + ``fully_shard`` + ``to_empty``, then torch's ``HuggingFaceStorageReader``
                        with ``dcp.load`` and ``set_model_state_dict`` (where the torch has it: 2.8 and later)
 
 Per rank: the seconds of the load (barrier to barrier, after the model is built; from_pretrained: the load and the
-sharding), the bytes its read calls returned during the load (``/proc/self/io`` rchar; ckpttool.load only: the others
+sharding), the bytes its read calls returned during the load (``/proc/self/io`` rchar; ckpttool.load's only: the others
 map the files, which rchar does not count) against its shard's bytes, and its peak RSS (VmHWM, imports included) against
 its shard + 0.5 GB. The slowest rank and the largest figures are reported; one run per case, the fastest.
 
@@ -32,8 +33,9 @@ from _common import GB, MiB, drop_caches, path_bytes, proc_io, proc_status, rese
 from _dist import finish_rank, init_rank  # importing _dist puts this repository first on sys.path: its ckpttool is the one measured
 from harness import Chart, Column, Panel, Set, Spec, check, main
 
-CASES = {"ckpt_load": "ckpttool.load into FSDP2", "hf_every_rank": "from_pretrained on every rank + fully_shard",
-         "dcp_hf_reader": "dcp.load + HuggingFaceStorageReader"}
+CASES = {"ckpt_load": "ckpttool.load into FSDP2", "ckpt_load_pt": "ckpttool.load of the same weights as one .pt",
+         "hf_every_rank": "from_pretrained on every rank + fully_shard", "dcp_hf_reader": "dcp.load + HuggingFaceStorageReader"}
+OURS = ("ckpt_load", "ckpt_load_pt")  # read() calls only: the others map the files (safe_open), which rchar does not count
 
 
 def llama_config(size_gb: float) -> dict[str, int]:
@@ -57,6 +59,7 @@ def generate(args) -> dict[str, Any]:
         for p in model.parameters():
             p.uniform_(-0.05, 0.05, generator=gen)
     model.save_pretrained(args._dst, max_shard_size="1GB")
+    torch.save(model.state_dict(), args._dst + ".pt")  # the same weights as one torch.save file (CRC-32 per record)
     return {"ok": True, "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__}
 
 
@@ -86,8 +89,8 @@ def rank_case(args) -> None:
     dist.barrier()
     reset_peak_rss()
     read0, t0 = proc_io().get("rchar", 0), time.perf_counter()
-    if case == "ckpt_load":
-        ckpttool.load(folder, model)
+    if case in OURS:
+        ckpttool.load(folder + (".pt" if case == "ckpt_load_pt" else ""), model)
     elif case == "hf_every_rank":
         model = shard(LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32))
     else:
@@ -119,14 +122,15 @@ def measure(run, name: str, folder: str) -> dict[str, Any]:
 def sets(run):
     args = run.args
     folder = os.path.abspath(args.src) if args.src else os.path.join(run.out_dir, f"llama-{args.size:g}GB")
-    run.made += [] if args.src or args.keep else [folder]  # removed at the end (also if writing it fails)
+    run.made += [] if args.src or args.keep else [folder, folder + ".pt"]  # removed at the end (also if writing it fails)
     if not args.src and not (args.keep and os.path.exists(os.path.join(folder, "config.json"))):
         print(f"writing a {args.size:g} GB save_pretrained folder ...", flush=True)
         made, _ = run.child("generate", ["--_case", "generate", "--_dst", folder, "--_cfg", json.dumps(llama_config(args.size))])
         if not made["ok"]:
             raise SystemExit("writing the save_pretrained folder failed")
     has_reader = tuple(int(x) for x in version("torch").split(".")[:2]) >= (2, 8)  # (without importing torch here)
-    names = ["ckpt_load", "hf_every_rank"] + (["dcp_hf_reader"] if has_reader else [])
+    names = ["ckpt_load"] + (["ckpt_load_pt"] if os.path.exists(folder + ".pt") else []) + ["hf_every_rank"]
+    names += ["dcp_hf_reader"] if has_reader else []
     info = {"path": folder, "file_bytes": path_bytes(folder)}
     yield Set(names, lambda n: measure(run, n, folder),
               lambda n, r: f"{CASES[n]:<46} {r['seconds']:7.2f} s  read {r['read_x']:.2f}x shard  peak {r['hwm_kib'] / 1024:6.0f} MiB",
@@ -142,14 +146,15 @@ def derive(res: dict[str, Any], run) -> tuple[list[dict[str, Any]], list[dict[st
         if not c.get("ok"):
             row["failed"] = True
             continue
-        mine = name == "ckpt_load"  # read() calls only: the others map the files (safe_open), which rchar does not count
+        mine = name in OURS
         row.update(seconds=c["seconds"], build_s=c["build_s"] or None, x_ours=c["seconds"] / ours["seconds"] if ours.get("ok") else None,
                    read_x=c["read_x"] if mine else None, read_gb=c["read_bytes"] / GB if mine else None, shard_gb=c["shard_bytes"] / GB,
                    peak_mib=c["hwm_kib"] / 1024, limit_mib=(c["shard_bytes"] + 0.5 * GB) / MiB)
     if ours.get("ok"):
         tag, row = f"ckpttool.load, {res['checkpoint']['file_bytes'] / GB:.2f} GB on 2 ranks", rows[0]
-        checks.append(check("bytes each rank reads <= 1.1x its shard's bytes", tag, f"{row['read_gb']:.2f} GB read for a "
-                            f"{row['shard_gb']:.2f} GB shard = {row['read_x']:.2f}x", row["read_x"] <= 1.1))
+        for r in (r for r in rows if r["case"] in OURS and not r.get("failed")):
+            checks.append(check("bytes each rank reads <= 1.1x its shard's bytes", tag + (", .pt, CRC-32s checked" if r is not row else ""),
+                                f"{r['read_gb']:.2f} GB read for a {r['shard_gb']:.2f} GB shard = {r['read_x']:.2f}x", r["read_x"] <= 1.1))
         checks.append(check("peak RSS per rank <= its shard + 0.5 GB", tag,
                             f"{row['peak_mib']:.0f} MiB (limit {row['limit_mib']:.0f} MiB)", row["peak_mib"] <= row["limit_mib"]))
         for other in (n for n in ("hf_every_rank", "dcp_hf_reader") if cases.get(n, {}).get("ok")):
