@@ -6,6 +6,7 @@ about 3, SHA-256 1.5: ``bench/hashes.py``); CRC-32 because torch's zip records c
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from typing import Any
@@ -153,6 +154,7 @@ def _gf2_times(matrix: list[int], vector: int) -> int:
     return out
 
 
+@functools.cache
 def _zeros_operators() -> list[list[int]]:
     """Operator k advances a CRC-32 register over 2**k zero bytes (zlib's crc32_combine, its
     matrices squared once here instead of on every call)."""
@@ -166,18 +168,13 @@ def _zeros_operators() -> list[list[int]]:
     return ops
 
 
-_ZEROS: list[list[int]] = []
-
-
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 of A + B from A's CRC ``crc1``, B's ``crc2`` and B's length (zlib's own
     crc32_combine, which Python's zlib does not expose)."""
-    if not _ZEROS:
-        _ZEROS.extend(_zeros_operators())
-    k = 0
+    zeros, k = _zeros_operators(), 0
     while len2:
         if len2 & 1:
-            crc1 = _gf2_times(_ZEROS[k], crc1)
+            crc1 = _gf2_times(zeros[k], crc1)
         len2 >>= 1
         k += 1
     return crc1 ^ crc2

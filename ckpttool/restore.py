@@ -154,17 +154,19 @@ def _read_agreed(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.
     matched = keys.KeyMatch()
     error: BaseException | None = None
     source: Any = None
+    together = False
     try:
         record = read_commit_record(loc)
         source = _open(loc, model, optimizers, verify)
+        # a torch.save file: each rank reads its rows; the records' CRC-32s are checked together below
+        together = isinstance(source, TorchSaveSource) and source.check_together()
         matched = _match(source.index(), state, loc, key_map, strict, bool(optimizers))
         state, saved_leaves = _read_state(source, state, loc, matched)
     except CkptError as exc:
         error = exc
     try:
         error = dist.first_error(error)
-        # a torch.save file: its records' CRC-32s from the pieces every rank read (the same on every rank)
-        if error is None and verify and isinstance(source, TorchSaveSource):
+        if error is None and together:  # from the pieces every rank read (the same verdict on every rank)
             error = dist.first_error(check_together(source, dist.rank(), dist.all_gather))
     finally:
         if source is not None:
@@ -194,10 +196,7 @@ def _open(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.optim.O
     # a per-rank folder's optimizer state is keyed by index: paired through the live optimizers' own groups
     fqn = {id(p): n for n, p in model.named_parameters()}
     names = [[fqn.get(id(p), "?") for p in g["params"]] for o in optimizers for g in o.param_groups] if optimizers else None
-    source = fmt.open_source(loc, verify, formats.Reading(rank=dist.rank(), optimizer_names=names))
-    if isinstance(source, TorchSaveSource):  # each rank reads its rows; the records are checked together
-        source.check_together()
-    return source
+    return fmt.open_source(loc, verify, formats.Reading(rank=dist.rank(), optimizer_names=names))
 
 
 def _match(index: Index, state: dict[str, Any], loc: Location, key_map: dict[str, str] | None, strict: bool,

@@ -351,9 +351,10 @@ class Sink(ABC):
         self.finish_files()
         self.complete()
         for name, src in self.also:  # copied in 64 MiB pieces: a file's size is not trusted to fit in memory
+            size = src.size()
             with self.tmp.child(name).open_write() as out:
-                for start in range(0, src.size(), 1 << 26):
-                    out.write(src.read_bytes(start, min(src.size(), start + (1 << 26))))
+                for start in range(0, size, 1 << 26):
+                    out.write(src.read_bytes(start, min(size, start + (1 << 26))))
         self._files.close()
         self.policy.publish(self.tmp, self.location)
 

@@ -79,8 +79,7 @@ class TorchFile:
         if self.crc_checked is not None and self.pieces is None and storage.name not in self.crc_checked:
             crc = scan(self.reader, storage.offset, storage.nbytes, new_block())
             if crc != storage.crc32:
-                raise ChecksumError(f"data of {key!r} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
-                                    where=self.location.url, hint="the file changed after it was written; restore it")
+                raise _crc_mismatch(key, storage, crc, self.location.url)
             self.crc_checked.add(storage.name)
         return storage
 
@@ -307,16 +306,16 @@ def check_together(source: TorchSaveSource, rank: int, gather: Callable[[Any], l
                        for name, pieces in (part.pieces or {}).items()])
     for i, name, key, pieces in (item for rank_pieces in everyone for item in rank_pieces):
         records.setdefault((i, name), (key, []))[1].extend(pieces)
-    plan = {rec: cover(pieces, source.parts[rec[0]].archive.storages[rec[1]].nbytes) for rec, (_, pieces) in sorted(records.items())}
+    stored = {rec: source.parts[rec[0]].archive.storages[rec[1]] for rec in sorted(records)}
+    plan = {rec: cover(records[rec][1], storage.nbytes) for rec, storage in stored.items()}
     world, shares, error = len(everyone), {}, None
     try:  # this rank's share of each gap: the bytes no rank read
         block = new_block()
         for rec, segments in plan.items():
-            storage = source.parts[rec[0]].archive.storages[rec[1]]
             for start, end, crc in segments:
-                lo, hi = start + (end - start) * rank // world, start + (end - start) * (rank + 1) // world
+                lo, hi = _share(start, end, rank, world)
                 if crc is None and lo < hi:
-                    shares[(rec, lo)] = (hi, scan(source.parts[rec[0]].reader, storage.offset + lo, hi - lo, block))
+                    shares[(rec, lo)] = (hi, scan(source.parts[rec[0]].reader, stored[rec].offset + lo, hi - lo, block))
     except CkptError as exc:
         error = exc
     found = gather(None if error is not None else shares)
@@ -330,16 +329,23 @@ def check_together(source: TorchSaveSource, rank: int, gather: Callable[[Any], l
             if crc is not None:
                 parts.append((start, end, crc))
                 continue
-            for r in range(world):
-                lo, hi = start + (end - start) * r // world, start + (end - start) * (r + 1) // world
+            for lo, hi in (_share(start, end, r, world) for r in range(world)):
                 if lo < hi:
                     parts.append((lo, *shares[(rec, lo)]))
-        storage, part = source.parts[rec[0]].archive.storages[rec[1]], source.parts[rec[0]]
         crc = combine(parts)
-        if crc != storage.crc32:
-            return ChecksumError(f"data of {records[rec][0]!r} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
-                                 where=part.location.url, hint="the file changed after it was written; restore it")
+        if crc != stored[rec].crc32:
+            return _crc_mismatch(records[rec][0], stored[rec], crc, source.parts[rec[0]].location.url)
     return None
+
+
+def _share(start: int, end: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s part of ``[start, end)`` split evenly between ``world`` ranks."""
+    return start + (end - start) * rank // world, start + (end - start) * (rank + 1) // world
+
+
+def _crc_mismatch(key: str, storage: StoredStorage, crc: int, where: str) -> ChecksumError:
+    return ChecksumError(f"data of {key!r} does not match its CRC-32 (stored {storage.crc32:08x}, computed {crc:08x})",
+                         where=where, hint="the file changed after it was written; restore it")
 
 
 def check_record(part: TorchFile, ref: TensorRef, key: str, report: Report, checked: set[tuple[str, str]],

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from ..checksums import crc32
 
-LIMIT = (1 << 31) - 1  # zipfile's ZIP64_LIMIT: a size or offset above it needs zip64 fields
+LIMIT = zipfile.ZIP64_LIMIT  # a size or offset above it needs zip64 fields
 _DESCRIPTOR = 0x08074B50
 _SYSTEM = 0 if sys.platform == "win32" else 3
 
