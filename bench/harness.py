@@ -284,6 +284,11 @@ def check(target: str, case: str, value: str, passed: bool | None) -> dict[str, 
     return {"target": target, "case": case, "value": value, "pass": passed}
 
 
+def peak_check(tag: str, peak_mib: float, limit_mib: float) -> dict[str, Any]:
+    """The offline commands' memory verdict: the peak RSS of the process tree against the budget + 300 MB."""
+    return check(f"peak RSS <= budget + 300 MB ({limit_mib:.0f} MiB)", tag, f"{peak_mib:.0f} MiB", peak_mib <= limit_mib)
+
+
 def report(spec: Spec, results: dict[str, Any], args: argparse.Namespace, out_json: str | None) -> None:
     """Print each set's table and verdicts, one line each; write ``--md`` (what ran, where, when, then
     each set's tables) and ``--plot`` (one file per set, the second and later named with its tag)."""
