@@ -13,10 +13,11 @@ with the file written last as the marker on object stores (which have no atomic 
 
 from __future__ import annotations
 
-from .backends import PARALLEL_PARTS, PART_BYTES, SYNC_FILE_RANGE, WRITEBACK_WINDOW, Backend, Fsspec, LocalDisk
+from .backends import PARALLEL_PARTS, PART_BYTES, Backend, Fsspec, LocalDisk
+from .localfile import SYNC_FILE_RANGE, WRITEBACK_WINDOW, LocalFile
 from .commit import CommitPolicy, InPlaceCommit, RenameCommit, temp_sibling
 from .location import BytesReader, Location, RangeReader, describe_os_error, resolve, save_error
 
 __all__ = ["PARALLEL_PARTS", "PART_BYTES", "SYNC_FILE_RANGE", "WRITEBACK_WINDOW", "Backend", "BytesReader", "CommitPolicy",
-           "Fsspec", "InPlaceCommit", "Location", "LocalDisk", "RangeReader", "RenameCommit", "describe_os_error", "resolve", "save_error",
+           "Fsspec", "InPlaceCommit", "Location", "LocalDisk", "LocalFile", "RangeReader", "RenameCommit", "describe_os_error", "resolve", "save_error",
            "temp_sibling"]

@@ -149,7 +149,7 @@ def test_a_local_output_written_back_as_it_grows_keeps_every_byte(tmp_path, monk
 
     if sys.platform.startswith("linux"):
         assert storage.SYNC_FILE_RANGE is not None  # Linux always has it: the hint is really given here
-    monkeypatch.setattr(storage.backends, "WRITEBACK_WINDOW", 4096 * 3)
+    monkeypatch.setattr(storage.localfile, "WRITEBACK_WINDOW", 4096 * 3)
     rng = random.Random(0)
     expected = bytearray()
     loc = storage.resolve(str(tmp_path / "out.bin"))
