@@ -180,7 +180,7 @@ class Saves:
         self._written = None
         self._last_digests = None
         try:
-            written = dcp_format.write_rank(tmp, rank, state, after_write=lambda: dist.pause_point("after-write"),
+            written = dcp_format.write_rank(tmp, rank, state, pause=dist.pause_point,
                                             compress=self.o.compress, frozen=self._frozen, previous=previous, health=check)
             if written is not None:
                 written.step_dir = final  # where its files are once the step is committed

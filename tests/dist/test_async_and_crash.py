@@ -4,6 +4,7 @@ save (kill -9 of every rank) leaves the previous step as the newest one that loa
 from __future__ import annotations
 
 import glob
+import os
 import tempfile
 
 import pytest
@@ -31,11 +32,11 @@ def test_background_write_error_surfaces_at_the_next_call(tmp_path):
         assert r["steps"] == [1]  # the failed step never committed; step 1 intact
 
 
-def _full_state_on_a_laptop(root: str) -> dict:
+def _full_state_on_a_laptop(root: str, model_size: str = "tiny") -> dict:
     """Load the newest committed step into an unsharded model in this process (no process group)."""
     from ckpttool.trainer.model import PRESETS, build_model
 
-    model = build_model(PRESETS["tiny"], seed=3)
+    model = build_model(PRESETS[model_size], seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     res = Checkpointer(root).load(model, opt)
     out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
@@ -50,25 +51,32 @@ def _full_state_on_a_laptop(root: str) -> dict:
     return res.step, out
 
 
-@pytest.mark.parametrize("point,async_save", [
-    ("after-stage", True),      # async: snapshot taken, nothing written yet
-    ("after-write", False),     # data files and .metadata written, not committed
-    ("after-write", True),
-    ("before-rename", False),   # commit record written inside the temp dir, not renamed
+@pytest.mark.parametrize("point,async_save,size", [
+    ("after-stage", True, "tiny"),      # async: snapshot taken, nothing written yet
+    ("mid-write", True, "small"),       # the writer killed with its file's first buffers on disk (O_DIRECT where allowed)
+    ("mid-write", False, "small"),
+    ("after-write", False, "tiny"),     # data files and .metadata written, not committed
+    ("after-write", True, "tiny"),
+    ("before-rename", False, "tiny"),   # commit record written inside the temp dir, not renamed
 ])
-def test_kill_9_during_save_leaves_the_previous_step(tmp_path, point, async_save):
+def test_kill_9_during_save_leaves_the_previous_step(tmp_path, point, async_save, size):
     root = str(tmp_path / "run")
     expected_path = str(tmp_path / "expected.pt")
     pause_file = str(tmp_path / "paused")
     with tempfile.TemporaryDirectory() as rdzv:
-        procs, _ = spawn_ranks(crash_during_save, 2, rdzv, root, expected_path, async_save,
+        procs, _ = spawn_ranks(crash_during_save, 2, rdzv, root, expected_path, async_save, size,
                                env={"CKPTTOOL_PAUSE_AT": point, "CKPTTOOL_PAUSE_FILE": pause_file})
         need = 1 if point == "before-rename" else 2  # only rank 0 renames
         wait_then_kill(procs, lambda: len(glob.glob(pause_file + ".*")) >= need, what="ranks never reached the pause point")
     ckpt = Checkpointer(root)
     assert ckpt.steps() == [2]
     assert any(name.startswith((".step-4", "step-4")) for name in ckpt.incomplete())
-    step, state = _full_state_on_a_laptop(root)
+    if point == "mid-write":  # killed inside the data file: part of it is there, no index, nothing committed
+        dirs = glob.glob(os.path.join(root, ".step-4*")) + glob.glob(os.path.join(root, "step-4*"))
+        parts = [p for d in dirs for p in glob.glob(os.path.join(d, "__*_0.distcp"))]
+        assert len(parts) == 2 and all(os.path.getsize(p) >= 16 << 20 for p in parts), (dirs, parts)
+        assert not [p for d in dirs for p in glob.glob(os.path.join(d, ".ckpttool-rank-*.json"))]
+    step, state = _full_state_on_a_laptop(root, size)
     assert step == 2
     expected = torch.load(expected_path, weights_only=False)
     expected = {k: v for k, v in expected.items() if k in state}

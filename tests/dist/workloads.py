@@ -334,7 +334,7 @@ def async_write_error(root: str) -> dict[str, object]:
     return {"returned": returned, "message": message, "steps": Checkpointer(root).steps()}
 
 
-def crash_during_save(root: str, expected_path: str, async_save: bool) -> None:
+def crash_during_save(root: str, expected_path: str, async_save: bool, model_size: str = "tiny") -> None:
     """Save step 2 normally and record it, then save step 4 with CKPTTOOL_PAUSE_AT set: the test
     kills every rank with SIGKILL while they are paused inside the save."""
     import os
@@ -342,7 +342,7 @@ def crash_during_save(root: str, expected_path: str, async_save: bool) -> None:
     from ckpttool import Checkpointer
 
     pause = os.environ.pop("CKPTTOOL_PAUSE_AT")
-    model, optimizer = fresh_model(seed=0)
+    model, optimizer = fresh_model(seed=0, model_size=model_size)
     ckpt = Checkpointer(root, async_save=async_save)
     _train_steps(model, optimizer, 0, 2)
     ckpt.save(2, model, optimizer, extra={"step": 2})

@@ -39,6 +39,7 @@ log = logging.getLogger("ckpttool")
 PARTIAL = ".ckpttool-rank-{rank}.json"
 _HEAD_MAX = 64 << 10  # bytes of a record kept until its tensor data begins (a zip entry's header: ~100)
 MAX_PARTIAL_BYTES = 256 << 20
+MID_WRITE = 20 << 20  # the pause point "mid-write" comes after the first record that ends past this byte
 SLAB = 64 << 20  # bytes of a tensor copied to the host at a time (GPU shards)
 
 
@@ -232,7 +233,7 @@ def frozen_file_name(rank: int) -> str:
 
 
 def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
-               after_write: Callable[[], None] | None = None, compress: str | None = None,
+               pause: Callable[[str], None] | None = None, compress: str | None = None,
                frozen: frozenset[str] = frozenset(), previous: Written | None = None,
                health: Check | None = None) -> Written | None:
     """Write this rank's part of the step into ``step_dir``: its data file, then its index (the
@@ -245,7 +246,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     instead of a write. Returns what is in the frozen file now (None when there is none).
 
     With ``health``, every tensor record's NaN and Inf are counted as it is written and its data
-    digest kept; the index carries this rank's findings (``health.py``)."""
+    digest kept; the index carries this rank's findings (``health.py``). ``pause(name)`` is called
+    at the points crash tests stop a rank at (``dist.pause_point``)."""
     flat, paths = flatten(state, is_tensor=_is_staged_or_tensor)  # a list of staged tensors is traversed, as one of tensors
     index = RankIndex(rank, data_file_name(rank), compress=compress)
     tally = health.tally if health is not None else None
@@ -260,6 +262,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                     part = _declare_part(index, key, value)
                     if part is not None:
                         _write_local(out, index, key, *part, tally=tally)
+                        if pause is not None and out.tell() >= MID_WRITE:
+                            pause("mid-write")  # (crash tests: a kill with the file's first buffers on disk)
                 elif rank == 0:
                     out.begin()
                     start, length = write_object(out, value.value if isinstance(value, Whole) else value, compress)
@@ -274,8 +278,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
             index.health = health.findings(flat, rank)
         if rank == 0:
             index.paths = {k: list(p) for k, p in paths.items()}
-        if after_write is not None:
-            after_write()
+        if pause is not None:
+            pause("after-write")
     except BaseException as exc:
         index.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CkptError) else exc.message()
         try:
