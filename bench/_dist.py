@@ -79,11 +79,16 @@ def mesh_world(spec: str) -> int:
     return math.prod(int(x) for x in spec.split("x"))
 
 
+#: elements of each of the ``small`` extra parameters of a config: 16 KiB in fp32, so the parameter, its exp_avg and its
+#: exp_avg_sq are each a tensor under 64 KiB (a checkpoint of mixed tensor sizes: norms, biases, LoRA, MoE router weights)
+SMALL_NUMEL = 4096
+
+
 def n_params(cfg: dict[str, int]) -> int:
-    """Parameters of the bundled Transformer with config ``cfg`` (12 bytes each with AdamW state)."""
+    """Parameters of the bundled Transformer with config ``cfg`` (12 bytes each with AdamW state), its ``small`` included."""
     d, v, s = cfg["dim"], cfg["vocab_size"], cfg["seq_len"]
     per_layer = 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d
-    return 2 * v * d + s * d + 2 * d + cfg["n_layers"] * per_layer
+    return 2 * v * d + s * d + 2 * d + cfg["n_layers"] * per_layer + cfg.get("small", 0) * SMALL_NUMEL
 
 
 def fit_layers(cfg: dict[str, int], size_gb: float, up: bool = False) -> dict[str, int]:
@@ -145,13 +150,17 @@ def state_nbytes(state: Any) -> int:
 
 
 def shell_model(cfg: dict[str, int], mesh):
-    """An FSDP2 model on ``mesh``, storage uninitialised (meta -> fully_shard -> to_empty): what a job loads into."""
+    """An FSDP2 model on ``mesh``, storage uninitialised (meta -> fully_shard -> to_empty): what a job loads into; with
+    ``cfg["small"]``, that many more parameters of SMALL_NUMEL elements (``small.<i>``, sharded with the root)."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
     from ckpttool.trainer.model import ModelConfig, Transformer
+    small = cfg.get("small", 0)
     with torch.device("meta"):
-        model = Transformer(ModelConfig(**cfg))
+        model = Transformer(ModelConfig(**{k: v for k, v in cfg.items() if k != "small"}))
+        if small:
+            model.small = torch.nn.ParameterList(torch.nn.Parameter(torch.empty(SMALL_NUMEL)) for _ in range(small))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -130,7 +130,10 @@ def sets(run):
     points += [(float(s), True) for s in (args.large_tensor_sizes or "").split(",") if s.strip()]
     run.flat_rows = []  # the regular checkpoints' ckpttool rows: is peak RSS flat with size?
     for i, (size, large) in enumerate(points):
-        src, info = run.checkpoint(size, "2", model_config(size, large), "dcp", f"dcp-{size:g}GB" + ("-large" if large else ""))
+        cfg, small = model_config(size, large), args.small_tensors
+        if small:
+            cfg = fit_layers({**cfg, "small": small}, size)
+        src, info = run.checkpoint(size, "2", cfg, "dcp", f"dcp-{size:g}GB" + ("-large" if large else "") + (f"-{small}small" if small else ""))
         # from the config: an fp32 param, exp_avg and exp_avg_sq and a 4-byte step per parameter tensor; the largest tensor is an
         # embedding, the output or an MLP weight
         cfg = info["cfg"]
@@ -205,6 +208,7 @@ SPEC = Spec(
     options={"--sizes": dict(default="1,4,12", help="checkpoint sizes in GB of tensor data, comma-separated (default 1,4,12)"),
              "--large-tensor-sizes": dict(default="12", help="also these sizes with 1.5 GiB tensors (embedding, output, their AdamW "
                                           "state), over the budget: ckpttool cases and raw write only (default 12; '' for none)"),
+             "--small-tensors": dict(type=int, default=0, help="also this many parameters of 4096 fp32 elements in the checkpoint (16 KiB: with their AdamW state, 3 tensors under 64 KiB each; default 0; run_all: 3334 at 2 GB, 10,002 small tensors)"),
              "--plain-max-gb": dict(type=float, default=4, help="plain-torch cases (they load it all) only up to this size (default 4)"),
              "--cases": dict(help="regex: run only the matching cases (raw_write, ckpt_dcp_to_st, ...)")},
     columns=[Column("size", "size", None), Column("largest tensor", "largest", None), Column("case", "label", None),

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from _common import GB, MiB, drop_caches, fsync_tree, path_bytes, proc_status, raw_copy, remove, reset_peak_rss, timed
-from _dist import dcp_files, finish_rank, init_rank, model_dims  # importing _dist puts this repository first on sys.path
+from _dist import dcp_files, finish_rank, fit_layers, init_rank, model_dims  # importing _dist puts this repository first on sys.path
 from harness import Chart, Column, Panel, Set, Spec, check, main, peak_check
 
 from ckpttool.choices import parse_size
@@ -116,7 +116,9 @@ def label(name: str) -> str:
 
 def sets(run):
     """The checkpoint (or --src): the raw copy, the reshard to each of --worlds, the online way to each."""
-    src, info = run.checkpoint(run.args.size, SAVED_ON)
+    small = run.args.small_tensors
+    src, info = (run.checkpoint(run.args.size, SAVED_ON, fit_layers({**model_dims(run.args.size), "small": small}, run.args.size),
+                                name=f"ckpt-{run.args.size:g}GB-on-{SAVED_ON}-{small}small") if small else run.checkpoint(run.args.size, SAVED_ON))
     worlds, cfg = [int(w) for w in run.args.worlds.split(",") if w], info.get("cfg") or model_dims(run.args.size)
     yield Set(["raw_copy"] + [f"ckpt_reshard_{w}" for w in worlds] + [f"online_{w}" for w in worlds], lambda n: measure(run, n, src, cfg),
               lambda n, r: (f"{label(n):<44} work {r['seconds']:7.1f} s  whole {r['process_wall_s']:7.1f} s  "
@@ -161,6 +163,7 @@ SPEC = Spec(
     "reshard", "Benchmark: offline reshard", __doc__, os.path.abspath(__file__), sets, derive,
     options={"--size": dict(type=float, default=4.0, help="checkpoint size in GB (default 4)"),
              "--worlds": dict(default="1,3,4", help="target world sizes (default 1,3,4)"),
+             "--small-tensors": dict(type=int, default=0, help="also this many parameters of 4096 fp32 elements in the checkpoint (16 KiB: with their AdamW state, 3 tensors under 64 KiB each; default 0; run_all: 3334 at 2 GB, 10,002 small tensors)"),
              "--src": dict(help="use this existing DCP checkpoint (or ckpttool training root) instead of writing one")},
     columns=[Column("case", "label", None), Column("work s", "seconds", ".1f"), Column("GB/s", "gbps"),
              Column("× copy time", "x_copy"), Column("online / this (work)", "speedup_online"),
