@@ -147,18 +147,63 @@ _IN_RAMFS = textwrap.dedent("""
 """)
 
 
-def test_a_file_system_that_refuses_o_direct_gets_every_byte_through_the_page_cache(tmp_path):
-    """ramfs has no O_DIRECT: a save, its load and a large file written there are whole and exact."""
+def _in_a_mount_namespace(script: str, mnt) -> dict:
+    """Run ``script`` (argv[1]: ``mnt``) as root of a new user and mount namespace, where it may
+    mount a file system; its last line of output, as JSON."""
     if not localfile.O_DIRECT or shutil.which("unshare") is None:
         pytest.skip("no O_DIRECT on this platform, or no unshare(1)")
-    mnt = tmp_path / "ramfs"
     mnt.mkdir()
     probe = subprocess.run(["unshare", "-Urm", "true"], capture_output=True, text=True)
     if probe.returncode:
-        pytest.skip(f"no user namespaces here to mount ramfs in: {probe.stderr.strip()}")
+        pytest.skip(f"no user namespaces here to mount a file system in: {probe.stderr.strip()}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(["unshare", "-Urm", sys.executable, "-c", _IN_RAMFS, str(mnt)], capture_output=True, text=True,
+    done = subprocess.run(["unshare", "-Urm", sys.executable, "-c", script, str(mnt)], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_file_system_that_refuses_o_direct_gets_every_byte_through_the_page_cache(tmp_path):
+    """ramfs has no O_DIRECT: a save, its load and a large file written there are whole and exact."""
+    result = _in_a_mount_namespace(_IN_RAMFS, tmp_path / "ramfs")
     assert result == {"refused": True, "direct": False, "same": True, "big_ok": True}, result
+
+
+_FULL_DISK = textwrap.dedent("""
+    import errno, json, os, subprocess, sys
+    import torch
+    from ckpttool import Checkpointer
+    from ckpttool.errors import CkptError
+    from ckpttool.storage import LocalFile, localfile
+    mnt = sys.argv[1]
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mnt], check=True)
+    try:
+        f = LocalFile(os.path.join(mnt, "big.bin"))
+        raised = None
+        try:
+            for _ in range(3 * localfile.BUFFER // (1 << 20)):
+                f.write(bytes(1 << 20))
+            f.finish()
+        except OSError as exc:
+            raised = errno.errorcode.get(exc.errno)
+        finally:
+            f.close()
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))
+        try:
+            Checkpointer(os.path.join(mnt, "run")).save(1, model, torch.optim.AdamW(model.parameters()))
+            said = "saved"
+        except CkptError as exc:
+            said = str(exc)
+        print(json.dumps({"raised": raised, "said": said, "left": sorted(os.listdir(os.path.join(mnt, "run")))}))
+    finally:
+        subprocess.run(["umount", mnt], check=True)
+""")
+
+
+def test_a_full_disk_mid_file_is_an_error_and_no_step(tmp_path):
+    """A write of a full buffer fails (ENOSPC on a 4 MiB tmpfs): the file's
+    writer gets the error, and a save there fails with one line and commits nothing."""
+    result = _in_a_mount_namespace(_FULL_DISK, tmp_path / "small")
+    assert result["raised"] == "ENOSPC", result
+    assert "no space left on device while writing" in result["said"], result
+    assert not [name for name in result["left"] if name.startswith("step-")], result
