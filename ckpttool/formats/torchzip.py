@@ -146,32 +146,108 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
 
 
 def _parse_zip(window: _Window, start: int, length: int, where: str) -> tuple[bytes, str, dict[str, StoredStorage]]:
-    """(data.pkl, byte order, storages) of the archive in ``window``; zipfile checks the CRC-32 of
-    every entry it reads whole (the pickle, the byte order)."""
-    zf = zipfile.ZipFile(window)
-    names = zf.namelist()
+    """(data.pkl, byte order, storages) of the archive in ``window``; the CRC-32 of every entry read
+    whole (the pickle, the byte order) is checked. An archive laid out as torch and ckpttool write
+    them is read from its directory here (a few struct reads: 10,000 records of a DCP file parsed
+    in zipfile took 0.25 ms each); anything else, by zipfile."""
+    entries, zf = _plain_entries(window, length), None
+    if entries is None:
+        zf = zipfile.ZipFile(window)
+        entries = [(i.filename, i.header_offset, i.file_size, i.CRC, i.compress_type) for i in zf.infolist()]
+    names = [e[0] for e in entries]
     pkl_name = next((n for n in names if n.endswith("data.pkl")), None)
     if pkl_name is None:
         raise CorruptCheckpointError("archive has no data.pkl", where=where)
     prefix = pkl_name[: -len("data.pkl")]
     storages: dict[str, StoredStorage] = {}
-    for info in zf.infolist():
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise FormatError(f"compressed record {info.filename!r}", where=where, hint="ckpttool reads uncompressed torch.save archives only")
-        if info.filename.startswith(prefix + "data/"):
-            key = info.filename[len(prefix + "data/") :]
-            window.seek(info.header_offset)
-            header = window.read(_LOCAL_HEADER.size)
-            if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-                raise CorruptCheckpointError(f"bad zip local header for {info.filename!r}", where=where)
-            fields = _LOCAL_HEADER.unpack(header)
-            data_start = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
-            if info.header_offset < 0 or data_start + info.file_size > length:
-                raise CorruptCheckpointError(f"record {info.filename!r} runs past the end of its archive", where=where)
-            storages[key] = StoredStorage(start + data_start, info.file_size, info.CRC, info.filename)
-    pkl = zf.read(pkl_name)
-    byteorder = zf.read(prefix + "byteorder").decode() if (prefix + "byteorder") in names else "little"
-    return pkl, byteorder, storages
+    pkl, byteorder = None, b"little"
+    for name, offset, size, crc, method in entries:
+        if method != zipfile.ZIP_STORED:
+            raise FormatError(f"compressed record {name!r}", where=where, hint="ckpttool reads uncompressed torch.save archives only")
+        if name.startswith(prefix + "data/"):
+            storages[name[len(prefix + "data/") :]] = StoredStorage(start + _data_start(window, name, offset, size, length, where),
+                                                                  size, crc, name)
+        elif name in (pkl_name, prefix + "byteorder"):
+            if zf is not None:
+                data = zf.read(name)  # (zipfile checks its CRC-32)
+            else:
+                window.seek(_data_start(window, name, offset, size, length, where, check_name=True))
+                data = window.read(size)
+                if len(data) != size or crc32(data) != crc:
+                    raise zipfile.BadZipFile(f"Bad CRC-32 for file {name!r}")
+            if name == pkl_name:
+                pkl = data
+            else:
+                byteorder = data
+    return pkl, byteorder.decode(), storages
+
+
+_END = struct.Struct("<4s4H2LH")  # the end of central directory record (22 bytes)
+_END64 = struct.Struct("<4sQ2H2L4Q")  # the zip64 end record (56 bytes) ...
+_LOCATOR = struct.Struct("<4sLQL")  # ... and its locator (20 bytes), which torch always writes
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # a central directory entry (46 bytes, then name, extra, comment)
+
+
+def _plain_entries(window: _Window, length: int) -> list[tuple[str, int, int, int, int]] | None:
+    """(name, local header offset, size, CRC-32, method) of each entry of an archive as torch and
+    ckpttool write them: the directory right before the end records (zip64's included), no
+    comment, no entry over 4 GiB or past 4 GiB, no encryption, ASCII names, each once. None for
+    any other archive (zipfile reads it then, with its own checks)."""
+    if length < _END.size:
+        return None
+    window.seek(length - _END.size)
+    sig, disk, cd_disk, here, count, cd_size, cd_offset, comment = _END.unpack(window.read(_END.size))
+    if sig != b"PK\x05\x06" or disk or cd_disk or here != count or comment:
+        return None
+    end = length - _END.size
+    if end >= _LOCATOR.size + _END64.size:
+        window.seek(end - _LOCATOR.size)
+        lsig, _disk, at64, _disks = _LOCATOR.unpack(window.read(_LOCATOR.size))
+        if lsig == b"PK\x06\x07":
+            if at64 != end - _LOCATOR.size - _END64.size:
+                return None
+            window.seek(at64)
+            sig64, _size, _made, _needed, disk, cd_disk, here, count, cd_size, cd_offset = _END64.unpack(window.read(_END64.size))
+            if sig64 != b"PK\x06\x06" or disk or cd_disk or here != count:
+                return None
+            end = at64
+    if cd_offset + cd_size != end or count > cd_size // _CENTRAL.size:
+        return None
+    window.seek(cd_offset)
+    cd = window.read(cd_size)
+    if len(cd) != cd_size:
+        return None
+    entries, seen, at = [], set(), 0
+    for _ in range(count):
+        if at + _CENTRAL.size > cd_size:
+            return None
+        (sig, _made, _needed, flags, method, _time, _date, crc, csize, size, nlen, elen, clen, disk, _iattr, _eattr,
+         offset) = _CENTRAL.unpack_from(cd, at)
+        at += _CENTRAL.size
+        raw = cd[at : at + nlen]
+        at += nlen + elen + clen
+        if (sig != b"PK\x01\x02" or flags & 0x1 or csize != size or disk or 0xFFFFFFFF in (size, offset)
+                or at > cd_size or not raw.isascii() or raw in seen):
+            return None
+        seen.add(raw)
+        entries.append((raw.decode("ascii"), offset, size, crc, method))
+    return entries if at == cd_size else None
+
+
+def _data_start(window: _Window, name: str, offset: int, size: int, length: int, where: str, check_name: bool = False) -> int:
+    """Where the data of entry ``name`` starts (its local header at ``offset`` read and checked),
+    within the archive's ``length`` bytes with its ``size`` bytes."""
+    window.seek(offset)
+    header = window.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"bad zip local header for {name!r}", where=where)
+    fields = _LOCAL_HEADER.unpack(header)
+    if check_name and window.read(fields[-2]) != name.encode("ascii"):
+        raise zipfile.BadZipFile(f"File name in directory {name!r} and header differ")
+    data_start = offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+    if offset < 0 or data_start + size > length:
+        raise CorruptCheckpointError(f"record {name!r} runs past the end of its archive", where=where)
+    return data_start
 
 
 def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage, box, where: str,
