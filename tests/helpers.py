@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 
@@ -12,6 +13,23 @@ from ckpttool import formats
 from ckpttool.formats import open_source
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+
+
+class FrontToBack(io.RawIOBase):
+    """A write-only stream that cannot seek (a DCP file written front to back, an upload): ``buf``."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.buf += bytes(b)
+        return len(b)
+
+    def tell(self) -> int:
+        return len(self.buf)
 
 
 def reference_state() -> dict:

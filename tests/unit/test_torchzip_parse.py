@@ -15,22 +15,7 @@ from ckpttool.formats import torchzip
 from ckpttool.formats.dcp.records import write_tensor
 from ckpttool.storage import BytesReader
 
-
-class _FrontToBack(io.RawIOBase):
-    """A write-only stream that cannot seek (a DCP file as ckpttool's writer sees it)."""
-
-    def __init__(self):
-        self.data = bytearray()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        self.data += bytes(b)
-        return len(b)
-
-    def tell(self) -> int:
-        return len(self.data)
+from ..helpers import FrontToBack
 
 
 def _torch_archive() -> bytes:
@@ -40,10 +25,10 @@ def _torch_archive() -> bytes:
 
 
 def _ckpttool_record() -> bytes:
-    out = _FrontToBack()
+    out = FrontToBack()
     t = torch.arange(40, dtype=torch.float32)
     write_tensor(out, t.dtype, tuple(t.shape), None, lambda write: write(memoryview(t.numpy()).cast("B")))
-    return bytes(out.data)
+    return bytes(out.buf)
 
 
 def _by_zipfile(data: bytes) -> tuple[bytes, str, dict]:

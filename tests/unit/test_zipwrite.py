@@ -15,22 +15,7 @@ import torch
 from ckpttool.formats.torchzip import ArchiveWriter
 from ckpttool.formats.zipwrite import ZipOut
 
-
-class _Forward(io.RawIOBase):
-    """A write-only stream that cannot seek (a DCP file written front to back, an upload)."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        self.buf += bytes(b)
-        return len(b)
-
-    def tell(self) -> int:
-        return len(self.buf)
+from ..helpers import FrontToBack
 
 
 def _entries(seed: int) -> list[tuple[str, bytes, bool]]:
@@ -70,7 +55,7 @@ def _by_ckpttool(stream, entries) -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_bytes_are_zipfiles(seekable, seed):
     entries = _entries(seed)
-    ours, theirs = (io.BytesIO(), io.BytesIO()) if seekable else (_Forward(), _Forward())
+    ours, theirs = (io.BytesIO(), io.BytesIO()) if seekable else (FrontToBack(), FrontToBack())
     _by_zipfile(theirs, entries)
     _by_ckpttool(ours, entries)
     got, want = (ours.getvalue(), theirs.getvalue()) if seekable else (bytes(ours.buf), bytes(theirs.buf))
@@ -83,7 +68,7 @@ def test_the_bytes_are_zipfiles(seekable, seed):
 def test_zip64_end_records_when_entries_outnumber_the_plain_field():
     # 65,536 entries need zip64's end records (count over 0xFFFF), as zipfile writes them
     entries = [(f"e{i}", b"x" if i % 2 else b"", False) for i in range(65_536)]
-    ours, theirs = _Forward(), _Forward()
+    ours, theirs = FrontToBack(), FrontToBack()
     _by_zipfile(theirs, entries)
     _by_ckpttool(ours, entries)
     assert bytes(ours.buf) == bytes(theirs.buf)
