@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import io
 import logging
 import mmap
@@ -37,7 +36,11 @@ log = logging.getLogger("ckpttool")
 
 ALIGN = 4096  # offsets and lengths of direct writes: a page, a multiple of every disk's logical block
 BUFFER = 8 << 20  # bytes gathered before a write (1-32 MiB wrote at the same speed here)
-O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux and a few others; 0: never direct
+try:
+    import fcntl
+except ImportError:  # (Windows: no fcntl, no O_DIRECT either)
+    fcntl = None  # type: ignore[assignment]
+O_DIRECT = getattr(os, "O_DIRECT", 0) if fcntl is not None else 0  # Linux and a few others; 0: never direct
 
 
 def _sync_file_range() -> Any:
