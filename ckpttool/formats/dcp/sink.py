@@ -7,7 +7,6 @@ archive, records streamed slab by slab), so plain ``torch.distributed.checkpoint
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import uuid
 from collections.abc import Callable
@@ -20,35 +19,12 @@ from ...storage import Location
 from ..base import ObjectSpec, ReadFn, Sink, TensorSpec, split, stream_tensor
 from .metadata import METADATA_FILE, data_file_name
 from . import metadata_pickle as mp
-from .records import write_object, write_tensor
+from .records import Appending, write_object, write_tensor
 from .transforms import check_compress, transform_names
 
 
 OPEN_FILES = 64  # target ranks' files a worker writes at the same time (a local disk)
 OPEN_UPLOADS = 16  # ... and to an object store, where each open file holds a part of >= 5 MiB in memory
-
-
-class _Appending(io.RawIOBase):
-    """``f`` written front to back only: zipfile then puts each entry's sizes and CRC-32 in a data
-    descriptor after its data (as torch's own writer does) instead of seeking back to patch the
-    entry's header, and each such seek flushed the output's buffer (30 030 seeks in a 1 GB reshard
-    to 4 ranks)."""
-
-    def __init__(self, f: IO[bytes]):
-        self._f = f
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def write(self, b: Any) -> int:
-        n = self._f.write(b)
-        return len(memoryview(b).cast("B")) if n is None else n
 
 
 class DcpSink(Sink):
@@ -141,7 +117,7 @@ class DcpSink(Sink):
         records.append((spec.key, None, None, start, length))
 
     def _add_chunk(self, f: IO[bytes], records: list, spec: TensorSpec, box: Box, read: ReadFn, budget: int) -> None:
-        start, length = write_tensor(_Appending(f), spec.dtype, box[1], self.compress,
+        start, length = write_tensor(Appending(f), spec.dtype, box[1], self.compress,
                                      lambda write: stream_tensor(write, spec, read, budget, box))
         records.append((spec.key, tuple(box[0]), tuple(box[1]), start, length))
 
@@ -161,7 +137,21 @@ class DcpSink(Sink):
                     chunks.setdefault(key, []).append((offsets, sizes, (name, start, length, transforms)))
         for spec in self._tensors:
             described.tensors[spec.key] = (tuple(spec.shape), mp.dtype_name(spec.dtype), chunks.get(spec.key, []))
-        # the save's id is a digest of what it describes, not a random one: the same input written
-        # by any number of workers, or again, gives the same bytes
-        save_id = str(uuid.UUID(bytes=hashlib.sha256(mp.metadata_bytes(described, "")).digest()[:16], version=4))
-        self.tmp.child(METADATA_FILE).write_bytes(mp.metadata_bytes(described, save_id))
+        self.tmp.child(METADATA_FILE).write_bytes(_with_digest_id(described))
+
+
+#: the save's id while the rest is pickled: as long as a UUID, so the id takes its place in the bytes
+_ID_PLACEHOLDER = "ckpttool:save-id-is-the-digest:00000"
+
+
+def _with_digest_id(described: mp.Described) -> bytes:
+    """``.metadata`` whose save id is a digest of what it describes, not a random one: the same input
+    written by any number of workers, or again, gives the same bytes. Pickled once (a reshard to 3
+    ranks of 13,344 tensors spent 1.4 s a pickling) with a placeholder the id then replaces; twice
+    where the placeholder is not found exactly once."""
+    data = mp.metadata_bytes(described, _ID_PLACEHOLDER)
+    placeholder = _ID_PLACEHOLDER.encode()
+    save_id = str(uuid.UUID(bytes=hashlib.sha256(data).digest()[:16], version=4))
+    if data.count(placeholder) == 1 and len(save_id) == len(_ID_PLACEHOLDER):
+        return data.replace(placeholder, save_id.encode())
+    return mp.metadata_bytes(described, save_id)
