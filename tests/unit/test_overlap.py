@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckpttool import convert
 from ckpttool.formats import open_source
+from ckpttool import engine
 from ckpttool.engine import ReadAhead
 from ckpttool.formats.base import TensorSpec, stream_slabs, stream_tensor
 
@@ -79,6 +80,34 @@ def test_stop_waits_for_the_read_in_flight_and_a_request_off_schedule_is_read_di
         assert torch.equal(ahead.read("w", ((0, 0), (1, 2))), data[0:1])
 
 
+def test_small_slabs_are_read_in_the_callers_thread_and_large_ones_ahead():
+    """A slab under min_bytes is read when its turn comes, in the thread that asks (handing it to
+    the reader thread and back cost more than it hid); the next large one is still read ahead."""
+    data = torch.arange(64, dtype=torch.float32).reshape(16, 4)
+    boxes = [((r, 0), (1, 4)) for r in range(16)]
+    sizes = [1000 if r % 3 == 0 else 16 for r in range(16)]  # rows 0, 3, 6, ... "large"
+    readers: dict[int, str] = {}
+    sets = [torch.empty(1, 4), torch.empty(1, 4)]  # the two buffer sets: a slab lives in its set until the next read
+
+    def read_into(key, box, which):
+        row = box[0][0]
+        readers[row] = threading.current_thread().name
+        if sizes[row] < 100:
+            time.sleep(0.01)  # (a large read in flight has filled its set by now)
+        sets[which].copy_(data[row: row + 1])
+        if sizes[row] >= 100:
+            time.sleep(0.03)  # still in flight while the small one before it is read
+        return sets[which]
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") as pool:
+        ahead = ReadAhead([("w", b) for b in boxes], read_into, pool, sizes, min_bytes=100)
+        got = [ahead.read("w", b).clone() for b in boxes]
+    assert torch.equal(torch.cat(got), data)  # no read into the set of a read in flight
+    me = threading.current_thread().name
+    assert {r for r, name in readers.items() if name.startswith("ckpttool-read")} == {r for r in range(16) if r % 3 == 0}
+    assert all(readers[r] == me for r in range(16) if r % 3)
+
+
 @pytest.mark.parametrize("command", ["convert-safetensors", "convert-torch", "reshard-3"])
 def test_every_read_follows_the_sinks_schedule_in_the_background(tmp_path, monkeypatch, command):
     """With read-ahead on, every slab is read by the background thread (none falls back to a
@@ -98,6 +127,7 @@ def test_every_read_follows_the_sinks_schedule_in_the_background(tmp_path, monke
         return real(self, key, box, out)
 
     monkeypatch.setattr(DcpSource, "read_tensor", spy)
+    monkeypatch.setattr(engine, "AHEAD_BYTES", 0)  # every slab ahead, however small (these are 4 KiB)
     outs = []
     for ahead in (True, False):
         threads.clear()
@@ -128,6 +158,7 @@ def test_convert_with_read_ahead_reads_in_the_background_and_writes_the_same_bit
         return real(self, key, box, out)
 
     monkeypatch.setattr(DcpSource, "read_tensor", spy)
+    monkeypatch.setattr(engine, "AHEAD_BYTES", 0)
     for ahead in (True, False):
         threads.clear()
         out = tmp_path / f"out-{ahead}.safetensors"
