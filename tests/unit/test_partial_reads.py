@@ -133,3 +133,26 @@ def test_a_block_the_load_does_not_read_is_not_claimed_checked(saved, tmp_path):
     local, where, _ = load_box(step, 5, ROWS)
     assert torch.equal(local, saved[1][where])
     cli("verify", step, code=1)
+
+
+def syscr() -> int:
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("syscr"))
+
+
+def test_a_small_local_record_is_read_in_one_read_whatever_the_parts_taken_of_it(tmp_path):
+    """A reshard takes each small record in parts (a box per target rank), each part wanting the
+    record's header, data and rest: all of it served from one read of the record."""
+    from ckpttool.commands import reshard
+
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(300)) for _ in range(200)])
+    Checkpointer(str(tmp_path / "run")).save(1, model)
+    (step,) = glob.glob(str(tmp_path / "run" / "step-*"))
+    before = syscr()
+    reshard(step, str(tmp_path / "w3"), world_size=3)
+    reads = syscr() - before
+    assert reads < 200 * 1.5, reads  # one a record, and a few for .metadata and the commit record
+    back = DcpSource(resolve(str(tmp_path / "w3")))
+    for i, p in enumerate(model):
+        assert torch.equal(back.read_tensor(f"model.{i}"), p.detach())
+    back.close()
