@@ -82,27 +82,37 @@ def test_stop_waits_for_the_read_in_flight_and_a_request_off_schedule_is_read_di
 
 def test_small_slabs_are_read_in_the_callers_thread_and_large_ones_ahead():
     """A slab under min_bytes is read when its turn comes, in the thread that asks (handing it to
-    the reader thread and back cost more than it hid); the next large one is still read ahead."""
+    the reader thread and back cost more than it hid), and never while a read is in flight (a
+    source is read by one thread at a time); the next large one is still read ahead."""
     data = torch.arange(64, dtype=torch.float32).reshape(16, 4)
     boxes = [((r, 0), (1, 4)) for r in range(16)]
     sizes = [1000 if r % 3 == 0 else 16 for r in range(16)]  # rows 0, 3, 6, ... "large"
     readers: dict[int, str] = {}
     sets = [torch.empty(1, 4), torch.empty(1, 4)]  # the two buffer sets: a slab lives in its set until the next read
+    lock = threading.Lock()
+    active, most = [0], [0]
 
     def read_into(key, box, which):
         row = box[0][0]
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
         readers[row] = threading.current_thread().name
-        if sizes[row] < 100:
-            time.sleep(0.01)  # (a large read in flight has filled its set by now)
         sets[which].copy_(data[row: row + 1])
-        if sizes[row] >= 100:
-            time.sleep(0.03)  # still in flight while the small one before it is read
+        time.sleep(0.03 if sizes[row] >= 100 else 0.01)
+        with lock:
+            active[0] -= 1
         return sets[which]
 
     with ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") as pool:
         ahead = ReadAhead([("w", b) for b in boxes], read_into, pool, sizes, min_bytes=100)
-        got = [ahead.read("w", b).clone() for b in boxes]
-    assert torch.equal(torch.cat(got), data)  # no read into the set of a read in flight
+        got = []
+        for b in boxes:
+            slab = ahead.read("w", b)
+            time.sleep(0.02)  # written while the next one is read ahead
+            got.append(slab.clone())
+    assert torch.equal(torch.cat(got), data)  # each slab in its own set, untouched until the next read
+    assert most[0] == 1  # never two reads at once
     me = threading.current_thread().name
     assert {r for r, name in readers.items() if name.startswith("ckpttool-read")} == {r for r in range(16) if r % 3 == 0}
     assert all(readers[r] == me for r in range(16) if r % 3)
