@@ -30,7 +30,7 @@ import logging
 import mmap
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("ckpttool")
 
@@ -70,7 +70,11 @@ def direct_wanted() -> bool:
 class LocalFile(io.RawIOBase):
     """A file created (truncated) at ``path`` for writing: see the module's text."""
 
-    def __init__(self, path: str, direct: bool | None = None):
+    def __init__(self, path: str, direct: bool | None = None,
+                 pwrite: Callable[[int, memoryview, int], int] = os.pwrite):
+        """``pwrite``: the system call that writes (``os.pwrite``'s signature; one that refuses a
+        write as a file system would, for a test)."""
+        self._sys_pwrite = pwrite
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
         self.path = path
         #: None: not tried yet (a file under one buffer never is); True: on; False: refused or off
@@ -195,7 +199,7 @@ class LocalFile(io.RawIOBase):
     def _pwrite(self, view: memoryview, offset: int) -> None:
         done = 0
         while done < view.nbytes:  # a short write goes on where it stopped
-            done += os.pwrite(self._fd, view[done:], offset + done)
+            done += self._sys_pwrite(self._fd, view[done:], offset + done)
 
     def _set_direct(self, on: bool) -> bool:
         """Turn O_DIRECT on or off for the file; whether it is on now (a file system that refuses it

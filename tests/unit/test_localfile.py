@@ -81,22 +81,20 @@ def test_a_direct_write_the_kernel_refuses_goes_on_through_the_page_cache(tmp_pa
         pytest.skip(f"{tmp_path} refuses O_DIRECT altogether (the ramfs test covers that)")
     monkeypatch.setattr(localfile, "BUFFER", 64 << 10)
     path = str(tmp_path / "out.bin")
-    f = LocalFile(path, direct=True)
-    real = f._pwrite
     refused = []
 
-    def misaligned_first(view, offset):  # the first direct write from memory O_DIRECT cannot take
+    def misaligned_first(fd, view, offset):  # the first direct write from memory O_DIRECT cannot take
         if f.direct and not refused:
             odd = memoryview(bytearray(view.nbytes + 1))[1:]
             odd[:] = view
             try:
-                return real(odd, offset)
+                return os.pwrite(fd, odd, offset)
             except OSError as exc:
                 refused.append(exc.errno)
                 raise
-        return real(view, offset)
+        return os.pwrite(fd, view, offset)
 
-    monkeypatch.setattr(f, "_pwrite", misaligned_first)
+    f = LocalFile(path, direct=True, pwrite=misaligned_first)
     try:
         expected = _random_writes(f, seed=2, count=100)
         f.finish()
