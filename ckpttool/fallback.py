@@ -142,6 +142,8 @@ def _health(state: dict[str, Any], group: Any) -> dict[str, Any]:
             tally.count(key, value._local_tensor.detach())
         elif isinstance(value, torch.Tensor) and rank == 0:
             tally.count(key, value.detach())
+        elif rank == 0:  # an object (a Python float, a numpy value), as rank 0 writes it
+            tally.count_object(key, value.value if isinstance(value, Whole) else value)
     parts = [{"nonfinite": counts} for counts in dist.all_gather(tally.nonfinite, group)]
     return health.merge(parts, None, set())
 

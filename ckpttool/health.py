@@ -2,14 +2,15 @@
 that did not change since the previous step while their optimizer state did (a stale copy).
 
 Both are found where the bytes pass anyway: each rank counts NaN and Inf in the records it writes
-(on the host, slab by slab, beside the hashing), and compares the block digests of its records
-with those of its previous committed save (kept in memory; no read, no collective). Rank 0 merges
+(on the host, slab by slab, beside the hashing; in an object record, every float, numpy value and
+tensor inside it), and compares the block digests of its records with those of its previous
+committed save (kept in memory; no read, no collective). Rank 0 merges
 the ranks' findings into the commit record:
 
     "health": {"nonfinite": {key: {"nan": n, "inf": m}, ...},
                "unchanged": [key, ...], "compared_with": previous step or null}
 
-``nonfinite`` lists only tensors with non-finite values; ``unchanged`` the trainable parameters
+``nonfinite`` lists only the keys (tensors and objects) with non-finite values; ``unchanged`` the trainable parameters
 whose every stored box is bitwise what the previous committed step held while some of their
 optimizer state changed (a parameter group with learning rate 0 is not listed: it is meant to stay).
 """
@@ -39,6 +40,38 @@ def count_nonfinite(t: torch.Tensor) -> tuple[int, int]:
     return int(torch.isnan(t).sum().item()), int(torch.isinf(t).sum().item())
 
 
+def count_nonfinite_value(value: Any) -> tuple[int, int]:
+    """(NaN, Inf) in a value stored as an object: Python floats and complex numbers, numpy scalars
+    and arrays, tensors, and those inside lists, tuples, sets and dicts (a diverged ``loss`` kept
+    as ``float("inf")``, a numpy metric, a tensor inside a tuple)."""
+    import math
+    import sys
+
+    torch = sys.modules.get("torch")
+    numpy = sys.modules.get("numpy")  # (no value is a numpy one in a process that never imported it)
+    nan = inf = 0
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, float):
+            nan, inf = nan + math.isnan(v), inf + math.isinf(v)
+        elif isinstance(v, complex):
+            nan, inf = nan + (math.isnan(v.real) or math.isnan(v.imag)), inf + (math.isinf(v.real) or math.isinf(v.imag))
+        elif torch is not None and isinstance(v, torch.Tensor):
+            n, i = count_nonfinite(v.detach().cpu())
+            nan, inf = nan + n, inf + i
+        elif numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)):
+            if v.dtype.kind in "fc":
+                a = numpy.asarray(v)
+                nan, inf = nan + int(numpy.isnan(a).sum()), inf + int(numpy.isinf(a).sum())
+        elif isinstance(v, (list, tuple, set, frozenset, dict)) and id(v) not in seen:
+            seen.add(id(v))
+            stack.extend(v.values() if isinstance(v, dict) else v)
+    return nan, inf
+
+
 class Tally:
     """One rank's findings while it writes a step: counts per key, and per record its data digest
     (for the next save's comparison)."""
@@ -48,7 +81,13 @@ class Tally:
         self.digests: dict[str, dict[str, str]] = {}  # key -> {box offsets as text: data digest}
 
     def count(self, key: str, part: torch.Tensor) -> None:
-        nan, inf = count_nonfinite(part)
+        self._add(key, *count_nonfinite(part))
+
+    def count_object(self, key: str, value: Any) -> None:
+        """The NaN and Inf of a value stored as an object (:func:`count_nonfinite_value`)."""
+        self._add(key, *count_nonfinite_value(value))
+
+    def _add(self, key: str, nan: int, inf: int) -> None:
         if nan or inf:
             found = self.nonfinite.setdefault(key, [0, 0])
             found[0] += nan

@@ -173,7 +173,8 @@ def fallback_save_and_load(root: str) -> dict:
         with torch.no_grad():
             model.norm.weight.to_local()[0] = float("nan")
     with Checkpointer(root, async_save=True) as ckpt:
-        ckpt.save(1, model, optimizer, extra={"z": strided, "mine": torch.full((3,), float(rank)), "same": 1})
+        ckpt.save(1, model, optimizer, extra={"z": strided, "mine": torch.full((3,), float(rank)), "same": 1,
+                                                     "loss": float("inf")})
     fresh, fopt = fresh_model(seed=3)
     res = Checkpointer(root).load(fresh, fopt)
     return {"extra": res.extra}

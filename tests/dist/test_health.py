@@ -13,7 +13,7 @@ from ckpttool.storage import resolve
 
 from ..helpers import cli
 from .harness import run_ranks
-from .health_workloads import nan_steps, stale_steps
+from .health_workloads import nan_steps, nonfinite_objects, stale_steps
 
 KEY = "model.layers.0.feed_forward.w1.weight"
 
@@ -59,3 +59,16 @@ def test_a_trainable_tensor_unchanged_while_its_optimizer_state_moved_is_named(t
     assert health[3]["compared_with"] == 2 and health[3]["unchanged"] == []
     assert any("step 2: 1 trainable tensor(s) unchanged since step 1" in w and stale in w for w in warnings), warnings
     assert f"{stale}: unchanged since step 1 while its optimizer state moved" in cli("inspect", root)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_nonfinite_float_in_extra_is_counted_where_the_step_keeps_it(tmp_path, async_save):
+    """A value of ``extra`` kept per rank is counted under its own rank's key (rank 1's inf, not rank
+    0's finite value); a value every rank shares, once under its own key."""
+    root = tmp_path / "run"
+    run_ranks(nonfinite_objects, 2, str(root), async_save)
+    step1 = read_commit_record(resolve(str(root / "step-1")))
+    assert step1["per_rank"] == ["loss"]
+    assert step1["health"]["nonfinite"] == {"per_rank.1.loss": {"nan": 0, "inf": 1}}
+    assert read_commit_record(resolve(str(root / "step-2")))["health"]["nonfinite"] == {"extra.loss": {"nan": 1, "inf": 0}}
+    assert "per_rank.1.loss: 1 Inf" in cli("inspect", root)

@@ -107,7 +107,7 @@ def test_two_optimizers_saved_on_2_ranks_load_bitwise_on_3(tmp_path):
 
 def test_dcp_s_own_writer_keeps_per_rank_values_and_counts_nan_too(tmp_path):
     """A strided-shard DTensor sends the async save through DCP's writer (collective): each rank's
-    own value of extra still comes back to it, and the commit record counts the NaN."""
+    own value of extra still comes back to it, and the commit record counts the NaN and the Inf."""
     from ckpttool.steps import read_commit_record
     from ckpttool.storage import resolve
 
@@ -117,7 +117,8 @@ def test_dcp_s_own_writer_keeps_per_rank_values_and_counts_nan_too(tmp_path):
         assert torch.equal(r["extra"]["z"], torch.arange(8.0))
     record = read_commit_record(resolve(str(root / "step-1")))
     assert record["per_rank"] == ["mine"]
-    assert record["health"]["nonfinite"] == {"model.norm.weight": {"nan": 1, "inf": 0}}
+    # a Python float in extra is counted too (rank 0 writes the objects)
+    assert record["health"]["nonfinite"] == {"model.norm.weight": {"nan": 1, "inf": 0}, "extra.loss": {"nan": 0, "inf": 1}}
 
 
 def test_a_step_with_per_rank_and_stateful_values_converts_and_verifies_against_its_conversion(tmp_path):

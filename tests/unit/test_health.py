@@ -49,3 +49,42 @@ def test_what_a_step_health_says():
     assert problems(health) == ["model.w: 2 NaN", "optim.state.w.exp_avg: 1 Inf",
                                 "model.b: unchanged since step 4 while its optimizer state moved"]
     assert problems({"nonfinite": {}, "unchanged": [], "compared_with": None}) == [] and problems(None) == []
+
+
+def test_nonfinite_python_floats_and_numpy_values_are_counted():
+    import numpy as np
+
+    from ckpttool.health import count_nonfinite_value
+
+    assert count_nonfinite_value(float("inf")) == (0, 1) and count_nonfinite_value(float("nan")) == (1, 0)
+    assert count_nonfinite_value(np.float32("nan")) == (1, 0) and count_nonfinite_value(np.float16("-inf")) == (0, 1)
+    assert count_nonfinite_value(np.array([1.0, np.nan, np.inf, -np.inf])) == (1, 2)
+    assert count_nonfinite_value(complex(float("nan"), 1)) == (1, 0)
+    nested = {"losses": [1.0, float("nan")], "pair": (torch.tensor([float("inf")]), 2), "seen": {float("inf")}}
+    assert count_nonfinite_value(nested) == (1, 2)
+    # finite values, integers, bools, strings and numpy integers are not counted
+    assert count_nonfinite_value([1.5, 3, True, "inf", np.int64(7), np.array([1, 2]), None]) == (0, 0)
+
+
+def test_a_step_holding_a_nonfinite_float_in_extra_is_unhealthy_and_refused(tmp_path):
+    """A diverged loss kept as float("inf") and a numpy NaN in ``extra`` are in the commit record's
+    health (one process: the writer's own path); ``on_nonfinite="refuse"`` commits nothing."""
+    import numpy as np
+
+    from ckpttool import Checkpointer
+    from ckpttool.errors import UnhealthyStepError
+    from ckpttool.steps import read_commit_record
+    from ckpttool.storage import resolve
+
+    model = torch.nn.Linear(2, 2)
+    root = str(tmp_path / "run")
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, model, extra={"loss": float("inf"), "acc": np.float32("nan"), "lr": 0.1, "hist": [1.0, 2.0]})
+        ckpt.save(2, model, extra={"loss": 0.5, "acc": np.float32(0.9), "lr": 0.1, "hist": [1.0, 2.0]})
+    found = read_commit_record(resolve(f"{root}/step-1"))["health"]["nonfinite"]
+    assert found == {"extra.loss": {"nan": 0, "inf": 1}, "extra.acc": {"nan": 1, "inf": 0}}
+    assert read_commit_record(resolve(f"{root}/step-2"))["health"]["nonfinite"] == {}
+    with pytest.raises(UnhealthyStepError, match="extra.loss: 1 NaN"):
+        with Checkpointer(root, on_nonfinite="refuse") as ckpt:
+            ckpt.save(3, model, extra={"loss": float("nan")})
+    assert Checkpointer(root).steps() == [1, 2]

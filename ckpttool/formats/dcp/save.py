@@ -269,7 +269,9 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                     start, length = write_object(out, value.value if isinstance(value, Whole) else value, compress)
                     index.objects[key] = [start, length]
                     index.records.append(out.row(start, length))
-            _write_per_rank(out, index, flat, paths)
+                    if tally is not None:
+                        tally.count_object(key, value.value if isinstance(value, Whole) else value)
+            _write_per_rank(out, index, flat, paths, tally)
             index.written += out.tell()
         frozen_parts = _frozen_parts(index, flat, frozen)
         if frozen_parts:
@@ -291,7 +293,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     return written
 
 
-def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], paths: dict[str, Any]) -> None:
+def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], paths: dict[str, Any],
+                    tally: Tally | None = None) -> None:
     """This rank's own records of every value of ``extra`` that holds no DTensor, entry by entry as
     DCP lays ``extra`` out (a tensor a tensor record, anything else an object), under
     ``per_rank.<rank>.<key>``: every rank writes its own, no collective. Rank 0 keeps, in
@@ -315,11 +318,15 @@ def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any],
                 shape = tuple(local.shape)
                 _declare(index, name, shape, local.dtype)
                 _write_local(out, index, name, shape, local, ((0,) * len(shape), shape))
+                if tally is not None:
+                    tally.count(name, local)
             else:
                 out.begin()
                 start, length = write_object(out, value.value if isinstance(value, Whole) else value, index.compress)
                 index.objects[name] = [start, length]
                 index.records.append(out.row(start, length))
+                if tally is not None:
+                    tally.count_object(name, value.value if isinstance(value, Whole) else value)
             digest.update(f"{sub!r}={index.records[-1][2]};".encode())
             index.per_rank_paths[name] = [PER_RANK, str(index.rank), *sub]
             mine.append(name)
@@ -575,6 +582,8 @@ def _keep_differing_per_rank(indexes: list[RankIndex]) -> dict[str, list[Any]]:
                 else:
                     index.objects.pop(name, None)
                     index.tensors.pop(name, None)
+                    if index.health is not None:  # (a record not kept is no part of the step's health)
+                        index.health.get("nonfinite", {}).pop(name, None)
     return paths
 
 
