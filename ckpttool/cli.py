@@ -251,8 +251,10 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
 @only_option
 @click.option("--dtype", type=click.Choice(CAST_DTYPES), help="Cast floating-point tensors; integer tensors and 0-d counters (AdamW step) keep their dtype.")
 @click.option("--max-shard-size", metavar="SIZE", callback=_size,
-              help=f"Write HF-sharded files of up to SIZE ({SIZE_HELP}): safetensors, or torch .bin with --to torch.")
-@click.option("--like", metavar="HF_DIR", help="--to hf: the save_pretrained folder whose names, shapes and files (config, tokenizer) to follow.")
+              help=f"Write HF-sharded files of up to SIZE ({SIZE_HELP}): safetensors, or torch .bin with --to torch; "
+                   "with --to hf, instead of --like's own files.")
+@click.option("--like", metavar="HF_DIR", help="--to hf: the save_pretrained folder whose names, shapes, weight files (one "
+              "model.safetensors, or its shards and their split) and other files (config, tokenizer) to follow.")
 @click.option("--key-map", "key_map", metavar="REGEX=REPLACEMENT", multiple=True,
               help="--to hf: rename the source's keys (re.sub, in the order given) to --like's names.")
 @write_options

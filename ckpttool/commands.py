@@ -46,7 +46,7 @@ class ConvertReport(WriteReport):
     dropped: list[str] = field(default_factory=list)
 
 
-_OPTION_FLAGS = {"max_shard_size": "--max-shard-size", "layout": "--world-size", "compress": "--compress"}
+_OPTION_FLAGS = {"max_shard_size": "--max-shard-size", "layout": "--world-size", "compress": "--compress", "shard_files": "--like"}
 
 
 def _check_options(fmt: formats.Format, options: SinkOptions) -> None:
@@ -100,8 +100,9 @@ def convert(
     """Convert a checkpoint between dcp, torch and safetensors, streaming under ``memory_budget``.
 
     ``to="hf"`` with ``like`` (a ``save_pretrained`` folder): the model's tensors under the names
-    of ``like``'s checkpoint (the step's ``model.`` dropped, ``key_map``'s renames applied), as
-    Hugging Face shards with their index (``max_shard_size``, default 5GB), with ``like``'s other
+    of ``like``'s checkpoint (the step's ``model.`` dropped, ``key_map``'s renames applied), in
+    ``like``'s files (one ``model.safetensors``, or its shards with the same tensors in each and
+    their index; ``max_shard_size``: shards of that size instead), with ``like``'s other
     files (config.json, generation_config.json, tokenizer files) copied: a folder
     ``from_pretrained`` reads. Names and shapes are checked against ``like`` before anything is
     written.
@@ -138,8 +139,6 @@ def convert(
                                 dropped=list(sink.dropped))
 
 
-#: what save_pretrained shards at by default ("5GB": powers of ten, as Hugging Face counts)
-HF_SHARD_SIZE = 5 * 1000**3
 #: where a save_pretrained folder keeps its weights, in the order from_pretrained looks
 HF_WEIGHTS = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
 #: files of a save_pretrained folder that hold weights (written anew), never copied
@@ -158,9 +157,12 @@ def _export_hf(src: Location, dst: Location, like: Location, key_map: dict[str, 
                          where=like.url)
     with formats.open_source(like if weights.name.endswith(".json") else weights) as theirs:
         wanted = {key: tuple(e.shape) for key in theirs.index() if isinstance(e := theirs.index()[key], TensorEntry)}
+        files = _like_shards(theirs, wanted, indexed=weights.name.endswith(".json"))
     rules = [(re.compile(p), r) for p, r in (key_map or {}).items()]
     fmt = formats.get("safetensors")
-    options = SinkOptions(max_shard_size=parse_size(max_shard_size, "--max-shard-size") if max_shard_size is not None else HF_SHARD_SIZE)
+    # DST's files as --like's are (its names, the same tensors in each), unless --max-shard-size says otherwise
+    options = (SinkOptions(max_shard_size=parse_size(max_shard_size, "--max-shard-size")) if max_shard_size is not None
+               else SinkOptions(shard_files=files))
     with formats.open_source(src, src_format) as source:
         check_output(src, dst, force)
         tops = {str(p[0]) for p in source.index().paths.values()}
@@ -188,6 +190,23 @@ def _export_hf(src: Location, dst: Location, like: Location, key_map: dict[str, 
         if left:
             report.notes.append(f"not in --like's checkpoint, not written: {', '.join(left)}")
         return report
+
+
+def _like_shards(theirs: Source, wanted: dict[str, Any], indexed: bool) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The safetensors files of a save_pretrained folder like ``theirs`` (names, and the tensors each
+    holds): its own files, a torch file's name as save_pretrained names the safetensors one
+    (``pytorch_model-00001-of-00002.bin`` -> ``model-00001-of-00002.safetensors``); one unsharded
+    file without an index is ``model.safetensors``."""
+    files: dict[str, list[str]] = {}
+    for key in wanted:
+        name = theirs.about(key).files[0]
+        if not indexed:
+            name = "model.safetensors"
+        elif not name.endswith(".safetensors"):
+            stem = name.rsplit(".", 1)[0]
+            name = ("model" + stem[len("pytorch_model"):] if stem.startswith("pytorch_model") else stem) + ".safetensors"
+        files.setdefault(name, []).append(key)
+    return tuple((name, tuple(keys)) for name, keys in files.items())
 
 
 def _like_files(like: Location) -> list[tuple[str, Location]]:

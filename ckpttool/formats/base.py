@@ -64,6 +64,10 @@ class SinkOptions:
     """Output options a format may accept (``Format.sink_options`` names the ones it does)."""
 
     max_shard_size: int | None = None  # split the output into files of at most this many bytes
+    # the output's files by name, each with the keys of the tensors it holds, in order (an HF folder
+    # laid out as another one is: ``convert --to hf --like``); with an index unless it is one file
+    # named as save_pretrained names an unsharded one
+    shard_files: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     layout: Layout | None = None  # which rank's file stores which box of each tensor
     compress: str | None = None  # store each record compressed (``"zstd"``)
 

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, FormatError
 from ..storage import Location
 
 MAX_INDEX_BYTES = 64 << 20
@@ -61,20 +61,38 @@ def shard_name(stem: str, suffix: str, i: int, count: int) -> str:
 class ShardedOutput:
     """The HF-sharded side of a sink (mixed into the safetensors and torch sinks, before ``Sink``):
     with ``max_shard_size``, tensors go in consecutive shard files of at most that many bytes
-    (``<STEM>-0000k-of-0000n<SUFFIX>``), which workers can write apart; planned at ``begin``."""
+    (``<STEM>-0000k-of-0000n<SUFFIX>``); with ``shard_files``, in the files it names, each holding
+    the keys it lists. Workers can write the files apart; planned at ``begin``."""
 
     STEM = ""
     SUFFIX = ""
     max_shard_size: int | None = None
+    shard_files: tuple[tuple[str, tuple[str, ...]], ...] | None = None
 
     def plan_shards(self, tensors: Sequence[Any]) -> None:
         """Group ``tensors`` (TensorSpecs, in write order) into the output's shard files."""
-        self._shards: list[list[Any]] = group(tensors, lambda spec: spec.nbytes, self.max_shard_size)
+        if self.shard_files is None:
+            self._shards: list[list[Any]] = group(tensors, lambda spec: spec.nbytes, self.max_shard_size)
+        else:
+            file_of = {key: i for i, (_, keys) in enumerate(self.shard_files) for key in keys}
+            self._shards = [[] for _ in self.shard_files]
+            for spec in tensors:
+                if spec.key not in file_of:
+                    raise FormatError(f"tensor {spec.key!r} is in none of the output's files", hint="name a file for every tensor")
+                self._shards[file_of[spec.key]].append(spec)
         self._shard_of: dict[str, int] = {spec.key: i for i, shard in enumerate(self._shards) for spec in shard}
 
     @property
     def sharded(self) -> bool:
-        return self.max_shard_size is not None
+        """Whether the output is a directory of files (else one file)."""
+        return self.max_shard_size is not None or self.shard_files is not None
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the output's index is written: for shards, not for one file named as
+        save_pretrained names an unsharded one (``model.safetensors``)."""
+        return self.sharded and not (self.shard_files is not None and len(self.shard_files) == 1
+                                     and self.shard_files[0][0] == self.STEM + self.SUFFIX)
 
     @property
     def splittable(self) -> bool:
@@ -84,6 +102,8 @@ class ShardedOutput:
         return self.share.workers == 1 or self.share.mine(self._shard_of[spec.key], len(self._shards))  # type: ignore[attr-defined]
 
     def shard_file(self, i: int) -> str:
+        if self.shard_files is not None:
+            return self.shard_files[i][0]
         return shard_name(self.STEM, self.SUFFIX, i, len(self._shards))
 
 

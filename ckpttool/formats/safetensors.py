@@ -286,21 +286,28 @@ def _in_original_order(idx: Index, paths: dict[str, Any]) -> Index:
 
 
 class SafetensorsSink(ShardedOutput, Sink):
-    """Write one file, or with ``max_shard_size`` an HF-sharded directory with its index."""
+    """Write one file, or with ``max_shard_size`` an HF-sharded directory with its index (with
+    ``shard_files``, a directory of those files, with an index unless it is one ``model.safetensors``)."""
 
     format = "safetensors"
     STEM, SUFFIX = "model", ".safetensors"
 
-    def __init__(self, location: Location, max_shard_size: int | None = None):
+    def __init__(self, location: Location, max_shard_size: int | None = None,
+                 shard_files: tuple[tuple[str, tuple[str, ...]], ...] | None = None):
         super().__init__(location)
         self.max_shard_size = max_shard_size
+        self.shard_files = shard_files
         self.plan_shards([])
         self._metadata: dict[str, str] = {}
         self._open: tuple[int, Any] | None = None  # (shard index, open file)
         self._started: set[int] = set()
 
     def order(self, specs: list[TensorSpec]) -> list[TensorSpec]:
-        # Larger elements first: every tensor then starts at an offset aligned to its element size.
+        # Larger elements first: every tensor then starts at an offset aligned to its element size;
+        # with files named up front, file by file (each is written whole before the next)
+        if self.shard_files is not None:
+            file_of = {key: i for i, (_, keys) in enumerate(self.shard_files) for key in keys}
+            return sorted(specs, key=lambda s: (file_of.get(s.key, -1), -dtype_size(s.dtype)))
         return sorted(specs, key=lambda s: -dtype_size(s.dtype))
 
     def _begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
@@ -361,7 +368,7 @@ class SafetensorsSink(ShardedOutput, Sink):
         self._files.close()
 
     def complete(self) -> None:
-        if self.sharded:  # the index, written last, is what makes a sharded output complete
+        if self.indexed:  # the index, written last, is what makes a sharded output complete
             weight_map = {spec.key: self.shard_file(i) for i, shard in enumerate(self._shards) for spec in shard}
             self.tmp.child(INDEX_FILE).write_bytes(index_bytes(self.total_size, weight_map))
 
@@ -369,7 +376,7 @@ class SafetensorsSink(ShardedOutput, Sink):
 class SafetensorsFormat(Format):
     name = "safetensors"
     checksums = False  # the format stores none: a flipped bit in tensor data cannot be detected
-    sink_options = frozenset({"max_shard_size"})
+    sink_options = frozenset({"max_shard_size", "shard_files"})
 
     def sniff(self, probe: Probe) -> bool:
         if probe.is_dir:
@@ -383,7 +390,7 @@ class SafetensorsFormat(Format):
         return SafetensorsSource(loc)  # the format stores no checksums to verify
 
     def make_sink(self, loc: Location, options: SinkOptions) -> SafetensorsSink:
-        return SafetensorsSink(loc, max_shard_size=options.max_shard_size)
+        return SafetensorsSink(loc, max_shard_size=options.max_shard_size, shard_files=options.shard_files)
 
     def check_integrity(self, source: SafetensorsSource, report: Report, only: str | None, progress: Progress | None) -> None:
         """Every file's data area tiled by its tensors (no hole, no overlap, nothing trailing) and

@@ -1,6 +1,7 @@
 """``torch.save`` files of a nested state dict: one file, or an HF-sharded directory
 (``pytorch_model-00001-of-0000n.bin`` files and ``pytorch_model.bin.index.json``, as older
-transformers and many hub models have them). The registered format, its Source and Sink.
+transformers and many hub models have them), or a ``save_pretrained`` folder whose weights are
+one ``pytorch_model.bin``. The registered format, its Source and Sink.
 
 Reading never materialises the file: the archive's pickle is unpickled through the allow-list with
 tensors as references, and each tensor's bytes are read by range. Writing streams each tensor into
@@ -24,7 +25,8 @@ from ..safe_pickle import TensorRef
 from ..storage import Location
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, split, stream_tensor
 from .hf_index import ShardedOutput, index_bytes, read_weight_map, shard_files
-from .torchzip import ArchiveWriter, StoredStorage, check_ref, materialise, read_archive, read_tensor_box, span_bytes
+from .torchzip import (MAX_EXPANDED, ArchiveWriter, StoredStorage, check_ref, expanded_bytes, materialise, read_archive,
+                       read_tensor_box, span_bytes)
 
 if TYPE_CHECKING:
     import torch
@@ -41,11 +43,19 @@ def _is_ref(value: Any) -> bool:
 #: the index of an HF-sharded torch checkpoint, and what its files are called
 INDEX_FILE = "pytorch_model.bin.index.json"
 INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
+#: the one weights file of a save_pretrained folder under the shard size (safe_serialization=False)
+SINGLE_FILE = "pytorch_model.bin"
 
 
 def _index_name(names: tuple[str, ...] | list[str]) -> str | None:
     found = sorted(n for n in names if n.endswith(INDEX_SUFFIXES))
     return found[0] if found else None
+
+
+def _single_file(names: tuple[str, ...] | list[str]) -> bool:
+    """Whether a directory is a save_pretrained folder whose weights are one ``pytorch_model.bin``
+    (no index; no safetensors weights, which from_pretrained would read first)."""
+    return SINGLE_FILE in names and _index_name(names) is None and not any(n.endswith(".safetensors") for n in names)
 
 
 class TorchFile:
@@ -59,6 +69,7 @@ class TorchFile:
         #: end, CRC-32), and the key each record was first read for
         self.pieces: dict[str, list[Piece]] | None = None
         self.read_for: dict[str, str] = {}
+        self.expanded: set[TensorRef] = set()  # views admitted that repeat their record's bytes (check_ref)
         self.reader = location.open_reader()
         try:
             self.archive = read_archive(self.reader, 0, None, location.url)
@@ -90,7 +101,7 @@ class TorchFile:
         if self.pieces is not None:
             reader = _Kept(reader, storage.offset, self.pieces.setdefault(ref.storage.key, []))
             self.read_for.setdefault(ref.storage.key, key)
-        return read_tensor_box(reader, ref, storage, box, f"{self.location.url} (key {key!r})", out)
+        return read_tensor_box(reader, ref, storage, box, f"{self.location.url} (key {key!r})", out, ref in self.expanded)
 
     def close(self) -> None:
         self.reader.close()
@@ -126,14 +137,19 @@ class TorchSaveSource(Source):
 
     def _read_index(self, location: Location) -> Index:
         if location.isdir():
-            name = _index_name(location.listdir())
-            if name is None:
-                raise NotACheckpointError(f"directory holds no {INDEX_FILE}", where=location.url)
-            files = shard_files(location, name)
+            names = location.listdir()
+            name = _index_name(names)
+            if name is not None:
+                files = shard_files(location, name)
+            elif SINGLE_FILE in names:
+                files = [location.inside(SINGLE_FILE, location.url)]
+            else:
+                raise NotACheckpointError(f"directory holds no {INDEX_FILE} and no {SINGLE_FILE}", where=location.url)
         else:
             files = [location]
         idx = Index()
         self._part_of: dict[str, int] = {}
+        self._expanded = 0  # bytes of the views admitted that repeat their records' bytes
         for i, loc in enumerate(files):
             part = TorchFile(loc, self._verify)
             self.parts.append(part)
@@ -154,11 +170,29 @@ class TorchSaveSource(Source):
                                       "per-rank checkpoint folder", where=loc.url,
                                       hint=f"open the folder that holds every rank's file: {loc.parent.url}")
                 if isinstance(value, TensorRef):
-                    check_ref(value, part.storage_of(value, key), f"{loc.url} (key {key!r})")
+                    self._admit(part, value, key)
                     idx.add(TensorEntry(key, value.shape, value.element_type, (Chunk(tuple(0 for _ in value.shape), value.shape, value),)), paths[key])
                 else:
                     idx.add(ObjectEntry(key, value), paths[key])
         return idx
+
+    def _admit(self, part: TorchFile, ref: TensorRef, key: str) -> None:
+        """Check a tensor against its record; a view that repeats the record's bytes (an expanded
+        tensor, which ``torch.load`` reads) is read as ``torch.load`` reads it while all such views
+        of the checkpoint stay within :data:`MAX_EXPANDED` bytes."""
+        where = f"{part.location.url} (key {key!r})"
+        storage = part.storage_of(ref, key)
+        check_ref(ref, storage, where, expanded=True)  # (sizes, strides and the span first)
+        grows = expanded_bytes(ref, storage)
+        if grows:
+            self._expanded += grows
+            if self._expanded > MAX_EXPANDED:
+                raise CorruptCheckpointError(
+                    f"tensor of shape {list(ref.shape)} (stride {list(ref.stride)}) repeats the {storage.nbytes} bytes of its "
+                    f"record (an overlapping view), and the checkpoint's expanded views add up to more than "
+                    f"{MAX_EXPANDED >> 20} MiB", where=where,
+                    hint="ckpttool expands views that repeat their bytes up to that size; save the tensor with .contiguous()")
+            part.expanded.add(ref)
 
     def index(self) -> Index:
         return self._index
@@ -403,7 +437,7 @@ class TorchSaveFormat(Format):
 
     def sniff(self, probe: Probe) -> bool:
         if probe.is_dir:
-            return _index_name(probe.names) is not None
+            return _index_name(probe.names) is not None or _single_file(probe.names)
         return probe.head[:4] == ZIP_MAGIC and not _DCP_DATA_FILE.match(probe.loc.name)
 
     def diagnose(self, probe: Probe) -> FormatError | None:

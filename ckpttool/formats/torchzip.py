@@ -262,15 +262,18 @@ def _data_start(window: _Window, name: str, offset: int, size: int, length: int,
 
 
 def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage, box, where: str,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """``box`` of the tensor ``ref`` describes, reading only the rows it touches (into ``out``)."""
+                    out: torch.Tensor | None = None, expanded: bool = False) -> torch.Tensor:
+    """``box`` of the tensor ``ref`` describes, reading only the rows it touches (into ``out``);
+    ``expanded``: the caller admitted ``ref`` as a view that repeats its record's bytes
+    (:func:`check_ref`)."""
     import torch
 
-    check_ref(ref, storage, where)
+    check_ref(ref, storage, where, expanded)
     item = dtype_size(ref.element_type)
     if ref.is_contiguous():
         return read_c_order_box(reader, storage.offset + ref.storage_offset * item, ref.shape, ref.dtype, box, out)
-    # Rare: a strided tensor (saved from a view). Read its whole storage, then view it.
+    # Rare: a strided tensor (saved from a view, an expanded one included). Read its whole storage
+    # (no more than the record holds), then view it.
     raw = torch.empty(storage.nbytes, dtype=torch.uint8)
     reader.readinto(storage.offset, tensor_buffer(raw))
     full = raw.view(ref.dtype).as_strided(ref.shape, ref.stride, ref.storage_offset)
@@ -281,10 +284,23 @@ def read_tensor_box(reader: RangeReader, ref: TensorRef, storage: StoredStorage,
     return out
 
 
-def check_ref(ref: TensorRef, storage: StoredStorage, where: str) -> None:
+#: the most bytes the views of one checkpoint that repeat their records' bytes (an expanded tensor,
+#: stride 0) may add up to: more would let a small file declare terabytes for a convert to write
+MAX_EXPANDED = 256 << 20
+
+
+def expanded_bytes(ref: TensorRef, storage: StoredStorage) -> int:
+    """The bytes of a view with more elements than its record has bytes for (one that repeats them:
+    ``torch.ones(3, 1).expand(3, 4)``); 0 for any other tensor."""
+    nbytes = math.prod(ref.shape) * dtype_size(ref.element_type)
+    return nbytes if nbytes > storage.nbytes else 0
+
+
+def check_ref(ref: TensorRef, storage: StoredStorage, where: str, expanded: bool = False) -> None:
     """A tensor a pickle describes must lie inside its storage record: no negative size, stride or
     offset, and no more elements than the record has bytes for (an overlapping view such as
-    stride 0 would let a 1 KB file declare terabytes)."""
+    stride 0 would let a 1 KB file declare terabytes) unless ``expanded``: the caller admitted it
+    within a budget (:data:`MAX_EXPANDED`)."""
     if (len(ref.stride) != len(ref.shape) or ref.storage_offset < 0 or not plausible_shape(ref.shape)
             or any(st < 0 for st in ref.stride)):
         raise CorruptCheckpointError(
@@ -296,7 +312,7 @@ def check_ref(ref: TensorRef, storage: StoredStorage, where: str) -> None:
         return
     if ref.storage_offset * item + span_bytes(ref) > storage.nbytes:
         raise CorruptCheckpointError(f"tensor needs more bytes than its record holds ({storage.nbytes})", where=where)
-    if numel * item > storage.nbytes:
+    if numel * item > storage.nbytes and not expanded:
         raise CorruptCheckpointError(
             f"tensor of shape {list(ref.shape)} (stride {list(ref.stride)}) repeats the {storage.nbytes} bytes of its "
             "record (an overlapping view)", where=where, hint="ckpttool reads tensors whose elements are stored; "

@@ -4,13 +4,16 @@ written by ``save_pretrained`` inside the test, compared bitwise with ``from_pre
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers  # a test dependency (pyproject's test extra): these tests never skip
 
 from ckpttool import convert
 
-from ..helpers import assert_same_nested
+from ..helpers import assert_same_nested, cli
 from .harness import run_ranks
 from .pretrained_workloads import load_error, load_pretrained, tiny_config, train_save_export
 
@@ -94,3 +97,54 @@ def test_trained_saved_and_exported_like_the_original_reads_back_with_from_pretr
     model, info = back
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert_same_nested(model.state_dict(), trained, "exported")
+    # --like's files: the same shard names, each holding the same tensors, and the index
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(p.name for p in Path(path).glob("*.safetensors"))
+    assert _weight_map(out) == _weight_map(path)
+
+
+def _weight_map(folder) -> dict:
+    return json.loads((Path(folder) / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def test_an_export_follows_the_files_of_the_folder_it_is_like(hf_dir, tmp_path):
+    """One ``model.safetensors`` (save_pretrained under its shard size), or one ``pytorch_model.bin``
+    (transformers 4.x with safe_serialization=False): the export is one ``model.safetensors`` and
+    no index; ``--max-shard-size`` splits it by size instead."""
+    path, expected = hf_dir
+    src = tmp_path / "step.pt"  # a step's layout: the model under "model"
+    torch.save({"model": expected, "extra": {"step": 3}}, src)
+    one = tmp_path / "one"
+    _reference().save_pretrained(one)
+    assert sorted(p.name for p in one.glob("model*")) == ["model.safetensors"]
+    binary = tmp_path / "bin"
+    _reference().config.save_pretrained(binary)
+    torch.save(_reference().state_dict(), binary / "pytorch_model.bin")
+    for like in (one, binary):
+        out = tmp_path / f"out-{like.name}"
+        convert(str(src), str(out), to="hf", like=str(like))
+        assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"], like
+        assert_same_nested(transformers.LlamaForCausalLM.from_pretrained(out).state_dict(), expected, f"like {like.name}")
+    out = tmp_path / "by-size"
+    convert(str(src), str(out), to="hf", like=str(one), max_shard_size="60KB")
+    assert len(_weight_map(out)) == len(expected) and len(list(out.glob("model-*-of-*.safetensors"))) > 2
+    assert_same_nested(transformers.LlamaForCausalLM.from_pretrained(out).state_dict(), expected, "by size")
+
+
+def test_a_save_pretrained_folder_of_one_pytorch_model_bin_is_read_and_loaded(hf_dir, tmp_path):
+    """What transformers 4.x's ``save_pretrained(safe_serialization=False)`` writes under its shard
+    size (config.json and one ``torch.save`` of the state dict as pytorch_model.bin; transformers 5
+    writes safetensors only, so the test writes it as 4.x does): read as the sharded .bin folders
+    are, by every command and by ckpttool.load."""
+    path, expected = hf_dir
+    folder = tmp_path / "bin"
+    transformers.LlamaForCausalLM.from_pretrained(path).config.save_pretrained(folder)
+    torch.save(expected, folder / "pytorch_model.bin")
+    report = json.loads(cli("inspect", folder, "--json"))
+    assert report["format"] == "torch" and len(report["entries"]) == len(expected)
+    assert any("config.json" in n for n in report["notes"])
+    out = tmp_path / "model.safetensors"
+    cli("convert", folder, out)
+    assert "OK: " in cli("verify", folder, "--against", out)
+    got = run_ranks(load_pretrained, 2, str(folder))
+    assert got[0]["missing"] == [] and got[0]["unexpected"] == []
+    assert_same_nested(got[0]["state"], expected, "from pytorch_model.bin")

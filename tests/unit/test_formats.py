@@ -22,6 +22,7 @@ from ckpttool.verify import verify_path
 
 from ..helpers import (
     assert_bitwise,
+    cli,
     assert_same_checkpoint,
     assert_same_nested,
     assert_same_value,
@@ -421,3 +422,40 @@ def test_tensors_inside_objects_survive_every_conversion(tmp_path):
     torch.save({"model": {"w": torch.arange(6.0).reshape(2, 3)},
                 "extra": {"pair": ("a", torch.arange(4.0) + 1), "deep": ([torch.ones(2, dtype=torch.bfloat16)], 3)}}, changed)
     assert not verify_against(str(changed), str(src)).ok  # a tensor inside an object is compared by its bits
+
+
+def test_an_expanded_view_is_read_as_torch_load_reads_it(tmp_path):
+    """``torch.save`` of an expanded view (stride 0: its record holds fewer elements than the view)
+    is read as torch.load reads it, by every command and by ckpttool.load, from the record's bytes
+    alone; views that repeat their bytes beyond MAX_EXPANDED in one checkpoint are refused."""
+    import ckpttool
+    from ckpttool.errors import CorruptCheckpointError
+    from ckpttool.formats.torchzip import MAX_EXPANDED
+    from ckpttool.verify import verify_against
+
+    src = tmp_path / "expanded.pt"
+    col = torch.arange(3.0).reshape(3, 1)
+    torch.save({"bias": col.expand(3, 4), "pos": torch.arange(5).expand(2, 5), "w": torch.ones(2, 2)}, src)
+    plain = torch.load(src, weights_only=True)
+    assert plain["bias"].stride() == (1, 0)  # (what torch.load gives back: the view itself)
+    for name in ("out.pt", "out.safetensors", "out-dcp"):
+        out = tmp_path / name
+        cli("convert", src, out)
+        with open_source(str(out)) as source:
+            for key in ("bias", "pos", "w"):
+                assert torch.equal(source.read_tensor(key), plain[key]), (name, key)
+        assert verify_against(str(out), str(src)).ok and verify_against(str(src), str(out)).ok
+    with open_source(str(src)) as source:  # any box of it, as its rows and columns say
+        assert torch.equal(source.read_tensor("bias", ((1, 2), (2, 2))), plain["bias"][1:3, 2:4])
+    assert "bias" in cli("inspect", src) and "OK: 3 tensors" in cli("verify", src)
+    module = torch.nn.Module()
+    module.register_buffer("bias", torch.zeros(3, 4))
+    module.register_buffer("pos", torch.zeros(2, 5, dtype=torch.int64))
+    module.register_buffer("w", torch.zeros(2, 2))
+    ckpttool.load(str(src), module)
+    assert all(torch.equal(module.get_buffer(k), plain[k]) for k in ("bias", "pos", "w"))
+
+    big = tmp_path / "big.pt"  # 16 bytes declaring twice the budget
+    torch.save({"x": torch.zeros(4).expand(MAX_EXPANDED // 8, 4)}, big)
+    with pytest.raises(CorruptCheckpointError, match="overlapping view"):
+        open_source(str(big))
