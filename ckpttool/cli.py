@@ -193,6 +193,11 @@ def write_options(command: Any) -> Any:
 
 
 only_option = click.option("--only", metavar="KEY", help="Keep one top-level key and drop its prefix (e.g. --only model).")
+optimizer_order_option = click.option(
+    "--optimizer-order", "optimizer_order", type=click.Choice(["model"]),
+    help="A per-rank folder whose optimizer records no parameter names (built from model.parameters()): state that it "
+         "numbered the model's parameters in the order the model file lists them, so its indices become their names "
+         "(the output records that its names rest on this). Without it such state stays keyed by index, as torch wrote it.")
 
 
 def _emit_json(doc: Any) -> None:
@@ -217,10 +222,11 @@ def main(debug: bool, quiet: bool) -> None:
 
 @main.command()
 @click.argument("path")
+@optimizer_order_option
 @json_option
 @storage_option
 @click.pass_context
-def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
+def inspect(ctx: click.Context, path: str, optimizer_order: str | None, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Show what a checkpoint or a training root holds.
 
     \b
@@ -236,7 +242,7 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
     """
     from .describe import inspect_path, render_text
 
-    report = inspect_path(path, _storage_options(storage_options))
+    report = inspect_path(path, _storage_options(storage_options), optimizer_order=optimizer_order)
     if as_json:
         _emit_json(report)
     else:
@@ -257,10 +263,11 @@ def inspect(ctx: click.Context, path: str, as_json: bool, storage_options: tuple
               "model.safetensors, or its shards and their split) and other files (config, tokenizer) to follow.")
 @click.option("--key-map", "key_map", metavar="REGEX=REPLACEMENT", multiple=True,
               help="--to hf: rename the source's keys (re.sub, in the order given) to --like's names.")
+@optimizer_order_option
 @write_options
 def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | None, dtype: str | None, max_shard_size: str | None,
-            like: str | None, key_map: tuple[str, ...], compress: str | None, memory_budget: str, force: bool, nproc: int,
-            as_json: bool, storage_options: tuple[str, ...]) -> None:
+            like: str | None, key_map: tuple[str, ...], optimizer_order: str | None, compress: str | None, memory_budget: str,
+            force: bool, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Convert SRC to DST between DCP, torch.save and safetensors.
 
     \b
@@ -282,6 +289,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
       ckpttool convert full.pt restored-dcp/
       ckpttool convert runs/exp1/step-100 hf/ --to safetensors --only model --max-shard-size 5GB --nproc 4
       ckpttool convert runs/exp1/step-100 finetuned/ --to hf --like meta-llama-3-8b/
+      ckpttool convert fsdp-rank-files/ full.pt --optimizer-order model
     """
     from .commands import convert as run_convert
 
@@ -292,7 +300,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
     report = _write(ctx, "convert", as_json, lambda progress, many: run_convert(
         src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size, compress=compress, memory_budget=memory_budget,
         force=force, storage_options=_storage_options(storage_options), progress=progress, parallel=many, like=like,
-        key_map=rules))
+        key_map=rules, optimizer_order=optimizer_order))
     if report is None:
         return
     click.echo(f"wrote {report.dst} ({report.dst_format}): {report.tensors} tensors, {human_bytes(report.bytes)}, {report.objects} objects")
@@ -350,9 +358,10 @@ convert.help = (convert.help or "").replace("{suffixes}", _suffix_help())
 @click.option("--to", "to", type=click.Choice(formats.reshard_outputs()), default="dcp", show_default=True,
               help="Write DCP, or a per-rank torch.save folder (<key>_rank_<R>.pt of DTensors, as FSDP2's manual "
                    "sharded checkpointing writes them).")
+@optimizer_order_option
 @write_options
 def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, tp_colwise: tuple[str, ...],
-            tp_rowwise: tuple[str, ...], like: str | None, only: str | None, to: str,
+            tp_rowwise: tuple[str, ...], like: str | None, only: str | None, to: str, optimizer_order: str | None,
             compress: str | None, memory_budget: str, force: bool, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Rewrite a DCP checkpoint (or a per-rank torch.save folder) for a new world size, in one process, without a cluster.
 
@@ -395,7 +404,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
     report = _write(ctx, "reshard", as_json, lambda progress, many: run_reshard(
         src, dst, world_size=world_size, mesh=mesh, tp_colwise=tp_colwise, tp_rowwise=tp_rowwise, like=like, only=only,
         parallel=many, compress=compress, to=to, memory_budget=memory_budget, force=force,
-        storage_options=_storage_options(storage_options), progress=progress))
+        storage_options=_storage_options(storage_options), progress=progress, optimizer_order=optimizer_order))
     if report is None:
         return
     click.echo(f"wrote {report.dst}: {report.tensors} tensors, {human_bytes(report.bytes)} for {report.world_size} ranks "
@@ -413,12 +422,13 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
 @click.option("--atol", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="Absolute tolerance for --against.")
 @click.option("--cast", is_flag=True, help="With --against: where dtypes differ, cast PATH's values to OTHER's dtype first (for exports made with --dtype).")
 @click.option("--memory-budget", metavar="SIZE", default="1GiB", show_default=True, callback=_size, help="Most tensor data held in memory at once.")
+@optimizer_order_option
 @nproc_option
 @json_option
 @storage_option
 @click.pass_context
 def verify(ctx: click.Context, path: str, other: str | None, only: str | None, against_only: str | None, rtol: float, atol: float, cast: bool,
-           memory_budget: str, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
+           memory_budget: str, optimizer_order: str | None, nproc: int, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Check a checkpoint's integrity, or compare it with another.
 
     \b
@@ -455,10 +465,11 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
     try:
         if other:
             report = verify_against(path, other, only=only, against_only=against_only, rtol=rtol, atol=atol, cast=cast, memory_budget=parse_size(memory_budget, "--memory-budget"),
-                                    storage_options=opts, progress=progress)
+                                    storage_options=opts, progress=progress, optimizer_order=optimizer_order)
         else:
             with workers() as many:
-                report = verify_path(path, only=only, storage_options=opts, progress=progress, parallel=many)
+                report = verify_path(path, only=only, storage_options=opts, progress=progress, parallel=many,
+                                     optimizer_order=optimizer_order)
     finally:
         progress.close()
     if not _speaks():

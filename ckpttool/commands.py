@@ -96,6 +96,7 @@ def convert(
     parallel: bool = False,
     like: str | Location | None = None,
     key_map: dict[str, str] | None = None,
+    optimizer_order: str | None = None,
 ) -> ConvertReport:
     """Convert a checkpoint between dcp, torch and safetensors, streaming under ``memory_budget``.
 
@@ -108,7 +109,10 @@ def convert(
     written.
 
     Raises :class:`OutputExistsError` before writing anything when ``dst`` exists and ``force`` is
-    not set, :class:`UsageError` for bad options; the output appears only once complete. With
+    not set, :class:`UsageError` for bad options; the output appears only once complete.
+    ``optimizer_order="model"``: a per-rank folder's optimizer that records no parameter names
+    numbered the model's parameters in the order the model lists them (the output records that
+    its names rest on this statement); else its state is kept keyed by index. With
     ``parallel``, every process of the torch.distributed group calls this with the same arguments
     and writes its share of a sharded output (:func:`run`); the report is complete on rank 0.
     """
@@ -120,9 +124,10 @@ def convert(
         if dtype not in DTYPE_NAMES:
             raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
         dtype = DTYPE_NAMES[dtype]
+    reading = formats.Reading(optimizer_order=optimizer_order)
     if like is not None:  # (--to hf)
         return _export_hf(src_loc, dst_loc, resolve(like, storage_options), key_map, dtype, max_shard_size, memory_budget,
-                          force, src_format, progress, read_ahead, parallel)
+                          force, src_format, progress, read_ahead, parallel, reading)
     if to is not None and to not in formats.output_names():
         raise UsageError(f"unknown format {to!r} for --to", hint=f"choose one of {', '.join(formats.output_names())}")
     budget = parse_size(memory_budget, "--memory-budget")
@@ -130,7 +135,7 @@ def convert(
                           compress=compress)
     fmt = formats.get(formats.output_format(dst_loc.name, to, sharded=options.max_shard_size is not None))
     _check_options(fmt, options)
-    with formats.open_source(src_loc, src_format) as source:
+    with formats.open_source(src_loc, src_format, reading=reading) as source:
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, dtype)
         sink = fmt.make_sink(dst_loc, options)
@@ -147,7 +152,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 
 def _export_hf(src: Location, dst: Location, like: Location, key_map: dict[str, str] | None, dtype: Any,
                max_shard_size: int | str | None, memory_budget: int | str, force: bool, src_format: str | None,
-               progress: Progress | None, read_ahead: bool, parallel: bool) -> ConvertReport:
+               progress: Progress | None, read_ahead: bool, parallel: bool, reading: formats.Reading) -> ConvertReport:
     """``convert --to hf --like``: see :func:`convert`."""
     import re
 
@@ -163,7 +168,7 @@ def _export_hf(src: Location, dst: Location, like: Location, key_map: dict[str, 
     # DST's files as --like's are (its names, the same tensors in each), unless --max-shard-size says otherwise
     options = (SinkOptions(max_shard_size=parse_size(max_shard_size, "--max-shard-size")) if max_shard_size is not None
                else SinkOptions(shard_files=files))
-    with formats.open_source(src, src_format) as source:
+    with formats.open_source(src, src_format, reading=reading) as source:
         check_output(src, dst, force)
         tops = {str(p[0]) for p in source.index().paths.values()}
         plan = plan_entries(source, "model" if "model" in tops and len(tops) > 1 else None, dtype)
@@ -338,6 +343,7 @@ def reshard(
     read_ahead: bool = True,
     parallel: bool = False,
     to: str = "dcp",
+    optimizer_order: str | None = None,
 ) -> ReshardReport:
     """Rewrite a DCP checkpoint as FSDP2 would lay it out on ``world_size`` ranks (or an HSDP
     ``mesh`` "RxS"), or exactly as the DCP checkpoint ``like`` is laid out (any mesh, FSDP+TP
@@ -348,13 +354,14 @@ def reshard(
     writes a per-rank torch.save folder instead, as the new job's ranks would with FSDP2's manual
     sharded checkpointing (``Shard(0)`` over ``world_size``, or HSDP ``mesh``). Raises :class:`UsageError`
     for a bad world size or mesh, :class:`FormatError` when SRC (or ``like``) is not DCP,
-    :class:`MismatchError` when ``like`` holds other tensors or shapes.
+    :class:`MismatchError` when ``like`` holds other tensors or shapes. ``optimizer_order``: as
+    :func:`convert`'s.
     """
     target = _reshard_target(world_size, mesh, like, bool(tp_colwise or tp_rowwise), to, compress)
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
     budget = parse_size(memory_budget, "--memory-budget")
-    with formats.open_source(src_loc) as source:
+    with formats.open_source(src_loc, reading=formats.Reading(optimizer_order=optimizer_order)) as source:
         if not formats.get(source.format).ranked:
             raise FormatError(
                 f"reshard reads DCP checkpoints and per-rank torch.save folders; this is {source.format}",

@@ -6,7 +6,7 @@ import io
 
 from typing import Any
 
-from .formats import detect, open_source
+from .formats import Reading, detect, open_source
 from .health import nonfinite_keys, problems
 from .index import TensorEntry
 from .safe_torch import values_as_read
@@ -17,8 +17,8 @@ from .storage import Location, resolve
 _VALUE_CHARS = 80
 
 
-def describe_checkpoint(loc: Location) -> dict[str, Any]:
-    with open_source(loc) as source:
+def describe_checkpoint(loc: Location, reading: Reading | None = None) -> dict[str, Any]:
+    with open_source(loc, reading=reading) as source:
         index = source.index()
         entries = []
         for key in index:
@@ -82,15 +82,16 @@ def describe_root(loc: Location) -> dict[str, Any]:
     return {"path": loc.url, "kind": "training_root", "steps": steps, "damaged": damaged, "incomplete": listing.incomplete}
 
 
-def inspect_path(path: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def inspect_path(path: str, storage_options: dict[str, Any] | None = None, optimizer_order: str | None = None) -> dict[str, Any]:
     """What ``ckpttool inspect`` shows. Imports no torch for a safetensors or DCP checkpoint
-    (values holding torch's objects are shown from their stand-ins, which print the same)."""
+    (values holding torch's objects are shown from their stand-ins, which print the same).
+    ``optimizer_order``: as ``convert``'s, for a per-rank folder."""
     loc = resolve(path, storage_options)
     if loc.isdir() and is_training_root(loc) and not loc.child(".metadata").exists():
         return describe_root(loc)
     detect(loc)  # raises a clear error for anything that is not a checkpoint
     with values_as_read():
-        return describe_checkpoint(loc)
+        return describe_checkpoint(loc, Reading(optimizer_order=optimizer_order))
 
 
 def render_text(report: dict[str, Any]) -> str:

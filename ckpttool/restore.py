@@ -158,6 +158,9 @@ def _read_agreed(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.
     try:
         record = read_commit_record(loc)
         source = _open(loc, model, optimizers, verify)
+        if dist.rank() == 0:  # what the reader noted (a per-rank folder's optimizer indices: how they were paired)
+            for note in source.notes:
+                log.info("%s: %s", loc.url, note)
         # a torch.save file: each rank reads its rows; the records' CRC-32s are checked together below
         together = isinstance(source, TorchSaveSource) and source.check_together()
         matched = _match(source.index(), state, loc, key_map, strict, bool(optimizers))

@@ -30,19 +30,20 @@ __all__ = ["Problem", "Report", "verify_against", "verify_path"]
 
 
 def verify_path(path: str | Location, *, only: str | None = None, storage_options: dict[str, Any] | None = None,
-                progress: Progress | None = None, parallel: bool = False) -> Report:
+                progress: Progress | None = None, parallel: bool = False, optimizer_order: str | None = None) -> Report:
     """Check every committed step of a training root, or one checkpoint in any format.
 
     With ``parallel``, every process of the torch.distributed group runs this together and the
     checks of a DCP checkpoint are split between them (the entries of each in runs of about equal
     bytes); every worker returns the report one process would (other formats: worker 0 checks).
-    Imports no torch for a safetensors or DCP checkpoint (values are only checked to decode)."""
+    Imports no torch for a safetensors or DCP checkpoint (values are only checked to decode).
+    ``optimizer_order``: as ``convert``'s, for a per-rank folder."""
     with values_as_read():
-        return _verify_path(path, only, storage_options, progress, parallel)
+        return _verify_path(path, only, storage_options, progress, parallel, formats.Reading(optimizer_order=optimizer_order))
 
 
 def _verify_path(path: str | Location, only: str | None, storage_options: dict[str, Any] | None, progress: Progress | None,
-                 parallel: bool) -> Report:
+                 parallel: bool, reading: formats.Reading) -> Report:
     loc = resolve(path, storage_options)
     if loc.isdir() and is_training_root(loc) and not loc.child(".metadata").exists():
         report = Report(loc.url, "integrity")
@@ -52,14 +53,14 @@ def _verify_path(path: str | Location, only: str | None, storage_options: dict[s
         for step, what in listing.damaged.items():
             report.add(what, loc.child(step_name(step)).url, hint="load never takes this step; it cannot be trusted")
         for step in listing.committed:
-            report.merge(_verify_path(loc.child(step_name(step)), only, None, progress, parallel))
+            report.merge(_verify_path(loc.child(step_name(step)), only, None, progress, parallel, reading))
         if not listing.committed and not listing.damaged:
             report.note("no committed steps")
         return report
     fmt = formats.detect(loc)
     report = Report(loc.url, "integrity")
     try:
-        source = fmt.open_source(loc, verify=False)  # check_integrity reports what it finds instead
+        source = fmt.open_source(loc, verify=False, reading=reading)  # check_integrity reports what it finds instead
     except (UnsafePickleError, FormatError):  # input ckpttool cannot read as asked (exit 2): no difference found
         raise
     except CkptError as exc:
@@ -116,17 +117,23 @@ def _merged(mine: Report, parts: list[tuple[Report, list[tuple[int, Report]]]]) 
 
 def verify_against(path: str | Location, other: str | Location, *, only: str | None = None, against_only: str | None = None,
                    rtol: float = 0.0, atol: float = 0.0, cast: bool = False, memory_budget: int = DEFAULT_BUDGET,
-                   storage_options: dict[str, Any] | None = None, progress: Progress | None = None) -> Report:
+                   storage_options: dict[str, Any] | None = None, progress: Progress | None = None,
+                   optimizer_order: str | None = None) -> Report:
     """Compare ``path`` with ``other`` entry by entry: keys on either side, dtypes and shapes,
     values bitwise or within rtol/atol. ``only`` / ``against_only`` compare one top-level key of
     that side, prefix dropped (an HF export's flat keys against the ``model`` of a DCP step, either
     way round). A difference is reported under both files (and keys), a missing key under the
-    file that has it."""
+    file that has it. What either side says of how it was read (a per-rank folder's optimizer
+    indices: kept, or named by a proof or by ``optimizer_order``, as ``convert``'s) is noted."""
     from .engine import plan_entries
 
     a_loc, b_loc = resolve(path, storage_options), resolve(other, storage_options)
     report = Report(a_loc.url, "equality")
-    with formats.open_source(a_loc) as a, formats.open_source(b_loc) as b:
+    reading = formats.Reading(optimizer_order=optimizer_order)
+    with formats.open_source(a_loc, reading=reading) as a, formats.open_source(b_loc, reading=reading) as b:
+        for source in (a, b):
+            for text in source.not_read().notes:
+                report.note(f"{source.location.url}: {text}")
         plan = plan_entries(a, only, None)
         b_index = b.index()
         b_keys = _keys_compared(b_index, against_only, b_loc)

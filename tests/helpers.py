@@ -68,9 +68,10 @@ def cli(*args, code: int = 0) -> str:
     return result.output
 
 
-def golden_of(path: str) -> dict:
+def golden_of(path: str, optimizer_order: str | None = None) -> dict:
     """What ckpttool reads from a checkpoint, in the terms of the golden files (fixtures/*/expected.json):
-    per key, a tensor's dtype, shape and sha256 of its bytes, or the canonical form of a value."""
+    per key, a tensor's dtype, shape and sha256 of its bytes, or the canonical form of a value
+    (``optimizer_order``: as the commands' option, for a per-rank folder)."""
     import hashlib
     import sys
 
@@ -80,7 +81,7 @@ def golden_of(path: str) -> dict:
     from make_realworld import canon
 
     out = {}
-    with open_source(path) as src:
+    with open_source(path, reading=formats.Reading(optimizer_order=optimizer_order)) as src:
         index = src.index()
         for key in index:
             if isinstance(index[key], TensorEntry):

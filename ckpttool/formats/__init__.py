@@ -42,12 +42,15 @@ class Registration:
 
 @dataclass(frozen=True)
 class Reading:
-    """Who opens a checkpoint, for what (a load into a live job): ``rank``, named in its errors; and
-    ``optimizer_names``, the live optimizers' parameter names group by group, which pair a per-rank
-    folder's optimizer indices with names as ``optimizer.load_state_dict`` pairs them."""
+    """Who opens a checkpoint, for what: ``rank``, named in its errors; ``optimizer_names`` (a load
+    into a live job), the live optimizers' parameter names group by group, which pair a per-rank
+    folder's optimizer indices with names as ``optimizer.load_state_dict`` pairs them; and
+    ``optimizer_order``, the order the caller states a per-rank folder's optimizer numbered the
+    model's parameters in (``"model"``: as the model file lists them) where torch recorded no names."""
 
     rank: int | None = None
     optimizer_names: list[list[str]] | None = None
+    optimizer_order: str | None = None
 
 
 _REGISTRY: dict[str, Registration] = {}

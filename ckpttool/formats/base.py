@@ -403,8 +403,8 @@ class Format(ABC):
     def open_source(self, loc: Location, verify: bool = True, reading: Reading | None = None) -> Source:
         """Open for reading; with ``verify``, stored checksums are checked as the data is read (a
         mismatch raises :class:`ChecksumError`). ``verify`` itself opens without, to report instead.
-        ``reading`` (:class:`ckpttool.formats.Reading`): a load's rank and live optimizers, for the
-        formats that use them."""
+        ``reading`` (:class:`ckpttool.formats.Reading`): a load's rank and live optimizers, a stated
+        optimizer order, for the formats that use them."""
 
     @abstractmethod
     def make_sink(self, loc: Location, options: SinkOptions) -> Sink: ...

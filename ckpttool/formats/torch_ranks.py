@@ -10,13 +10,16 @@ tensor's chunks (a replicated box, as HSDP stores it, is read from the lowest ra
 Plain tensors (buffers, AdamW's ``step``) and other values are taken from rank 0.
 
 An optimizer's state is keyed by parameter index, and torch numbers the parameters group by group
-(``optimizer.state_dict()``). The indices are mapped to the model's parameter names only where the
-mapping is proven: by the names torch records in each group (``param_names``: an optimizer built
-from ``named_parameters()``), or for a single group holding every parameter, in the order the
-model file lists them (``model.parameters()``'s order, which an optimizer built from it follows);
-with a live optimizer (``optimizer_names``: ``ckpttool.load``), through its own groups, position by
-position, exactly as ``optimizer.load_state_dict`` pairs them. Anywhere else (several groups
-without names: layer-wise LR decay, a weight-decay split) the indices are kept and a note says why.
+(``optimizer.state_dict()``), in the order the optimizer was given them: nothing in the folder
+says which parameter an index is unless torch recorded it. The indices become the model's
+parameter names only where that is proven or stated: by the names torch records in each group
+(``param_names``: an optimizer built from ``named_parameters()``); with a live optimizer
+(``optimizer_names``: ``ckpttool.load``), through its own groups, position by position, exactly as
+``optimizer.load_state_dict`` pairs them; or where the caller states the order
+(``optimizer_order="model"``: the optimizer was given the model's parameters in the order the
+model file lists them, ``model.parameters()``'s), which each param group of the result records
+(``param_names_from``). Anywhere else the state is kept as torch wrote it, keyed by index with its
+param groups (``optimizer.load_state_dict`` reads it), and one note says which of these happened.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotACheckpointError
+from ..errors import CkptError, CorruptCheckpointError, FormatError, MismatchError, NotACheckpointError, UsageError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, flatten
 from ..index import unflatten
 from ..layout import Box, FsdpLayout, rank_box, relative, unravel, whole
@@ -35,12 +38,16 @@ from ..safe_dtensor import DTensorRef
 from ..safe_pickle import TensorRef, same_value
 from ..storage import Location
 from .base import Format, ObjectSpec, Probe, Progress, ReadFn, Sink, SinkOptions, Source, TensorSpec, stream_slabs
-from .torch_save import TorchFile, check_tensor_records
+from .torch_save import TorchFile, check_tensor_records, int_keyed_optimizers
 
 if TYPE_CHECKING:
     import torch
 
 RANK_FILE = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d+)\.(pt|pth|bin)$")
+#: the parameter order a caller may state for an optimizer that records no names: the model file's
+STATED_ORDER = "model"
+#: what each param group of an optimizer named by a stated order records about its names
+STATED_NOTE = "stated: the order the model lists its parameters in (optimizer_order='model')"
 SIDE_FILE = re.compile(r"^(?P<name>[^.].*)\.(pt|pth|bin)$")
 #: the most rank files a folder may hold (one per rank)
 MAX_RANKS = 1 << 16
@@ -72,12 +79,18 @@ class RanksSource(Source):
 
     format = "torch-ranks"
 
-    def __init__(self, location: Location, verify: bool = True, optimizer_names: list[list[str]] | None = None):
+    def __init__(self, location: Location, verify: bool = True, optimizer_names: list[list[str]] | None = None,
+                 optimizer_order: str | None = None):
         """``optimizer_names``: the parameter names of a live optimizer's groups, in its order (for
-        the folder's one optimizer group file); its indices are then paired through them."""
+        the folder's one optimizer group file); its indices are then paired through them.
+        ``optimizer_order="model"``: the caller states that the optimizer numbered the model's
+        parameters in the order the model file lists them (see the module's text)."""
         super().__init__(location)
+        if optimizer_order not in (None, STATED_ORDER):
+            raise UsageError(f"unknown optimizer order {optimizer_order!r}", hint=f"the order ckpttool takes: {STATED_ORDER!r}")
         self._verify = verify
         self._live_names = optimizer_names
+        self._stated = optimizer_order
         self._files: dict[str, TorchFile] = {}
         self._placements: dict[str, str] = {}  # key -> how its DTensor was laid out (for inspect)
         # values every rank (or every replica) stores that are not the same on all of them:
@@ -296,8 +309,8 @@ class RanksSource(Source):
         return list(self._unexpected)
 
     def _map_optimizers(self, trees: dict[str, Any]) -> None:
-        """Key every optimizer group's state by parameter name where the mapping is proven (see the
-        module docstring)."""
+        """Key every optimizer group's state by parameter name where the mapping is proven or stated
+        (see the module docstring)."""
         optims = [p for p, (obj, _, _) in trees.items() if _is_optimizer(obj)]
         if not optims:
             return
@@ -311,58 +324,71 @@ class RanksSource(Source):
         for prefix in optims:
             obj, chunks, name = trees[prefix]
             if model is None:
-                self.notes.append(f"the {prefix} state stays keyed by parameter index: no single model group to name the "
-                                  f"parameters ({len(models)} groups hold DTensors)")
+                self._kept(prefix, f"no single model group to name the parameters ({len(models)} groups hold DTensors)")
                 continue
             params = {k: v for k, v in flatten(trees[model][0], is_tensor=_is_ref)[0].items() if isinstance(v, DTensorRef)}
-            names, how = self._index_names(prefix, obj, params, model)
+            names, how, stated = self._index_names(prefix, obj, params, model)
             if names is None:
-                self.notes.append(f"the {prefix} state stays keyed by parameter index: {how}")
+                self._kept(prefix, how)
                 continue
             self._index_names_of[prefix] = names
             state = {names[i]: obj["state"][i] for i in sorted(obj["state"], key=lambda i: i)}
-            groups = [{**g, "params": [names[i] for i in g["params"]]} for g in obj["param_groups"]]
+            groups = [{**g, "params": [names[i] for i in g["params"]], **({"param_names_from": STATED_NOTE} if stated else {})}
+                      for g in obj["param_groups"]]
             trees[prefix] = ({"state": state, "param_groups": groups}, chunks, name)
             self.notes.append(f"{prefix}: parameter indices mapped to the names of {model}'s parameters {how}")
 
+    def _kept(self, prefix: str, why: str) -> None:
+        self.notes.append(f"the {prefix} state stays keyed by parameter index, with its param groups, as torch.optim wrote it "
+                          f"(optimizer.load_state_dict reads it): {why}")
+
     def _index_names(self, prefix: str, optim: Mapping[str, Any], params: dict[str, Any],
-                     model: str) -> tuple[dict[int, str] | None, str]:
-        """Index -> parameter name, proven (and how), or None and why not."""
+                     model: str) -> tuple[dict[int, str] | None, str, bool]:
+        """Index -> parameter name and how it is known (proven by ``param_names``, paired through a
+        live optimizer, or stated by the caller: the third value), or None and why not."""
         groups = optim["param_groups"]
         ids = [i for g in groups for i in g["params"]]
         if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids):
-            return None, "its param_groups list indices that are not distinct integers"
-        if self._live_names is not None:
-            live = self._live_names
-            if [len(g["params"]) for g in groups] != [len(g) for g in live]:
-                raise MismatchError(
-                    f"the {prefix} state was saved by an optimizer with {len(groups)} param group(s) of "
-                    f"{[len(g['params']) for g in groups]} parameters; the optimizer given has {len(live)} of "
-                    f"{[len(g) for g in live]}", where=self.location.url,
-                    hint="build the optimizer with the param groups of the job that saved it (torch pairs them position by position)")
+            return None, "its param_groups list indices that are not distinct integers", False
+        live = self._live_names
+        if live is not None and [len(g["params"]) for g in groups] != [len(g) for g in live]:
+            raise MismatchError(
+                f"the {prefix} state was saved by an optimizer with {len(groups)} param group(s) of "
+                f"{[len(g['params']) for g in groups]} parameters; the optimizer given has {len(live)} of "
+                f"{[len(g) for g in live]}", where=self.location.url,
+                hint="build the optimizer with the param groups of the job that saved it (torch pairs them position by position)")
+        stated = False
+        recorded = {i: n for g in groups if isinstance(g.get("param_names"), list) and len(g["param_names"]) == len(g["params"])
+                    for i, n in zip(g["params"], g["param_names"])}
+        proven = (len(recorded) == len(ids) and len(set(recorded.values())) == len(ids)
+                  and all(isinstance(n, str) and n in params for n in recorded.values()))
+        if proven:
+            names, how = recorded, "that torch recorded in its param groups (param_names)"
+        elif live is not None:
             names = {i: n for g, names in zip(groups, live) for i, n in zip(g["params"], names)}
             how = "of the optimizer given, group by group, as optimizer.load_state_dict pairs them"
-        elif all(isinstance(g.get("param_names"), list) and len(g["param_names"]) == len(g["params"]) for g in groups):
-            names = {i: n for g in groups for i, n in zip(g["params"], g["param_names"])}
-            how = "that torch recorded in its param groups (param_names)"
-            if len(set(names.values())) != len(names) or not all(isinstance(n, str) and n in params for n in names.values()):
-                return None, (f"the names its param groups record ({', '.join(map(repr, list(names.values())[:3]))}, ...) "
-                              f"are not all distinct names of {model}'s parameters")
-        elif len(groups) == 1 and len(ids) == len(params):
+        elif recorded:
+            return None, (f"the names its param groups record ({', '.join(map(repr, list(recorded.values())[:3]))}, ...) "
+                          f"are not all distinct names of {model}'s parameters"), False
+        elif self._stated == STATED_ORDER:
+            if len(ids) != len(params):
+                raise MismatchError(f"the {prefix} state numbers {len(ids)} parameters and {model} has {len(params)}: they "
+                                    f"cannot be {model}'s parameters in the order its file lists them, as stated",
+                                    where=self.location.url, hint="leave the optimizer order unstated: the state is then kept "
+                                    "keyed by index")
             order = list(params)
-            names = {i: order[n] for n, i in enumerate(groups[0]["params"])}
-            how = "in the order its file lists them (one param group holding every parameter)"
-        elif len(groups) > 1:
-            return None, (f"its {len(groups)} param groups number the parameters group by group, so which parameter an "
-                          "index is cannot be told from the folder (ckpttool.load(FOLDER, model, optimizer) pairs them "
-                          "through the live optimizer's groups, as optimizer.load_state_dict does; an optimizer built from "
-                          "model.named_parameters() records the names)")
+            names = {i: order[n] for n, i in enumerate(ids)}
+            how = (f"in the order {model}'s file lists them, as stated (--optimizer-order model): nothing in the folder "
+                   "proves it; each param group records it (param_names_from)")
+            stated = True
         else:
-            return None, (f"its param group lists {len(ids)} parameter indices, {model} has {len(params)} DTensor parameters "
-                          "(tied or frozen parameters, or an optimizer over part of the model): which is which cannot be told "
-                          "from the folder (ckpttool.load(FOLDER, model, optimizer) pairs them through the live optimizer)")
+            return None, ("its param groups record no parameter names (an optimizer built from model.named_parameters() "
+                          "records them), so which parameter an index is cannot be told from the folder; "
+                          "--optimizer-order model (optimizer_order='model') names them in the order the model lists its "
+                          "parameters, for an optimizer built from model.parameters(); ckpttool.load(FOLDER, model, optimizer) "
+                          "pairs them through the live optimizer's groups, as optimizer.load_state_dict does"), False
         if not all(type(i) is int and i in names for i in optim["state"]):
-            return None, "its state names indices that are no parameter of its groups"
+            return None, "its state names indices that are no parameter of its groups", False
         for i, entry in optim["state"].items():
             if names[i] not in params:
                 raise MismatchError(f"the optimizer given holds parameter {names[i]!r}, which {model}'s files do not",
@@ -371,11 +397,14 @@ class RanksSource(Source):
                 if isinstance(value, DTensorRef) and value.shape != params[names[i]].shape:
                     why = (f"index {i}'s state {key!r} has shape {list(value.shape)} but parameter {names[i]!r} has "
                            f"{list(params[names[i]].shape)}")
-                    if self._live_names is not None:
+                    if live is not None and not proven:
                         raise MismatchError(f"the {prefix} state does not fit the optimizer given: {why}", where=self.location.url,
                                             hint="build the optimizer with the param groups of the job that saved it")
-                    return None, why
-        return names, how
+                    if stated:
+                        raise MismatchError(f"the {prefix} state does not fit the order stated: {why}", where=self.location.url,
+                                            hint="leave the optimizer order unstated: the state is then kept keyed by index")
+                    return None, why, False
+        return names, how, stated
 
     # --- reading ---------------------------------------------------------------------------------
     def index(self) -> Index:
@@ -516,7 +545,7 @@ class RanksSink(Sink):
                         continue
                     tree = _wrap_tree(state[top], top, wrap)
                     if top in ranked:
-                        tree = _by_index(tree)
+                        tree = int_keyed_optimizers(_by_index(tree))
                     name = f"{top}_rank_{rank}.pt" if top in ranked else f"{top}.pt"
                     with self.tmp.child(name).open_write() as f:
                         torch.save(tree, f)
@@ -555,8 +584,10 @@ def _by_index(tree: Any) -> Any:
     if not set(tree["state"]) <= set(index):
         raise FormatError("the optimizer state names parameters its param_groups do not list",
                           hint="it cannot be numbered as optimizer.state_dict() numbers them")
+    # (numbered again, the state no longer rests on the order a reader was told: that note goes)
     return {"state": {index[n]: v for n, v in tree["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in tree["param_groups"]]}
+            "param_groups": [{**{k: v for k, v in g.items() if k != "param_names_from"}, "params": [index[n] for n in g["params"]]}
+                             for g in tree["param_groups"]]}
 
 
 class RanksFormat(Format):
@@ -568,7 +599,8 @@ class RanksFormat(Format):
         return probe.is_dir and bool(rank_groups(probe.names))
 
     def open_source(self, loc: Location, verify: bool = True, reading: Any = None) -> RanksSource:
-        return RanksSource(loc, verify=verify, optimizer_names=reading.optimizer_names if reading is not None else None)
+        return RanksSource(loc, verify=verify, optimizer_names=reading.optimizer_names if reading is not None else None,
+                           optimizer_order=reading.optimizer_order if reading is not None else None)
 
     sink_options = frozenset({"layout"})
 

@@ -302,7 +302,7 @@ class TorchSaveSink(ShardedOutput, Sink):
             keys = [k for k in self._flat if self._shard_of.get(k) == i or (i == 0 and k in self._objects)]
         else:
             keys = list(self._flat)
-        self._writer.finish(unflatten({k: self._flat[k] for k in keys}, {k: self._paths[k] for k in keys}))
+        self._writer.finish(int_keyed_optimizers(unflatten({k: self._flat[k] for k in keys}, {k: self._paths[k] for k in keys})))
         self._writer = None
 
     def _add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
@@ -327,6 +327,28 @@ class TorchSaveSink(ShardedOutput, Sink):
             weight_map = {spec.key: self.shard_file(i) for i, shard in enumerate(self._shards) for spec in shard}
             total = sum(spec.nbytes for shard in self._shards for spec in shard)
             self.tmp.child(INDEX_FILE).write_bytes(index_bytes(total, weight_map))
+
+
+def int_keyed_optimizers(tree: Any) -> Any:
+    """``tree`` with every ``torch.optim`` state dict in it keyed as ``optimizer.state_dict()`` keys
+    it: a dict of ``state`` and ``param_groups`` whose groups list distinct integer parameter
+    indices, and whose state is keyed by the decimal strings of those indices (DCP's flattened keys
+    and every format's turn them into strings), gets its integers back, so that
+    ``optimizer.load_state_dict`` of what ``torch.load`` returns finds each parameter's state."""
+    if isinstance(tree, list):
+        return [int_keyed_optimizers(v) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    tree = {k: int_keyed_optimizers(v) for k, v in tree.items()}
+    if set(tree) != {"state", "param_groups"} or not isinstance(tree["state"], dict) or not isinstance(tree["param_groups"], list):
+        return tree
+    ids = [i for g in tree["param_groups"] if isinstance(g, dict) for i in (g.get("params") or ())]
+    if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids):
+        return tree
+    named = {str(i): i for i in ids}
+    if not tree["state"] or not all(isinstance(k, str) and k in named for k in tree["state"]):
+        return tree
+    return {k: ({named[i]: state for i, state in v.items()} if k == "state" else v) for k, v in tree.items()}
 
 
 def check_together(source: TorchSaveSource, rank: int, gather: Callable[[Any], list[Any]]) -> CkptError | None:

@@ -50,6 +50,8 @@ def optimizer_for(model: torch.nn.Module, layout: str) -> torch.optim.Optimizer:
     blocks = list(model.blocks)
     if layout == "single":
         return torch.optim.AdamW(model.parameters(), lr=0.01)
+    if layout == "shuffled":  # one group, in another order than model.parameters(), no names: shapes all alike
+        return torch.optim.AdamW([p for i in (2, 0, 1) for p in blocks[i].parameters()], lr=0.01)
     if layout == "reversed":  # layer-wise LR decay, last layer first
         return torch.optim.AdamW([{"params": list(b.parameters()), "lr": 0.01 * 0.5 ** i} for i, b in enumerate(reversed(blocks))])
     if layout == "decay":  # the most common split: weights decay, biases do not
