@@ -459,3 +459,28 @@ def test_an_expanded_view_is_read_as_torch_load_reads_it(tmp_path):
     torch.save({"x": torch.zeros(4).expand(MAX_EXPANDED // 8, 4)}, big)
     with pytest.raises(CorruptCheckpointError, match="overlapping view"):
         open_source(str(big))
+
+
+def test_an_optimizer_state_keyed_by_index_comes_back_keyed_by_int_in_a_torch_file(tmp_path):
+    """``optimizer.state_dict()`` keys its state by int; DCP's flattened keys make them strings, and
+    a torch file written with string keys would load into an optimizer with no state at all
+    (``load_state_dict`` finds no parameter under "0"). Every torch output keys it as torch does."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    src = tmp_path / "src.pt"
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "extra": {"state": {"0": 1}, "param_groups": []}}, src)
+    for route in (["out.pt"], ["dcp", "back.pt"]):
+        prev = src
+        for name in route:
+            convert(str(prev), str(tmp_path / name), force=True)
+            prev = tmp_path / name
+        loaded = torch.load(prev, weights_only=True)
+        assert sorted(loaded["optim"]["state"]) == [0, 1, 2, 3], route
+        assert loaded["extra"] == {"state": {"0": 1}, "param_groups": []}  # (not an optimizer's: as it was)
+        fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+        fresh.load_state_dict(loaded["optim"])
+        assert len(fresh.state) == 4 and fresh.param_groups[0]["lr"] == 0.1
+        for p in model.parameters():
+            assert all(torch.equal(fresh.state[p][k], opt.state[p][k]) for k in opt.state[p]), route
