@@ -266,6 +266,7 @@ def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys
             template = _template(source, top)
             if template:
                 state[top] = template
+    _check_ties(source, model, matched, loc)
     flat, paths = flatten(state)
     flat.update(by_key)
     dcp_format.load_into(source, flat)
@@ -273,6 +274,28 @@ def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys
     state["model"] = {name: flat[key] for name, key in matched.pairs.items()}
     state["model"].update({n: model[n] for n in model if n not in matched.pairs and n not in matched.missing})
     return state, [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
+
+
+def _check_ties(source: Any, model: dict[str, Any], matched: keys.KeyMatch, loc: Location) -> None:
+    """Refuse a load that would put two different tensors of the checkpoint into one tensor of the
+    model: weights the model ties (``lm_head.weight`` and ``model.embed_tokens.weight``) found
+    under two keys whose values differ (a model trained untied, loaded into one configured tied).
+    This rank compares its own box of both; the load's agreement raises it on every rank."""
+    from .compare import bits_differ
+    from .compat import local_shard_box
+
+    for name, twin in _ties(model).items():
+        a, b = matched.pairs.get(twin), matched.pairs.get(name)
+        if a is None or b is None or a == b:
+            continue
+        local, box = local_shard_box(model[name])
+        if local.numel() == 0:
+            continue
+        if bool(bits_differ(source.read_tensor(a, box), source.read_tensor(b, box)).any()):
+            raise MismatchError(f"the model ties {name!r} to {twin!r}, but the checkpoint holds different values under {b!r} "
+                                f"and {a!r}: one tensor cannot take both", where=loc.url,
+                                hint="the checkpoint was saved untied: build the model untied (e.g. tie_word_embeddings=False "
+                                     "in its config) to load both")
 
 
 def _rank_name(name: Any) -> bool:

@@ -86,6 +86,32 @@ def test_tied_embeddings_absent_from_the_file_are_tied(tmp_path):
     assert_same_nested(got[0]["state"], expected, "tied")
 
 
+def test_tied_weights_the_file_holds_with_different_values_are_refused_naming_both(hf_dir, tmp_path):
+    """A model that ties lm_head to the embedding, loaded from a file holding both with different
+    values (trained untied): refused with one line naming both keys, on 2 FSDP2 ranks and in one
+    process, never one of them dropped in silence. Equal values load."""
+    import ckpttool
+    from ckpttool.errors import MismatchError
+
+    path, expected = hf_dir  # untied: lm_head.weight differs from model.embed_tokens.weight
+    assert not torch.equal(expected["lm_head.weight"], expected["model.embed_tokens.weight"])
+    untied = tmp_path / "untied.pt"
+    torch.save(expected, untied)
+    error = run_ranks(load_error, 2, str(untied), tie=True)[0]
+    assert "MismatchError" in error and "'lm_head.weight'" in error and "'model.embed_tokens.weight'" in error, error
+    assert "tie_word_embeddings=False" in error
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_config(True))
+    with pytest.raises(MismatchError, match="holds different values under 'lm_head.weight' and 'model.embed_tokens.weight'"):
+        ckpttool.load(str(untied), model)
+    same = tmp_path / "same.pt"  # both keys, one value (a tied model's full state dict)
+    torch.save({**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}, same)
+    got = run_ranks(load_pretrained, 2, str(same), tie=True)[0]
+    assert got["missing"] == [] and got["unexpected"] == []
+    assert torch.equal(got["state"]["lm_head.weight"], expected["model.embed_tokens.weight"])
+    assert torch.equal(got["state"]["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
+
+
 def test_trained_saved_and_exported_like_the_original_reads_back_with_from_pretrained(hf_dir, tmp_path):
     path, _ = hf_dir
     root = tmp_path / "run"
