@@ -75,8 +75,9 @@ def describe_root(loc: Location) -> dict[str, Any]:
             said = problems(found)
             row["health"] = {"state": "unhealthy" if said else "healthy", "problems": said,
                              "nonfinite": nonfinite_keys(found), "unchanged": list(found.get("unchanged") or [])}
-        if record.get("per_rank"):
-            row["per_rank"] = list(record["per_rank"])
+        for field in ("per_rank", "per_rank_buffers"):  # extra's keys and the model's buffers kept per rank
+            if isinstance(record.get(field), list) and record[field]:
+                row[field] = [str(k) for k in record[field]]
         steps.append(row)
     damaged = [{"step": step, "path": loc.child(step_name(step)).url, "problem": what} for step, what in listing.damaged.items()]
     return {"path": loc.url, "kind": "training_root", "steps": steps, "damaged": damaged, "incomplete": listing.incomplete}
@@ -106,6 +107,10 @@ def render_text(report: dict[str, Any]) -> str:
                     wrote = f"  wrote {human_bytes(s['bytes_written'])}, shared {human_bytes(s.get('bytes_shared', 0))}"
                 lines.append(f"  step {s['step']:>8}  world size {s['world_size']}{wrote}  {s['health']['state']}  {s['path']}")
                 lines.extend(f"      {p}" for p in s["health"]["problems"])
+                kept = [f"extra {', '.join(s['per_rank'])}"] if s.get("per_rank") else []
+                kept += [f"buffers {', '.join(s['per_rank_buffers'])}"] if s.get("per_rank_buffers") else []
+                if kept:
+                    lines.append(f"      each rank's own (values differ between ranks): {'; '.join(kept)}")
         else:
             lines.append("no committed steps")
         for d in report["damaged"]:

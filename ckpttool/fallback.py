@@ -21,7 +21,8 @@ from .checksums import hash_bytes
 from .compat import local_tensor
 from .formats import dcp as dcp_format
 from .formats.dcp import dcp_writer, hash_records
-from .formats.dcp.metadata import PER_RANK
+from .buffers import tensor_buffer
+from .formats.dcp.metadata import PER_RANK, PER_RANK_BUFFERS
 from .formats.dcp.save import Whole
 from .restore import holds_dtensor
 from .staging import frozen
@@ -45,10 +46,12 @@ def stores(value: Any) -> bool:
 
 
 def write(state: dict[str, Any], step_dir: Location, storage_options: dict[str, Any], compress: str | None, group: Any,
-          count_health: bool) -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
+          count_health: bool, buffers: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[str], list[str], dict[str, Any] | None]:
     """Write ``state`` into ``step_dir`` with DCP's writer (collective over ``group``); returns the
-    manifest of every rank's records, the keys of ``extra`` kept per rank and the health counts."""
+    manifest of every rank's records, the keys of ``extra`` and the model's plain-tensor buffers
+    (``buffers``: their state keys) kept per rank, and the health counts."""
     state, per_rank = _with_per_rank(state, group)
+    state, own_buffers = _with_own_buffers(state, group, buffers)
     found = _health(state, group) if count_health else None
     try:
         with _single_process_quiet():
@@ -56,7 +59,7 @@ def write(state: dict[str, Any], step_dir: Location, storage_options: dict[str, 
     except _DCP_ERRORS as exc:
         raise save_error(exc, step_dir) from None
     dist.pause_point("after-write")
-    return _manifest_of_own_file(step_dir, group), per_rank, found
+    return _manifest_of_own_file(step_dir, group), per_rank, own_buffers, found
 
 
 def stage(state: Any, previous: Any = None) -> Any:
@@ -118,8 +121,29 @@ def _with_per_rank(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], l
                         if any(top not in v or v[top][0] != values[top][0] for v in everyone)})
     if not differing:
         return state, []
-    return {**state, PER_RANK: {str(r): {top: values[top][1] for top in differing if top in values}
-                                for r, values in enumerate(everyone)}}, differing
+    # DCP's planner lets any rank write a tensor every rank holds: ``extra.<key>`` is made rank 0's here
+    shared = {**extra, **{top: everyone[0][top][1] for top in differing if top in everyone[0]}}
+    return {**state, "extra": shared, PER_RANK: {str(r): {top: values[top][1] for top in differing if top in values}
+                                                 for r, values in enumerate(everyone)}}, differing
+
+
+def _with_own_buffers(state: dict[str, Any], group: Any, buffers: frozenset[str]) -> tuple[dict[str, Any], list[str]]:
+    """DCP's writer keeps rank 0's value of a plain-tensor buffer: here each rank's digest of every
+    buffer in ``buffers`` is gathered, and each that differs between ranks is added under
+    ``per_rank_buffers.<rank>.<name>``, as ckpttool's own writer lays them out."""
+    model = state.get("model") or {}
+    keys = sorted(k[len("model."):] for k in buffers if k[len("model."):] in model)
+    if not keys or not dist.active():
+        return state, []
+    mine = {k: hash_bytes(tensor_buffer(model[k].detach().cpu().contiguous())) for k in keys}
+    everyone = dist.all_gather(mine, group)
+    differing = [k for k in keys if len({digests.get(k) for digests in everyone}) > 1]
+    if not differing:
+        return state, []
+    values = dist.all_gather({k: model[k].detach().cpu() for k in differing}, group)
+    # DCP's planner lets any rank write a tensor every rank holds: ``model.<name>`` is made rank 0's here
+    return ({**state, "model": {**model, **values[0]}, PER_RANK_BUFFERS: {str(r): v for r, v in enumerate(values)}},
+            [f"model.{k}" for k in differing])
 
 
 def _health(state: dict[str, Any], group: Any) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from . import dist, formats
-from .restore import training_state
+from .restore import own_buffer_keys, training_state
+from .steps import read_commit_record
 from .compare import bits_differ
 from .layout import unravel
 from .compat import local_shard_box
@@ -58,6 +59,7 @@ def verify_loaded(model: torch.nn.Module, optimizer: Any, path: str | Location, 
     try:
         with formats.open_source(loc, verify=False) as source:  # compares the bytes themselves
             index = source.index()
+            own = own_buffer_keys(index, read_commit_record(loc), loc, warn=False)  # buffers saved per rank: this rank's own
             for key, value in state.items():
                 if not isinstance(value, torch.Tensor):
                     continue
@@ -67,7 +69,7 @@ def verify_loaded(model: torch.nn.Module, optimizer: Any, path: str | Location, 
                 if key not in index:
                     mine.append(Mismatch(key, rank, [], float("nan"), local.numel()))
                     continue
-                stored = source.read_tensor(key, box)
+                stored = source.read_tensor(own.get(key, key), box)
                 local = local.detach().cpu()
                 if stored.dtype != local.dtype or tuple(stored.shape) != tuple(local.shape):
                     mine.append(Mismatch(key, rank, [], float("nan"), local.numel()))

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from . import dist, formats, health, keys
 from .errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, UsageError
 from .formats import dcp as dcp_format
-from .formats.dcp.metadata import PER_RANK
+from .formats.dcp.metadata import PER_RANK, PER_RANK_BUFFERS
 from .formats.dcp.save import Whole
 from .formats.torch_save import TorchSaveSource, check_together
 from .index import Index, TensorEntry, unflatten
@@ -164,7 +164,7 @@ def _read_agreed(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.
         # a torch.save file: each rank reads its rows; the records' CRC-32s are checked together below
         together = isinstance(source, TorchSaveSource) and source.check_together()
         matched = _match(source.index(), state, loc, key_map, strict, bool(optimizers))
-        state, saved_leaves = _read_state(source, state, loc, matched)
+        state, saved_leaves = _read_state(source, state, loc, matched, record)
     except CkptError as exc:
         error = exc
     try:
@@ -249,14 +249,21 @@ def _ties(model: dict[str, Any]) -> dict[str, str]:
     return ties
 
 
-def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys.KeyMatch) -> tuple[dict[str, Any], list[tuple]]:
+def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys.KeyMatch,
+                record: dict | None) -> tuple[dict[str, Any], list[tuple]]:
     """``state`` (the live model's and optimizers' state dicts) filled from ``source``, with the
-    saved ``extra`` and per-rank values beside it; and the paths of the per-rank values saved."""
+    saved ``extra`` and per-rank values beside it (each buffer saved per rank from this rank's own
+    value, on the world size that saved it); and the paths of the per-rank values saved."""
     from .index import flatten
 
     model = state.pop("model")
+    own = own_buffer_keys(source.index(), record, loc) if matched.layout == "step" else {}
+    pairs = {name: own.get(key, key) for name, key in matched.pairs.items()}  # the model's key -> the key read
+    for name, key in pairs.items():
+        if key != matched.pairs[name]:
+            _check_one(key, model[name], source.index(), loc)
     by_key: dict[str, Any] = {}
-    for name, key in matched.pairs.items():
+    for name, key in pairs.items():
         if key in by_key and by_key[key] is not model[name]:
             raise MismatchError(f"two keys of the model are matched to {key!r}", where=loc.url,
                                 hint="a key_map that renames two keys to one: make it name each key's own")
@@ -266,17 +273,40 @@ def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys
             template = _template(source, top)
             if template:
                 state[top] = template
-    _check_ties(source, model, matched, loc)
+    _check_ties(source, model, pairs, loc)
     flat, paths = flatten(state)
     flat.update(by_key)
     dcp_format.load_into(source, flat)
     state = unflatten({k: v for k, v in flat.items() if k in paths}, paths)
-    state["model"] = {name: flat[key] for name, key in matched.pairs.items()}
+    state["model"] = {name: flat[key] for name, key in pairs.items()}
     state["model"].update({n: model[n] for n in model if n not in matched.pairs and n not in matched.missing})
     return state, [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
 
 
-def _check_ties(source: Any, model: dict[str, Any], matched: keys.KeyMatch, loc: Location) -> None:
+def own_buffer_keys(index: Index, record: dict | None, loc: Location, warn: bool = True) -> dict[str, str]:
+    """The model's buffers saved per rank (``per_rank_buffers.<rank>.<name>``: their values differed
+    between the ranks that saved them) -> this rank's own key, on the world size that saved them.
+    On another world size none (every rank gets rank 0's value, ``model.<name>``) and, with
+    ``warn``, one warning (rank 0) names them."""
+    saved: dict[int, dict[str, str]] = {}
+    for key in index:
+        path = index.path(key)
+        if len(path) > 2 and path[0] == PER_RANK_BUFFERS and _rank_name(path[1]):
+            saved.setdefault(int(path[1]), {})["model." + ".".join(map(str, path[2:]))] = key
+    if not saved:
+        return {}
+    world = record.get("world_size") if record is not None else None
+    world = world if isinstance(world, int) and world > 0 else max(saved) + 1
+    if world == dist.world_size():
+        return saved.get(dist.rank(), {})
+    if warn and dist.rank() == 0:
+        names = sorted({k for keys in saved.values() for k in keys})
+        log.warning("%s: buffers saved per rank on %d ranks (their values differed between ranks) cannot be matched to %d "
+                    "ranks: every rank gets rank 0's value of %s", loc.url, world, dist.world_size(), ", ".join(names))
+    return {}
+
+
+def _check_ties(source: Any, model: dict[str, Any], pairs: dict[str, str], loc: Location) -> None:
     """Refuse a load that would put two different tensors of the checkpoint into one tensor of the
     model: weights the model ties (``lm_head.weight`` and ``model.embed_tokens.weight``) found
     under two keys whose values differ (a model trained untied, loaded into one configured tied).
@@ -285,7 +315,7 @@ def _check_ties(source: Any, model: dict[str, Any], matched: keys.KeyMatch, loc:
     from .compat import local_shard_box
 
     for name, twin in _ties(model).items():
-        a, b = matched.pairs.get(twin), matched.pairs.get(name)
+        a, b = pairs.get(twin), pairs.get(name)
         if a is None or b is None or a == b:
             continue
         local, box = local_shard_box(model[name])

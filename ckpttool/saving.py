@@ -68,6 +68,7 @@ class Saves:
         self.stager = self._new_stager()  # host buffers of async saves, reused while shapes hold
         self.states = StateCache()  # get_state_dict's answer, kept while the model's and optimizer's structure holds
         self._frozen: frozenset[str] = frozenset()  # the state keys of this save's frozen parameters (incremental)
+        self._buffers: frozenset[str] = frozenset()  # the state keys of the model's plain-tensor buffers (several ranks)
         self._trainable: set[str] = set()  # the state keys of this save's trainable parameters
         self._last_digests: Any = None  # (step, its final place, this rank's record digests) of its last save
         self._written: Any = None  # what this rank put in its frozen file at its last save (dcp_format.Written)
@@ -88,6 +89,7 @@ class Saves:
         frozen = [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]
         self._frozen = frozenset(frozen) if self.o.incremental else frozenset()
         self._trainable = {f"model.{n}" for n, _ in model.named_parameters()} - set(frozen)
+        self._buffers = plain_buffers(state["model"], buffers) if dist.world_size() > 1 else frozenset()
         staged = None
         if not blocking:
             try:
@@ -180,8 +182,8 @@ class Saves:
         self._written = None
         self._last_digests = None
         try:
-            written = dcp_format.write_rank(tmp, rank, state, pause=dist.pause_point,
-                                            compress=self.o.compress, frozen=self._frozen, previous=previous, health=check)
+            written = dcp_format.write_rank(tmp, rank, state, pause=dist.pause_point, compress=self.o.compress,
+                                            frozen=self._frozen, previous=previous, health=check, buffers=self._buffers)
             if written is not None:
                 written.step_dir = final  # where its files are once the step is committed
         except CkptError:
@@ -201,6 +203,9 @@ class Saves:
         per_rank = dcp_format.per_rank_keys(indexes)
         if per_rank:
             record["per_rank"] = per_rank  # keys of extra whose values differ between ranks: each rank's own is kept
+        buffers = dcp_format.per_rank_buffer_keys(indexes)
+        if buffers:
+            record["per_rank_buffers"] = buffers  # the model's buffers whose values differ between ranks: idem
         found = health.merge_ranks([index.health for index in indexes])
         if found is not None:
             record["health"] = found
@@ -210,14 +215,16 @@ class Saves:
 
     def _save_through_dcp(self, state: dict[str, Any], step: int, tmp: Location, final: Location, group: Any) -> None:
         """DCP's writer (``fallback.py``), then the commit, agreed over ``group``."""
-        manifest, per_rank, found = fallback.write(state, tmp, self.o.storage_options or {}, self.o.compress, group,
-                                                   self.o.health)
+        manifest, per_rank, buffers, found = fallback.write(state, tmp, self.o.storage_options or {}, self.o.compress, group,
+                                                            self.o.health, self._buffers)
         dist.barrier("ckpttool.commit", group)
 
         def commit() -> None:
             record: dict[str, Any] = {"manifest": {**manifest, "files": metadata_row(tmp)}}  # .metadata's row too
             if per_rank:
                 record["per_rank"] = per_rank
+            if buffers:
+                record["per_rank_buffers"] = buffers
             if found is not None:
                 record["health"] = found
                 self._judge_health(step, found)
@@ -379,6 +386,17 @@ class Saves:
                 self.o.on_phase(name, start, end)
             except Exception:  # noqa: BLE001 - a caller's callback must not fail a save
                 log.exception("on_phase callback failed for phase %s", name)
+
+
+def plain_buffers(model_state: dict[str, Any], buffers: set[int]) -> frozenset[str]:
+    """The state keys (``model.<name>``) of the model's buffers that are plain tensors, not DTensors:
+    every rank holds a value of its own, which may differ from the others' (``buffers``: the
+    addresses of the buffers' memory; a state dict's keys are not the module's names under
+    torch.compile or DDP)."""
+    from torch.distributed.tensor import DTensor
+
+    return frozenset(f"model.{k}" for k, v in model_state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+                     and v.numel() and v.data_ptr() in buffers)
 
 
 def check_root(root: Location) -> None:

@@ -221,3 +221,69 @@ def extra_kinds_save_and_load(root: str, async_save: bool) -> dict:
             "opt": opt.state_dict(), "sched": sched.state_dict(),
             "want": {**{k: v for k, v in saved.items() if k not in ("opt", "sched")},
                      "opt_state": saved["opt"].state_dict(), "sched_state": saved["sched"].state_dict()}}
+
+
+class NormNet(torch.nn.Module):
+    """A BatchNorm1d between two layers, no SyncBatchNorm: each rank's running statistics are its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 6)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.out = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def _norm_net(seed: int):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = NormNet()
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def own_buffers_save(root: str, async_save: bool, through_dcp: bool = False) -> dict:
+    """Train on each rank's own data (its running statistics drift apart), save step 1; every
+    rank's buffers and weights as saved. ``through_dcp``: with a strided-shard DTensor in ``extra``,
+    which sends the save through DCP's own writer."""
+    from ckpttool import Checkpointer
+
+    extra = None
+    if through_dcp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        extra = {"z": DTensor.from_local(torch.arange(4.0), mesh, [_StridedShard(0, split_factor=1)])}
+    model, optimizer = _norm_net(0)
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    for _ in range(2):
+        model(torch.randn(8, 4, generator=gen) * (1 + dist.get_rank())).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with Checkpointer(root, async_save=async_save) as ckpt:
+        ckpt.save(1, model, optimizer, extra=extra)
+    return {"buffers": {n: b.clone() for n, b in model.named_buffers()}, "weights": {n: full(p) for n, p in model.named_parameters()}}
+
+
+def own_buffers_load(root: str) -> dict:
+    """Load the newest step on this world size: this rank's buffers and weights, what was warned,
+    and whether verify_loaded agrees."""
+    import ckpttool
+    from ckpttool import Checkpointer
+
+    from .workloads import keep_warnings
+
+    records, handler = keep_warnings()
+    try:
+        model, optimizer = _norm_net(5)
+        Checkpointer(root).load(model, optimizer)
+        report = ckpttool.verify_loaded(model, optimizer, f"{root}/step-1")
+    finally:
+        logging.getLogger("ckpttool").removeHandler(handler)
+    return {"buffers": {n: b.clone() for n, b in model.named_buffers()}, "weights": {n: full(p) for n, p in model.named_parameters()},
+            "warnings": records, "verified": report.ok}

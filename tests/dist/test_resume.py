@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from .harness import run_ranks
-from .resume_workloads import ShuffledLoader, extra_kinds_save_and_load, fallback_save_and_load, first_part, per_rank_load, per_rank_save, plain_dcp_load_extra, resumed, straight
+from .resume_workloads import (ShuffledLoader, extra_kinds_save_and_load, fallback_save_and_load, first_part, own_buffers_load,
+                               own_buffers_save, per_rank_load, per_rank_save, plain_dcp_load_extra, resumed, straight)
 from .snapshot_workloads import two_optimizers_load, two_optimizers_save
 from .workloads import assert_same
 
@@ -136,3 +137,37 @@ def test_a_step_with_per_rank_and_stateful_values_converts_and_verifies_against_
                        (["convert", full, back], 0), (["verify", back, "--against", step], 0)):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == code, (args, result.output)
+
+
+@pytest.mark.parametrize("async_save,through_dcp", [(False, False), (True, False), (True, True)],
+                         ids=["sync", "async", "dcp-writer"])
+def test_buffers_that_differ_between_ranks_come_back_to_their_own_rank(tmp_path, async_save, through_dcp):
+    """FSDP2 with BatchNorm1d (no SyncBatchNorm): each rank's running statistics are its own. They are
+    kept per rank, listed in the commit record and by inspect, and each comes back to its own rank
+    on the same world size; on another, every rank gets rank 0's and one warning names them. Plain
+    dcp.load still reads the step (rank 0's values under model.*)."""
+    from ckpttool.steps import read_commit_record
+    from ckpttool.storage import resolve
+
+    from ..helpers import cli
+
+    root = tmp_path / "run"
+    saved = run_ranks(own_buffers_save, 2, str(root), async_save, through_dcp)
+    assert not torch.equal(saved[0]["buffers"]["norm.running_mean"], saved[1]["buffers"]["norm.running_mean"])
+    record = read_commit_record(resolve(str(root / "step-1")))
+    assert record["per_rank_buffers"] == ["model.norm.running_mean", "model.norm.running_var"]  # num_batches_tracked agrees
+    assert "buffers model.norm.running_mean, model.norm.running_var" in cli("inspect", root)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(root / "step-1"), str(tmp_path / "plain.pt"))  # plain torch reads it: rank 0's under model.*
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert torch.equal(plain["model"]["norm.running_mean"], saved[0]["buffers"]["norm.running_mean"])
+    assert torch.equal(plain["per_rank_buffers"]["1"]["norm.running_mean"], saved[1]["buffers"]["norm.running_mean"])
+    for rank, got in enumerate(run_ranks(own_buffers_load, 2, str(root))):
+        assert_same(got["buffers"], saved[rank]["buffers"], f"rank {rank}'s buffers")
+        assert_same(got["weights"], saved[0]["weights"], f"rank {rank}'s weights")
+        assert got["warnings"] == [] and got["verified"]
+    on3 = run_ranks(own_buffers_load, 3, str(root))
+    assert any("buffers saved per rank on 2 ranks" in w and "model.norm.running_mean" in w for w in on3[0]["warnings"]), on3[0]
+    for got in on3:
+        assert_same(got["buffers"], saved[0]["buffers"], "rank 0's buffers on another world size")

@@ -22,15 +22,15 @@ from .transforms import check_compress
 if TYPE_CHECKING:
     from .load import load_into
     from .online import dcp_writer, hash_records, metadata_row
-    from .save import (HostShard, Written, commit_metadata, per_rank_keys, publish_failure, read_rank_indexes, step_bytes, stores,
-                       supports, write_rank)
+    from .save import (HostShard, Written, commit_metadata, per_rank_buffer_keys, per_rank_keys, publish_failure, read_rank_indexes,
+                       step_bytes, stores, supports, write_rank)
     from .sink import DcpSink
 
 #: the names of the writing and loading modules (they import torch): imported on first use, so
 #: reading a checkpoint offline (inspect, verify) does not import torch
 _LAZY = {"load_into": "load", "dcp_writer": "online", "hash_records": "online", "metadata_row": "online",
-         **{name: "save" for name in ("HostShard", "Written", "commit_metadata", "per_rank_keys", "publish_failure", "read_rank_indexes",
-                                     "step_bytes", "stores", "supports", "write_rank")},
+         **{name: "save" for name in ("HostShard", "Written", "commit_metadata", "per_rank_buffer_keys", "per_rank_keys", "publish_failure",
+                                     "read_rank_indexes", "step_bytes", "stores", "supports", "write_rank")},
          "DcpSink": "sink"}
 
 
@@ -70,5 +70,5 @@ FORMAT = DcpFormat()
 
 # The public API of the format: what the training API (checkpointer.py) uses, and all it uses.
 __all__ = ["FORMAT", "METADATA_FILE", "DcpSink", "DcpSource", "HostShard", "check_compress", "commit_metadata", "data_file_name",
-           "dcp_writer", "hash_records", "load_into", "metadata_row", "per_rank_keys", "publish_failure", "read_metadata", "read_rank_indexes", "step_bytes",
+           "dcp_writer", "hash_records", "load_into", "metadata_row", "per_rank_buffer_keys", "per_rank_keys", "publish_failure", "read_metadata", "read_rank_indexes", "step_bytes",
            "stores", "supports", "write_rank", "Written"]

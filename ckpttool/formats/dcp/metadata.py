@@ -24,6 +24,10 @@ METADATA_FILE = ".metadata"
 #: the top-level key of the values of a training step's ``extra`` that differ between the ranks
 #: that saved it, each rank's own: ``per_rank.<rank>.<key in extra>`` (``extra.<key>`` is rank 0's)
 PER_RANK = "per_rank"
+#: the same for the model's plain-tensor buffers (not DTensors: every rank holds its own, such as a
+#: BatchNorm's running statistics without SyncBatchNorm): ``per_rank_buffers.<rank>.<buffer's name>``
+#: (``model.<name>`` is rank 0's)
+PER_RANK_BUFFERS = "per_rank_buffers"
 MAX_METADATA_BYTES = 1 << 30
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 

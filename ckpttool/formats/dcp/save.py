@@ -30,7 +30,7 @@ from ...health import Check, Tally
 from ...index import dtype_size, flatten
 from ...layout import Box, relative, slabs, tiles_exactly
 from ...storage import Location
-from .metadata import METADATA_FILE, PER_RANK, data_file_name
+from .metadata import METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
 from . import metadata_pickle as mp
 from .records import write_object, write_tensor
 from .transforms import transform_names
@@ -208,6 +208,8 @@ class RankIndex:
     # the xxh3 of its record]; rank 0 keeps those that differ between ranks (commit_metadata)
     per_rank: dict[str, list[Any]] = field(default_factory=dict)
     per_rank_paths: dict[str, list[Any]] = field(default_factory=dict)
+    # the same for the model's plain-tensor buffers: state key -> [[its per-rank key], the xxh3 of its record]
+    per_rank_buffers: dict[str, list[Any]] = field(default_factory=dict)
     health: dict[str, Any] | None = None  # this rank's findings for the step's health (health.Check.findings)
 
 
@@ -235,7 +237,7 @@ def frozen_file_name(rank: int) -> str:
 def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                pause: Callable[[str], None] | None = None, compress: str | None = None,
                frozen: frozenset[str] = frozenset(), previous: Written | None = None,
-               health: Check | None = None) -> Written | None:
+               health: Check | None = None, buffers: frozenset[str] = frozenset()) -> Written | None:
     """Write this rank's part of the step into ``step_dir``: its data file, then its index (the
     index's appearance in storage tells rank 0 this rank is done). On failure the index carries
     the error instead, so rank 0 stops waiting, and the error is raised here too.
@@ -246,8 +248,10 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     instead of a write. Returns what is in the frozen file now (None when there is none).
 
     With ``health``, every tensor record's NaN and Inf are counted as it is written and its data
-    digest kept; the index carries this rank's findings (``health.py``). ``pause(name)`` is called
-    at the points crash tests stop a rank at (``dist.pause_point``)."""
+    digest kept; the index carries this rank's findings (``health.py``). ``buffers``: the state
+    keys of the model's plain-tensor buffers, each rank's own kept where they differ
+    (:func:`_write_per_rank`). ``pause(name)`` is called at the points crash tests stop a rank at
+    (``dist.pause_point``)."""
     flat, paths = flatten(state, is_tensor=_is_staged_or_tensor)  # a list of staged tensors is traversed, as one of tensors
     index = RankIndex(rank, data_file_name(rank), compress=compress)
     tally = health.tally if health is not None else None
@@ -272,6 +276,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                     if tally is not None:
                         tally.count_object(key, value.value if isinstance(value, Whole) else value)
             _write_per_rank(out, index, flat, paths, tally)
+            _write_own_buffers(out, index, flat, paths, buffers)
             index.written += out.tell()
         frozen_parts = _frozen_parts(index, flat, frozen)
         if frozen_parts:
@@ -331,6 +336,25 @@ def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any],
             index.per_rank_paths[name] = [PER_RANK, str(index.rank), *sub]
             mine.append(name)
         index.per_rank[top] = [mine, digest.hexdigest()]
+
+
+def _write_own_buffers(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], paths: dict[str, Any],
+                       buffers: frozenset[str]) -> None:
+    """This rank's own record of each of the model's plain-tensor buffers (``buffers``), under
+    ``per_rank_buffers.<rank>.<name>``, as :func:`_write_per_rank` keeps ``extra``'s: rank 0 keeps in
+    ``.metadata`` the records of those whose values differ between ranks (a BatchNorm's running
+    statistics without SyncBatchNorm), so each rank's own comes back to it."""
+    for key in buffers:
+        value = flat.get(key)
+        if not (isinstance(value, HostShard) and value.plain) and not (isinstance(value, torch.Tensor) and not _is_dtensor(value)):
+            continue
+        local = value.local if isinstance(value, HostShard) else value.detach()
+        shape = tuple(local.shape)
+        name = f"{PER_RANK_BUFFERS}.{index.rank}.{key[len('model.'):]}"
+        _declare(index, name, shape, local.dtype)
+        _write_local(out, index, name, shape, local, ((0,) * len(shape), shape))
+        index.per_rank_paths[name] = [PER_RANK_BUFFERS, str(index.rank), *paths[key][1:]]
+        index.per_rank_buffers[key] = [[name], index.records[-1][2]]
 
 
 class Whole:
@@ -568,22 +592,23 @@ def _keep_differing_per_rank(indexes: list[RankIndex]) -> dict[str, list[Any]]:
     top-level keys whose records differ between ranks, or that some rank lacks, and drop the others
     (every rank holds the same value, which ``extra.<key>`` already holds); returns the kept
     records' paths, rank by rank."""
-    digests: dict[str, set[str]] = {}
-    for index in indexes:
-        for top, (_, digest) in index.per_rank.items():
-            digests.setdefault(top, set()).add(digest)
-    differing = {top for top, found in digests.items() if len(found) > 1 or any(top not in index.per_rank for index in indexes)}
     paths: dict[str, list[Any]] = {}
-    for index in indexes:
-        for top, (names, _) in index.per_rank.items():
-            for name in names:
-                if top in differing:
-                    paths[name] = index.per_rank_paths[name]
-                else:
-                    index.objects.pop(name, None)
-                    index.tensors.pop(name, None)
-                    if index.health is not None:  # (a record not kept is no part of the step's health)
-                        index.health.get("nonfinite", {}).pop(name, None)
+    for own in (lambda index: index.per_rank, lambda index: index.per_rank_buffers):  # extra's values, the model's buffers
+        digests: dict[str, set[str]] = {}
+        for index in indexes:
+            for top, (_, digest) in own(index).items():
+                digests.setdefault(top, set()).add(digest)
+        differing = {top for top, found in digests.items() if len(found) > 1 or any(top not in own(index) for index in indexes)}
+        for index in indexes:
+            for top, (names, _) in own(index).items():
+                for name in names:
+                    if top in differing:
+                        paths[name] = index.per_rank_paths[name]
+                    else:
+                        index.objects.pop(name, None)
+                        index.tensors.pop(name, None)
+                        if index.health is not None:  # (a record not kept is no part of the step's health)
+                            index.health.get("nonfinite", {}).pop(name, None)
     return paths
 
 
@@ -591,6 +616,13 @@ def per_rank_keys(indexes: list[RankIndex]) -> list[str]:
     """The keys of ``extra`` whose values differ between the ranks of a step (after commit_metadata)."""
     return sorted({top for index in indexes for top, (names, _) in index.per_rank.items()
                    if any(n in index.objects or n in index.tensors for n in names)})
+
+
+def per_rank_buffer_keys(indexes: list[RankIndex]) -> list[str]:
+    """The model's buffers (state keys) whose values differ between the ranks of a step (after
+    commit_metadata): each rank's own is kept."""
+    return sorted({key for index in indexes for key, (names, _) in index.per_rank_buffers.items()
+                   if any(n in index.tensors for n in names)})
 
 
 def step_bytes(indexes: list[RankIndex]) -> dict[str, int]:
