@@ -448,3 +448,45 @@ def test_a_write_guarded_while_the_copy_thread_finishes_copies_nothing_twice_and
             model[0].weight.mul_(2.0)
         ckpt.wait()
     _assert_same(_loaded(root, 1), expected)
+
+
+def _in_another_thread(fn) -> None:
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def test_another_threads_write_through_p_data_is_not_seen_and_wait_first_keeps_the_step_exact(tmp_path, held_copy):
+    """What the README's list of writes not seen says, shown: ``p.data`` is a new tensor with a
+    version counter of its own, so another thread's ``p.data.mul_()`` during the copy is seen by no
+    guard and no counter the copy checks: the step holds the values as the copy found them. The
+    same thread's write through the tensor itself fails the save (SnapshotError); the cure for the
+    other, ``ckpt.wait()`` before it, keeps the step exact."""
+    from ckpttool.errors import SnapshotError
+
+    weight = "model.0.weight"
+    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+        expected = _snapshot_and_save(ckpt, 1, model, optimizer)
+        _in_another_thread(lambda: model[0].weight.data.mul_(2.0))  # before its copy: not seen
+        held_copy.set()
+        ckpt.wait()  # no error
+        torn = _loaded(root, 1)
+        assert torch.equal(torn[weight], expected[weight] * 2) and not torch.equal(torn[weight], expected[weight])
+
+        held_copy.clear()
+        _snapshot_and_save(ckpt, 2, model, optimizer)
+
+        def counted():
+            with torch.no_grad():
+                model[0].weight.mul_(2.0)  # the tensor itself: its version counter moves
+
+        _in_another_thread(counted)
+        held_copy.set()
+        with pytest.raises(SnapshotError, match="changed in place after save"):
+            ckpt.wait()
+
+        expected3 = _snapshot_and_save(ckpt, 3, model, optimizer)
+        ckpt.wait()  # the cure: the copy is done before the other thread writes
+        _in_another_thread(lambda: model[0].weight.data.mul_(2.0))
+    assert ckpt.steps() == [1, 3]
+    _assert_same(_loaded(root, 3), expected3)
