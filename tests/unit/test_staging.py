@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -490,3 +491,7 @@ def test_another_threads_write_through_p_data_is_not_seen_and_wait_first_keeps_t
         _in_another_thread(lambda: model[0].weight.data.mul_(2.0))
     assert ckpt.steps() == [1, 3]
     _assert_same(_loaded(root, 3), expected3)
+    # the README's list of writes not seen names it, with the cure
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    said = readme[readme.index("Not seen at all:"):]
+    assert "another thread's `p.data.mul_()`" in said and "plain or DTensor" in said and "call `ckpt.wait()` before such writes" in said
