@@ -438,8 +438,7 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
     written (the CRC-32 torch stores for every record of DCP and torch.save files, and the
     manifest of a ckpttool step, .metadata included; safetensors has no checksums); pickles are
     read through the allow-list, never run; no path leads out of the checkpoint. A training root
-    also lists steps whose commit record is damaged. Limits and what is not checked:
-    docs/security.md.
+    also lists steps whose commit record is damaged. Limits, what is not checked: docs/security.md.
     With --against: keys missing on either side, dtype and shape differences, values bitwise
     (or within --rtol/--atol, with max differences and the first differing index).
     Exit 0 when nothing is wrong, 1 when problems or differences were found, 2 when PATH cannot

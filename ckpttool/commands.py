@@ -78,6 +78,15 @@ def check_output(src: Location, dst: Location, force: bool) -> None:
         raise OutputExistsError("output already exists", where=dst.url, hint="pass --force to replace it")
 
 
+def _cast_to(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``--dtype``'s torch dtype (a name of :data:`DTYPE_NAMES`, or one already)."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_NAMES:
+            raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
+        return DTYPE_NAMES[dtype]
+    return dtype
+
+
 def convert(
     src: str | Location,
     dst: str | Location,
@@ -110,20 +119,16 @@ def convert(
 
     Raises :class:`OutputExistsError` before writing anything when ``dst`` exists and ``force`` is
     not set, :class:`UsageError` for bad options; the output appears only once complete.
-    ``optimizer_order="model"``: a per-rank folder's optimizer that records no parameter names
-    numbered the model's parameters in the order the model lists them (the output records that
-    its names rest on this statement); else its state is kept keyed by index. With
-    ``parallel``, every process of the torch.distributed group calls this with the same arguments
-    and writes its share of a sharded output (:func:`run`); the report is complete on rank 0.
+    ``optimizer_order="model"``: a per-rank folder's optimizer without recorded names numbered the
+    model's parameters in the order the model lists them (the output records that its names rest
+    on this); else its state stays keyed by index. With ``parallel``, every process of the group
+    calls this with the same arguments and writes its share of a sharded output (:func:`run`).
     """
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)
     if (to == "hf") != (like is not None):
         raise UsageError("--to hf and --like HF_DIR go together", hint="--to hf --like a save_pretrained folder of the model")
-    if isinstance(dtype, str):
-        if dtype not in DTYPE_NAMES:
-            raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_NAMES)}")
-        dtype = DTYPE_NAMES[dtype]
+    dtype = _cast_to(dtype)
     reading = formats.Reading(optimizer_order=optimizer_order)
     if like is not None:  # (--to hf)
         return _export_hf(src_loc, dst_loc, resolve(like, storage_options), key_map, dtype, max_shard_size, memory_budget,

@@ -131,9 +131,8 @@ def verify_against(path: str | Location, other: str | Location, *, only: str | N
     report = Report(a_loc.url, "equality")
     reading = formats.Reading(optimizer_order=optimizer_order)
     with formats.open_source(a_loc, reading=reading) as a, formats.open_source(b_loc, reading=reading) as b:
-        for source in (a, b):
-            for text in source.not_read().notes:
-                report.note(f"{source.location.url}: {text}")
+        for text in (f"{s.location.url}: {note}" for s in (a, b) for note in s.not_read().notes):
+            report.note(text)
         plan = plan_entries(a, only, None)
         b_index = b.index()
         b_keys = _keys_compared(b_index, against_only, b_loc)

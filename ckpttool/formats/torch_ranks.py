@@ -389,22 +389,29 @@ class RanksSource(Source):
                           "pairs them through the live optimizer's groups, as optimizer.load_state_dict does"), False
         if not all(type(i) is int and i in names for i in optim["state"]):
             return None, "its state names indices that are no parameter of its groups", False
+        why = self._misfit(optim, names, params, model)
+        if why is None:
+            return names, how, stated
+        if live is not None and not proven:
+            raise MismatchError(f"the {prefix} state does not fit the optimizer given: {why}", where=self.location.url,
+                                hint="build the optimizer with the param groups of the job that saved it")
+        if stated:
+            raise MismatchError(f"the {prefix} state does not fit the order stated: {why}", where=self.location.url,
+                                hint="leave the optimizer order unstated: the state is then kept keyed by index")
+        return None, why, False
+
+    def _misfit(self, optim: Mapping[str, Any], names: dict[int, str], params: dict[str, Any], model: str) -> str | None:
+        """Why the optimizer's state does not fit the parameters ``names`` gives its indices (a state
+        shape other than its parameter's), or None."""
         for i, entry in optim["state"].items():
             if names[i] not in params:
                 raise MismatchError(f"the optimizer given holds parameter {names[i]!r}, which {model}'s files do not",
                                     where=self.location.url, hint="load with the model the folder was saved from")
             for key, value in (entry.items() if isinstance(entry, Mapping) else ()):
                 if isinstance(value, DTensorRef) and value.shape != params[names[i]].shape:
-                    why = (f"index {i}'s state {key!r} has shape {list(value.shape)} but parameter {names[i]!r} has "
-                           f"{list(params[names[i]].shape)}")
-                    if live is not None and not proven:
-                        raise MismatchError(f"the {prefix} state does not fit the optimizer given: {why}", where=self.location.url,
-                                            hint="build the optimizer with the param groups of the job that saved it")
-                    if stated:
-                        raise MismatchError(f"the {prefix} state does not fit the order stated: {why}", where=self.location.url,
-                                            hint="leave the optimizer order unstated: the state is then kept keyed by index")
-                    return None, why, False
-        return names, how, stated
+                    return (f"index {i}'s state {key!r} has shape {list(value.shape)} but parameter {names[i]!r} has "
+                            f"{list(params[names[i]].shape)}")
+        return None
 
     # --- reading ---------------------------------------------------------------------------------
     def index(self) -> Index:

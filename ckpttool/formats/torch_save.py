@@ -342,7 +342,10 @@ def int_keyed_optimizers(tree: Any) -> Any:
     tree = {k: int_keyed_optimizers(v) for k, v in tree.items()}
     if set(tree) != {"state", "param_groups"} or not isinstance(tree["state"], dict) or not isinstance(tree["param_groups"], list):
         return tree
-    ids = [i for g in tree["param_groups"] if isinstance(g, dict) for i in (g.get("params") or ())]
+    groups = tree["param_groups"]
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        return tree
+    ids = [i for g in groups for i in g["params"]]
     if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids):
         return tree
     named = {str(i): i for i in ids}

@@ -484,3 +484,14 @@ def test_an_optimizer_state_keyed_by_index_comes_back_keyed_by_int_in_a_torch_fi
         assert len(fresh.state) == 4 and fresh.param_groups[0]["lr"] == 0.1
         for p in model.parameters():
             assert all(torch.equal(fresh.state[p][k], opt.state[p][k]) for k in opt.state[p]), route
+
+
+def test_int_keys_are_given_back_only_to_what_is_shaped_as_an_optimizer_state():
+    from ckpttool.formats.torch_save import int_keyed_optimizers
+
+    optim = {"state": {"0": {"step": 1}, "1": {"step": 2}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+    assert list(int_keyed_optimizers({"o": optim})["o"]["state"]) == [0, 1]
+    for odd in ({**optim, "param_groups": [{"params": 0.5}]}, {**optim, "param_groups": [3]},  # (damaged groups: as they are)
+                {**optim, "param_groups": [{"params": [0, 0]}]}, {**optim, "param_groups": [{"params": [0, True]}]},
+                {**optim, "state": {"0": {}, "x": {}}}, {**optim, "extra": 1}, {"state": [], "param_groups": []}):
+        assert int_keyed_optimizers({"o": odd}) == {"o": odd}, odd

@@ -247,11 +247,10 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     digests, the new step gets that file by a hard link (a server-side copy on an object store)
     instead of a write. Returns what is in the frozen file now (None when there is none).
 
-    With ``health``, every tensor record's NaN and Inf are counted as it is written and its data
-    digest kept; the index carries this rank's findings (``health.py``). ``buffers``: the state
-    keys of the model's plain-tensor buffers, each rank's own kept where they differ
-    (:func:`_write_per_rank`). ``pause(name)`` is called at the points crash tests stop a rank at
-    (``dist.pause_point``)."""
+    With ``health``, every record's NaN and Inf are counted as it is written and its data digest
+    kept; the index carries this rank's findings (``health.py``). ``buffers``: the state keys of
+    the model's plain-tensor buffers (:func:`_write_own_buffers`). ``pause(name)`` is called at the
+    points crash tests stop a rank at (``dist.pause_point``)."""
     flat, paths = flatten(state, is_tensor=_is_staged_or_tensor)  # a list of staged tensors is traversed, as one of tensors
     index = RankIndex(rank, data_file_name(rank), compress=compress)
     tally = health.tally if health is not None else None
@@ -269,12 +268,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                         if pause is not None and out.tell() >= MID_WRITE:
                             pause("mid-write")  # (crash tests: a kill with the file's first buffers on disk)
                 elif rank == 0:
-                    out.begin()
-                    start, length = write_object(out, value.value if isinstance(value, Whole) else value, compress)
-                    index.objects[key] = [start, length]
-                    index.records.append(out.row(start, length))
-                    if tally is not None:
-                        tally.count_object(key, value.value if isinstance(value, Whole) else value)
+                    _write_object(out, index, key, value, tally)
             _write_per_rank(out, index, flat, paths, tally)
             _write_own_buffers(out, index, flat, paths, buffers)
             index.written += out.tell()
@@ -326,16 +320,22 @@ def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any],
                 if tally is not None:
                     tally.count(name, local)
             else:
-                out.begin()
-                start, length = write_object(out, value.value if isinstance(value, Whole) else value, index.compress)
-                index.objects[name] = [start, length]
-                index.records.append(out.row(start, length))
-                if tally is not None:
-                    tally.count_object(name, value.value if isinstance(value, Whole) else value)
+                _write_object(out, index, name, value, tally)
             digest.update(f"{sub!r}={index.records[-1][2]};".encode())
             index.per_rank_paths[name] = [PER_RANK, str(index.rank), *sub]
             mine.append(name)
         index.per_rank[top] = [mine, digest.hexdigest()]
+
+
+def _write_object(out: _HashingWriter, index: RankIndex, key: str, value: Any, tally: Tally | None) -> None:
+    """One object record (a value kept :class:`Whole` as the value itself), its NaN and Inf counted."""
+    value = value.value if isinstance(value, Whole) else value
+    out.begin()
+    start, length = write_object(out, value, index.compress)
+    index.objects[key] = [start, length]
+    index.records.append(out.row(start, length))
+    if tally is not None:
+        tally.count_object(key, value)
 
 
 def _write_own_buffers(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], paths: dict[str, Any],
