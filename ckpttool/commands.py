@@ -46,7 +46,7 @@ class ConvertReport(WriteReport):
     dropped: list[str] = field(default_factory=list)
 
 
-_OPTION_FLAGS = {"max_shard_size": "--max-shard-size", "layout": "--world-size", "compress": "--compress", "shard_files": "--like"}
+_OPTION_FLAGS = {"max_shard_size": "--max-shard-size", "layout": "--world-size", "compress": "--compress"}
 
 
 def _check_options(fmt: formats.Format, options: SinkOptions) -> None:
@@ -141,6 +141,7 @@ def convert(
     fmt = formats.get(formats.output_format(dst_loc.name, to, sharded=options.max_shard_size is not None))
     _check_options(fmt, options)
     with formats.open_source(src_loc, src_format, reading=reading) as source:
+        formats.check_optimizer_order(optimizer_order, src_loc.url, source.format)
         check_output(src_loc, dst_loc, force)
         plan = plan_entries(source, only, dtype)
         sink = fmt.make_sink(dst_loc, options)
@@ -174,6 +175,7 @@ def _export_hf(src: Location, dst: Location, like: Location, key_map: dict[str, 
     options = (SinkOptions(max_shard_size=parse_size(max_shard_size, "--max-shard-size")) if max_shard_size is not None
                else SinkOptions(shard_files=files))
     with formats.open_source(src, src_format, reading=reading) as source:
+        formats.check_optimizer_order(reading.optimizer_order, src.url, source.format)
         check_output(src, dst, force)
         tops = {str(p[0]) for p in source.index().paths.values()}
         plan = plan_entries(source, "model" if "model" in tops and len(tops) > 1 else None, dtype)
@@ -367,6 +369,7 @@ def reshard(
     dst_loc = resolve(dst, storage_options)
     budget = parse_size(memory_budget, "--memory-budget")
     with formats.open_source(src_loc, reading=formats.Reading(optimizer_order=optimizer_order)) as source:
+        formats.check_optimizer_order(optimizer_order, src_loc.url, source.format)
         if not formats.get(source.format).ranked:
             raise FormatError(
                 f"reshard reads DCP checkpoints and per-rank torch.save folders; this is {source.format}",

@@ -6,7 +6,7 @@ import io
 
 from typing import Any
 
-from .formats import Reading, detect, open_source
+from .formats import Reading, check_optimizer_order, detect, open_source
 from .health import nonfinite_keys, problems
 from .index import TensorEntry
 from .safe_torch import values_as_read
@@ -19,6 +19,7 @@ _VALUE_CHARS = 80
 
 def describe_checkpoint(loc: Location, reading: Reading | None = None) -> dict[str, Any]:
     with open_source(loc, reading=reading) as source:
+        check_optimizer_order(reading.optimizer_order if reading is not None else None, loc.url, source.format)
         index = source.index()
         entries = []
         for key in index:

@@ -21,7 +21,6 @@ from .checksums import hash_bytes
 from .compat import local_tensor
 from .formats import dcp as dcp_format
 from .formats.dcp import dcp_writer, hash_records
-from .buffers import tensor_buffer
 from .formats.dcp.metadata import PER_RANK, PER_RANK_BUFFERS
 from .formats.dcp.save import Whole
 from .restore import holds_dtensor
@@ -97,11 +96,10 @@ def _same_layout(t: torch.Tensor, other: Any) -> bool:
 
 def _with_per_rank(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], list[str]]:
     """DCP's writer keeps rank 0's value of every plain value of ``extra``: here (its path is
-    collective anyway) each rank's digest of every top-level value of ``extra`` without a DTensor
-    is gathered, and each value that differs between ranks is added whole under
-    ``per_rank.<rank>.<key>``, as ckpttool's own writer lays them out. DCP's writer traverses every
-    value: one kept whole (:class:`Whole`) is handed to it as it is (its non-string keys come back
-    as strings, as from plain ``dcp.save``)."""
+    collective anyway) every top-level value of ``extra`` without a DTensor is gathered, and each
+    that differs between ranks is added whole under ``per_rank.<rank>.<key>``, as ckpttool's own
+    writer lays them out. DCP's writer traverses every value: one kept whole (:class:`Whole`) is
+    handed to it as it is (its non-string keys come back as strings, as from plain ``dcp.save``)."""
     extra = state.get("extra")
     if not extra:
         return state, []
@@ -109,41 +107,44 @@ def _with_per_rank(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], l
     state = {**state, "extra": extra}
     if not dist.active():
         return state, []
-    mine = {}
-    for top, value in extra.items():
-        if not holds_dtensor(value):
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            mine[top] = (hash_bytes(buf.getvalue()), value)
-    # every rank gets every rank's values: DCP's planner has rank 0 alone write objects
-    everyone = dist.all_gather(mine, group)
-    differing = sorted({top for values in everyone for top in values
-                        if any(top not in v or v[top][0] != values[top][0] for v in everyone)})
+    everyone, differing = _differing({top: value for top, value in extra.items() if not holds_dtensor(value)}, group)
     if not differing:
         return state, []
     # DCP's planner lets any rank write a tensor every rank holds: ``extra.<key>`` is made rank 0's here
-    shared = {**extra, **{top: everyone[0][top][1] for top in differing if top in everyone[0]}}
-    return {**state, "extra": shared, PER_RANK: {str(r): {top: values[top][1] for top in differing if top in values}
+    shared = {**extra, **{top: everyone[0][top] for top in differing if top in everyone[0]}}
+    return {**state, "extra": shared, PER_RANK: {str(r): {top: values[top] for top in differing if top in values}
                                                  for r, values in enumerate(everyone)}}, differing
 
 
 def _with_own_buffers(state: dict[str, Any], group: Any, buffers: frozenset[str]) -> tuple[dict[str, Any], list[str]]:
-    """DCP's writer keeps rank 0's value of a plain-tensor buffer: here each rank's digest of every
-    buffer in ``buffers`` is gathered, and each that differs between ranks is added under
-    ``per_rank_buffers.<rank>.<name>``, as ckpttool's own writer lays them out."""
+    """The same for the model's plain-tensor buffers (``buffers``: their state keys): each that
+    differs between ranks is added under ``per_rank_buffers.<rank>.<name>``."""
     model = state.get("model") or {}
     keys = sorted(k[len("model."):] for k in buffers if k[len("model."):] in model)
     if not keys or not dist.active():
         return state, []
-    mine = {k: hash_bytes(tensor_buffer(model[k].detach().cpu().contiguous())) for k in keys}
-    everyone = dist.all_gather(mine, group)
-    differing = [k for k in keys if len({digests.get(k) for digests in everyone}) > 1]
+    everyone, differing = _differing({k: model[k].detach().cpu() for k in keys}, group)
     if not differing:
         return state, []
-    values = dist.all_gather({k: model[k].detach().cpu() for k in differing}, group)
     # DCP's planner lets any rank write a tensor every rank holds: ``model.<name>`` is made rank 0's here
-    return ({**state, "model": {**model, **values[0]}, PER_RANK_BUFFERS: {str(r): v for r, v in enumerate(values)}},
+    return ({**state, "model": {**model, **{k: everyone[0][k] for k in differing}},
+             PER_RANK_BUFFERS: {str(r): {k: values[k] for k in differing} for r, values in enumerate(everyone)}},
             [f"model.{k}" for k in differing])
+
+
+def _differing(values: dict[str, Any], group: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every rank's ``values`` (gathered over ``group``: DCP's planner has rank 0 alone write
+    objects, so every rank gets them all) and the keys whose values differ between ranks (by a
+    digest of their ``torch.save`` bytes), or that some rank lacks."""
+    mine = {}
+    for key, value in values.items():
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        mine[key] = (hash_bytes(buf.getvalue()), value)
+    everyone = dist.all_gather(mine, group)
+    differing = sorted({key for held in everyone for key in held if any(key not in other or other[key][0] != held[key][0]
+                                                                        for other in everyone)})
+    return [{key: value for key, (_, value) in held.items()} for held in everyone], differing
 
 
 def _health(state: dict[str, Any], group: Any) -> dict[str, Any]:

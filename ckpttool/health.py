@@ -60,7 +60,10 @@ def count_nonfinite_value(value: Any) -> tuple[int, int]:
         elif isinstance(v, complex):
             nan, inf = nan + (math.isnan(v.real) or math.isnan(v.imag)), inf + (math.isinf(v.real) or math.isinf(v.imag))
         elif torch is not None and isinstance(v, torch.Tensor):
-            n, i = count_nonfinite(v.detach().cpu())
+            from .compat import local_tensor
+
+            # (a DTensor's own local part: its sum would be a collective, and one rank counts objects)
+            n, i = count_nonfinite(local_tensor(v).detach().cpu())
             nan, inf = nan + n, inf + i
         elif numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)):
             if v.dtype.kind in "fc":

@@ -262,8 +262,13 @@ def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys
     for name, key in pairs.items():
         if key != matched.pairs[name]:
             _check_one(key, model[name], source.index(), loc)
+    # tied weights the file holds under two keys: one is read into the tensor, the other compared with it
+    twins = {name: (twin, pairs[twin], pairs[name]) for name, twin in _ties(model).items()
+             if name in pairs and twin in pairs and pairs[name] != pairs[twin]}
     by_key: dict[str, Any] = {}
     for name, key in pairs.items():
+        if name in twins:
+            continue
         if key in by_key and by_key[key] is not model[name]:
             raise MismatchError(f"two keys of the model are matched to {key!r}", where=loc.url,
                                 hint="a key_map that renames two keys to one: make it name each key's own")
@@ -273,12 +278,12 @@ def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys
             template = _template(source, top)
             if template:
                 state[top] = template
-    _check_ties(source, model, pairs, loc)
     flat, paths = flatten(state)
     flat.update(by_key)
     dcp_format.load_into(source, flat)
+    _check_ties(source, model, twins, loc)
     state = unflatten({k: v for k, v in flat.items() if k in paths}, paths)
-    state["model"] = {name: flat[key] for name, key in pairs.items()}
+    state["model"] = {name: model[name] if name in twins else flat[key] for name, key in pairs.items()}
     state["model"].update({n: model[n] for n in model if n not in matched.pairs and n not in matched.missing})
     return state, [tuple(p[1:]) for p in paths.values() if p[0] == PER_RANK and len(p) > 2]
 
@@ -306,26 +311,31 @@ def own_buffer_keys(index: Index, record: dict | None, loc: Location, warn: bool
     return {}
 
 
-def _check_ties(source: Any, model: dict[str, Any], pairs: dict[str, str], loc: Location) -> None:
+#: bytes of a tied weight's second key read at a time to compare it with the first (loaded)
+_TIE_SLAB = 64 << 20
+
+
+def _check_ties(source: Any, model: dict[str, Any], twins: dict[str, tuple[str, str, str]], loc: Location) -> None:
     """Refuse a load that would put two different tensors of the checkpoint into one tensor of the
-    model: weights the model ties (``lm_head.weight`` and ``model.embed_tokens.weight``) found
-    under two keys whose values differ (a model trained untied, loaded into one configured tied).
-    This rank compares its own box of both; the load's agreement raises it on every rank."""
+    model: weights the model ties (``lm_head.weight`` to ``model.embed_tokens.weight``) that the
+    file holds under two keys whose values differ (a model trained untied, loaded into one
+    configured tied). ``twins``: the tied key -> (its twin, the key loaded, its own key). This rank
+    compares its own box of the tied key's values, slab by slab, with what the load put into the
+    tensor; the load's agreement raises it on every rank (after the load: the tensor holds the
+    first key's values)."""
     from .compare import bits_differ
     from .compat import local_shard_box
+    from .layout import relative, slabs
 
-    for name, twin in _ties(model).items():
-        a, b = pairs.get(twin), pairs.get(name)
-        if a is None or b is None or a == b:
-            continue
+    for name, (twin, loaded, other) in twins.items():
         local, box = local_shard_box(model[name])
-        if local.numel() == 0:
-            continue
-        if bool(bits_differ(source.read_tensor(a, box), source.read_tensor(b, box)).any()):
-            raise MismatchError(f"the model ties {name!r} to {twin!r}, but the checkpoint holds different values under {b!r} "
-                                f"and {a!r}: one tensor cannot take both", where=loc.url,
-                                hint="the checkpoint was saved untied: build the model untied (e.g. tie_word_embeddings=False "
-                                     "in its config) to load both")
+        for slab in slabs(tuple(model[name].shape), local.element_size(), _TIE_SLAB, box) if local.numel() else ():
+            held = local[relative(slab, box)].detach().cpu()
+            if bool(bits_differ(source.read_tensor(other, slab).to(held.dtype), held).any()):
+                raise MismatchError(f"the model ties {name!r} to {twin!r}, but the checkpoint holds different values under "
+                                    f"{other!r} and {loaded!r}: one tensor cannot take both", where=loc.url,
+                                    hint="the checkpoint was saved untied: build the model untied (e.g. "
+                                         "tie_word_embeddings=False in its config) to load both")
 
 
 def _rank_name(name: Any) -> bool:

@@ -58,6 +58,7 @@ def _verify_path(path: str | Location, only: str | None, storage_options: dict[s
             report.note("no committed steps")
         return report
     fmt = formats.detect(loc)
+    formats.check_optimizer_order(reading.optimizer_order, loc.url, fmt.name)
     report = Report(loc.url, "integrity")
     try:
         source = fmt.open_source(loc, verify=False, reading=reading)  # check_integrity reports what it finds instead
@@ -131,6 +132,7 @@ def verify_against(path: str | Location, other: str | Location, *, only: str | N
     report = Report(a_loc.url, "equality")
     reading = formats.Reading(optimizer_order=optimizer_order)
     with formats.open_source(a_loc, reading=reading) as a, formats.open_source(b_loc, reading=reading) as b:
+        formats.check_optimizer_order(optimizer_order, a_loc.url, a.format, b.format)
         for text in (f"{s.location.url}: {note}" for s in (a, b) for note in s.not_read().notes):
             report.note(text)
         plan = plan_entries(a, only, None)

@@ -17,7 +17,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import FormatError, NotACheckpointError, NotFoundError
+from ..errors import FormatError, NotACheckpointError, NotFoundError, UsageError
 
 if TYPE_CHECKING:
     from ..storage import Location
@@ -159,6 +159,14 @@ def detect(loc: Location) -> Format:
     raise NotACheckpointError("not a checkpoint in any format ckpttool knows", where=loc.url, hint=f"expected one of: {known}")
 
 
+def check_optimizer_order(order: str | None, where: str, *names: str) -> None:
+    """A stated optimizer order applies to formats whose optimizers it names (per-rank folders): a
+    :class:`UsageError` when none of the formats ``names`` is one (it would be ignored)."""
+    if order is not None and not any(get(name).names_by_order for name in names):
+        raise UsageError(f"--optimizer-order applies to per-rank torch.save folders; this is {' and '.join(names)}",
+                         where=where, hint="leave it out: this checkpoint's optimizer state is read as stored")
+
+
 def open_source(path: str | Location, fmt: str | None = None, storage_options: dict[str, Any] | None = None,
                 verify: bool = True, reading: Reading | None = None) -> Source:
     """Open a checkpoint for reading, in the format ``fmt`` or the one its content shows; with
@@ -169,5 +177,5 @@ def open_source(path: str | Location, fmt: str | None = None, storage_options: d
     return (get(fmt) if fmt else detect(loc)).open_source(loc, verify, reading)
 
 
-__all__ = ["Reading", "Registration", "all_formats", "detect", "get", "names", "open_source", "output_format", "output_names",
+__all__ = ["Reading", "Registration", "all_formats", "check_optimizer_order", "detect", "get", "names", "open_source", "output_format", "output_names",
            "register", "registrations", "reshard_outputs"]

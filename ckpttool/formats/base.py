@@ -389,6 +389,8 @@ class Format(ABC):
     sink_options: ClassVar[frozenset[str]] = frozenset()
     #: whether its chunks are the boxes of a job's ranks, so ``reshard`` reads it (DCP, per-rank folders)
     ranked: ClassVar[bool] = False
+    #: whether it holds optimizers keyed by parameter index that a stated order names (``Reading.optimizer_order``)
+    names_by_order: ClassVar[bool] = False
 
     @abstractmethod
     def sniff(self, probe: Probe) -> bool:

@@ -74,13 +74,17 @@ class ShardedOutput:
         if self.shard_files is None:
             self._shards: list[list[Any]] = group(tensors, lambda spec: spec.nbytes, self.max_shard_size)
         else:
-            file_of = {key: i for i, (_, keys) in enumerate(self.shard_files) for key in keys}
+            file_of = self.file_of()
             self._shards = [[] for _ in self.shard_files]
             for spec in tensors:
                 if spec.key not in file_of:
                     raise FormatError(f"tensor {spec.key!r} is in none of the output's files", hint="name a file for every tensor")
                 self._shards[file_of[spec.key]].append(spec)
         self._shard_of: dict[str, int] = {spec.key: i for i, shard in enumerate(self._shards) for spec in shard}
+
+    def file_of(self) -> dict[str, int]:
+        """With ``shard_files``: each key -> the position of its file."""
+        return {key: i for i, (_, keys) in enumerate(self.shard_files or ()) for key in keys}
 
     @property
     def sharded(self) -> bool:

@@ -306,7 +306,7 @@ class SafetensorsSink(ShardedOutput, Sink):
         # Larger elements first: every tensor then starts at an offset aligned to its element size;
         # with files named up front, file by file (each is written whole before the next)
         if self.shard_files is not None:
-            file_of = {key: i for i, (_, keys) in enumerate(self.shard_files) for key in keys}
+            file_of = self.file_of()
             return sorted(specs, key=lambda s: (file_of.get(s.key, -1), -dtype_size(s.dtype)))
         return sorted(specs, key=lambda s: -dtype_size(s.dtype))
 

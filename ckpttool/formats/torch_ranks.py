@@ -601,6 +601,7 @@ class RanksFormat(Format):
     name = "torch-ranks"
     checksums = True  # the zip's CRC-32 of every storage record
     ranked = True
+    names_by_order = True
 
     def sniff(self, probe: Probe) -> bool:
         return probe.is_dir and bool(rank_groups(probe.names))

@@ -69,7 +69,9 @@ class TorchFile:
         #: end, CRC-32), and the key each record was first read for
         self.pieces: dict[str, list[Piece]] | None = None
         self.read_for: dict[str, str] = {}
-        self.expanded: set[TensorRef] = set()  # views admitted that repeat their record's bytes (check_ref)
+        # (key, view) of each view admitted that repeats its record's bytes (check_ref): for that key
+        # alone, so the same view inside an object, or under another key, is not expanded uncounted
+        self.expanded: set[tuple[str, TensorRef]] = set()
         self.reader = location.open_reader()
         try:
             self.archive = read_archive(self.reader, 0, None, location.url)
@@ -101,7 +103,7 @@ class TorchFile:
         if self.pieces is not None:
             reader = _Kept(reader, storage.offset, self.pieces.setdefault(ref.storage.key, []))
             self.read_for.setdefault(ref.storage.key, key)
-        return read_tensor_box(reader, ref, storage, box, f"{self.location.url} (key {key!r})", out, ref in self.expanded)
+        return read_tensor_box(reader, ref, storage, box, f"{self.location.url} (key {key!r})", out, (key, ref) in self.expanded)
 
     def close(self) -> None:
         self.reader.close()
@@ -192,7 +194,7 @@ class TorchSaveSource(Source):
                     f"record (an overlapping view), and the checkpoint's expanded views add up to more than "
                     f"{MAX_EXPANDED >> 20} MiB", where=where,
                     hint="ckpttool expands views that repeat their bytes up to that size; save the tensor with .contiguous()")
-            part.expanded.add(ref)
+            part.expanded.add((key, ref))
 
     def index(self) -> Index:
         return self._index
@@ -273,6 +275,7 @@ class TorchSaveSink(ShardedOutput, Sink):
         self._paths: dict[str, tuple] = {}
         self._objects: dict[str, Any] = {}
         self._started: set[int] = set()
+        self._int_keyed: dict[tuple, dict[str, int]] = {}
 
     def _begin(self, entries: list[TensorSpec | ObjectSpec]) -> None:
         tensors, objects = split(entries)
@@ -281,6 +284,8 @@ class TorchSaveSink(ShardedOutput, Sink):
             self._flat[spec.key] = spec.value if isinstance(spec, ObjectSpec) else None
             self._paths[spec.key] = tuple(spec.path)
         self._objects = {spec.key: spec.value for spec in objects}
+        # optimizer states keyed by index, told from the whole state (a shard may hold a part of one)
+        self._int_keyed = optimizer_states(unflatten(self._flat, self._paths))
         if self.sharded:
             self.tmp.makedirs()
         else:
@@ -302,7 +307,8 @@ class TorchSaveSink(ShardedOutput, Sink):
             keys = [k for k in self._flat if self._shard_of.get(k) == i or (i == 0 and k in self._objects)]
         else:
             keys = list(self._flat)
-        self._writer.finish(int_keyed_optimizers(unflatten({k: self._flat[k] for k in keys}, {k: self._paths[k] for k in keys})))
+        tree = unflatten({k: self._flat[k] for k in keys}, {k: self._paths[k] for k in keys})
+        self._writer.finish(with_int_keys(tree, self._int_keyed))
         self._writer = None
 
     def _add_tensor(self, spec: TensorSpec, read: ReadFn, budget: int) -> None:
@@ -329,29 +335,49 @@ class TorchSaveSink(ShardedOutput, Sink):
             self.tmp.child(INDEX_FILE).write_bytes(index_bytes(total, weight_map))
 
 
-def int_keyed_optimizers(tree: Any) -> Any:
-    """``tree`` with every ``torch.optim`` state dict in it keyed as ``optimizer.state_dict()`` keys
-    it: a dict of ``state`` and ``param_groups`` whose groups list distinct integer parameter
-    indices, and whose state is keyed by the decimal strings of those indices (DCP's flattened keys
-    and every format's turn them into strings), gets its integers back, so that
-    ``optimizer.load_state_dict`` of what ``torch.load`` returns finds each parameter's state."""
-    if isinstance(tree, list):
-        return [int_keyed_optimizers(v) for v in tree]
-    if not isinstance(tree, dict):
-        return tree
-    tree = {k: int_keyed_optimizers(v) for k, v in tree.items()}
-    if set(tree) != {"state", "param_groups"} or not isinstance(tree["state"], dict) or not isinstance(tree["param_groups"], list):
-        return tree
+def optimizer_states(tree: Any, at: tuple = ()) -> dict[tuple, dict[str, int]]:
+    """Where ``tree`` holds a ``torch.optim`` state dict whose state is keyed by the decimal strings
+    of its parameter indices (DCP's flattened keys and every format turn ``optimizer.state_dict()``'s
+    integers into strings): the path of each such dict -> its string keys' integers. Such a dict
+    has exactly ``state`` and ``param_groups``; every group lists distinct integer ``params``; every
+    state key names one of them and holds a dict (a parameter's state), as torch.optim writes it."""
+    found: dict[tuple, dict[str, int]] = {}
+    if isinstance(tree, (dict, list)):
+        for k, v in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
+            found.update(optimizer_states(v, at + (k,)))
+    if not (isinstance(tree, dict) and set(tree) == {"state", "param_groups"} and isinstance(tree["state"], dict)
+            and isinstance(tree["param_groups"], list)):
+        return found
     groups = tree["param_groups"]
     if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-        return tree
+        return found
     ids = [i for g in groups for i in g["params"]]
     if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids):
-        return tree
+        return found
     named = {str(i): i for i in ids}
-    if not tree["state"] or not all(isinstance(k, str) and k in named for k in tree["state"]):
-        return tree
-    return {k: ({named[i]: state for i, state in v.items()} if k == "state" else v) for k, v in tree.items()}
+    state = tree["state"]
+    if state and all(isinstance(k, str) and k in named and isinstance(v, dict) for k, v in state.items()):
+        found[at] = {k: named[k] for k in state}
+    return found
+
+
+def with_int_keys(tree: Any, states: dict[tuple, dict[str, int]]) -> Any:
+    """``tree`` (changed in place) with the state of each optimizer :func:`optimizer_states` found
+    keyed by integers again, so that ``optimizer.load_state_dict`` of what ``torch.load`` returns
+    finds each parameter's state; a part of the tree (one shard's) re-keys what it holds of them."""
+    for at, named in states.items():
+        node = tree
+        for part in at:
+            held = part in node if isinstance(node, dict) else isinstance(node, list) and isinstance(part, int) and part < len(node)
+            node = node[part] if held else None
+        if isinstance(node, dict) and isinstance(node.get("state"), dict):
+            node["state"] = {named.get(k, k): v for k, v in node["state"].items()}
+    return tree
+
+
+def int_keyed_optimizers(tree: Any) -> Any:
+    """``tree`` with every optimizer state in it keyed as ``optimizer.state_dict()`` keys it."""
+    return with_int_keys(tree, optimizer_states(tree))
 
 
 def check_together(source: TorchSaveSource, rank: int, gather: Callable[[Any], list[Any]]) -> CkptError | None:

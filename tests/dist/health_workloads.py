@@ -73,11 +73,13 @@ def stale_steps(root: str) -> dict:
 
 
 def nonfinite_objects(root: str, async_save: bool) -> None:
-    """Step 1: rank 1's own loss is inf, rank 0's finite (kept per rank); step 2: every rank's loss
-    is the same NaN (kept once, as rank 0's)."""
+    """Step 1: rank 1's own loss is inf, rank 0's finite (kept per rank), and a DTensor inside a tuple
+    (counted on its local part: a DTensor's own sum would be a collective only one rank joins);
+    step 2: every rank's loss is the same NaN (kept once, as rank 0's)."""
     from ckpttool import Checkpointer
 
     model, optimizer = fresh_model(seed=0)
     with Checkpointer(root, async_save=async_save) as ckpt:
-        ckpt.save(1, model, optimizer, extra={"loss": float("inf") if dist.get_rank() == 1 else 0.5, "epoch": 1})
+        ckpt.save(1, model, optimizer, extra={"loss": float("inf") if dist.get_rank() == 1 else 0.5, "epoch": 1,
+                                              "pair": (model.norm.weight.detach(), "norm")})
         ckpt.save(2, model, optimizer, extra={"loss": float("nan"), "epoch": 2})

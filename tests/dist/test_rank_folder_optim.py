@@ -94,6 +94,8 @@ def test_an_order_stated_names_the_indices_and_the_output_says_so(folder, tmp_pa
     assert "OK: " in verified and "as stated" in verified, verified
     # unstated, the folder's indices do not match the output's names: verify says so, never OK
     assert "only in" in cli("verify", path, "--against", dcp_out, code=1)
+    # stated where no folder is read, it would be ignored: refused
+    assert "applies to per-rank torch.save folders" in cli("convert", out, tmp_path / "again.pt", "--optimizer-order", "model", code=2)
 
 
 def test_an_optimizer_built_with_other_groups_is_refused_saying_so(folder):

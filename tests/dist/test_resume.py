@@ -156,6 +156,7 @@ def test_buffers_that_differ_between_ranks_come_back_to_their_own_rank(tmp_path,
     assert not torch.equal(saved[0]["buffers"]["norm.running_mean"], saved[1]["buffers"]["norm.running_mean"])
     record = read_commit_record(resolve(str(root / "step-1")))
     assert record["per_rank_buffers"] == ["model.norm.running_mean", "model.norm.running_var"]  # num_batches_tracked agrees
+    assert record["health"]["nonfinite"] == {"per_rank_buffers.1.norm.running_var": {"nan": 1, "inf": 0}}
     assert "buffers model.norm.running_mean, model.norm.running_var" in cli("inspect", root)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -166,7 +167,7 @@ def test_buffers_that_differ_between_ranks_come_back_to_their_own_rank(tmp_path,
     for rank, got in enumerate(run_ranks(own_buffers_load, 2, str(root))):
         assert_same(got["buffers"], saved[rank]["buffers"], f"rank {rank}'s buffers")
         assert_same(got["weights"], saved[0]["weights"], f"rank {rank}'s weights")
-        assert got["warnings"] == [] and got["verified"]
+        assert not any("cannot be matched" in w for w in got["warnings"]) and got["verified"]
     on3 = run_ranks(own_buffers_load, 3, str(root))
     assert any("buffers saved per rank on 2 ranks" in w and "model.norm.running_mean" in w for w in on3[0]["warnings"]), on3[0]
     for got in on3:

@@ -459,6 +459,12 @@ def test_an_expanded_view_is_read_as_torch_load_reads_it(tmp_path):
     torch.save({"x": torch.zeros(4).expand(MAX_EXPANDED // 8, 4)}, big)
     with pytest.raises(CorruptCheckpointError, match="overlapping view"):
         open_source(str(big))
+    # a view admitted under its key is not expanded again, uncounted, where an object repeats it
+    many = tmp_path / "many.pt"
+    view = torch.ones(1).expand(MAX_EXPANDED // 8)
+    torch.save({"a": view, "b": tuple([view] * 8)}, many)
+    with open_source(str(many)) as source, pytest.raises(CorruptCheckpointError, match="overlapping view"):
+        source.read_object("b")
 
 
 def test_an_optimizer_state_keyed_by_index_comes_back_keyed_by_int_in_a_torch_file(tmp_path):
@@ -484,6 +490,10 @@ def test_an_optimizer_state_keyed_by_index_comes_back_keyed_by_int_in_a_torch_fi
         assert len(fresh.state) == 4 and fresh.param_groups[0]["lr"] == 0.1
         for p in model.parameters():
             assert all(torch.equal(fresh.state[p][k], opt.state[p][k]) for k in opt.state[p]), route
+    shards = tmp_path / "shards"  # split into .bin shards: each holds part of the state, every part keyed by int
+    convert(str(src), str(shards), to="torch", max_shard_size=64)
+    held = [k for f in sorted(shards.glob("*.bin")) for k in torch.load(f, weights_only=True).get("optim", {}).get("state", {})]
+    assert sorted(set(held)) == [0, 1, 2, 3] and all(type(k) is int for k in held) and len(list(shards.glob("*.bin"))) > 2
 
 
 def test_int_keys_are_given_back_only_to_what_is_shaped_as_an_optimizer_state():
@@ -493,5 +503,6 @@ def test_int_keys_are_given_back_only_to_what_is_shaped_as_an_optimizer_state():
     assert list(int_keyed_optimizers({"o": optim})["o"]["state"]) == [0, 1]
     for odd in ({**optim, "param_groups": [{"params": 0.5}]}, {**optim, "param_groups": [3]},  # (damaged groups: as they are)
                 {**optim, "param_groups": [{"params": [0, 0]}]}, {**optim, "param_groups": [{"params": [0, True]}]},
-                {**optim, "state": {"0": {}, "x": {}}}, {**optim, "extra": 1}, {"state": [], "param_groups": []}):
+                {**optim, "state": {"0": {}, "x": {}}}, {**optim, "extra": 1}, {"state": [], "param_groups": []},
+                {**optim, "state": {"0": torch.ones(1), "1": torch.ones(1)}}):  # (a parameter's state is a dict)
         assert int_keyed_optimizers({"o": odd}) == {"o": odd}, odd

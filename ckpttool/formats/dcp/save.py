@@ -270,7 +270,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                 elif rank == 0:
                     _write_object(out, index, key, value, tally)
             _write_per_rank(out, index, flat, paths, tally)
-            _write_own_buffers(out, index, flat, paths, buffers)
+            _write_own_buffers(out, index, flat, paths, buffers, tally)
             index.written += out.tell()
         frozen_parts = _frozen_parts(index, flat, frozen)
         if frozen_parts:
@@ -339,7 +339,7 @@ def _write_object(out: _HashingWriter, index: RankIndex, key: str, value: Any, t
 
 
 def _write_own_buffers(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], paths: dict[str, Any],
-                       buffers: frozenset[str]) -> None:
+                       buffers: frozenset[str], tally: Tally | None = None) -> None:
     """This rank's own record of each of the model's plain-tensor buffers (``buffers``), under
     ``per_rank_buffers.<rank>.<name>``, as :func:`_write_per_rank` keeps ``extra``'s: rank 0 keeps in
     ``.metadata`` the records of those whose values differ between ranks (a BatchNorm's running
@@ -353,6 +353,8 @@ def _write_own_buffers(out: _HashingWriter, index: RankIndex, flat: dict[str, An
         name = f"{PER_RANK_BUFFERS}.{index.rank}.{key[len('model.'):]}"
         _declare(index, name, shape, local.dtype)
         _write_local(out, index, name, shape, local, ((0,) * len(shape), shape))
+        if tally is not None:
+            tally.count(name, local)
         index.per_rank_paths[name] = [PER_RANK_BUFFERS, str(index.rank), *paths[key][1:]]
         index.per_rank_buffers[key] = [[name], index.records[-1][2]]
 
