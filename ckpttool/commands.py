@@ -121,8 +121,7 @@ def convert(
     not set, :class:`UsageError` for bad options; the output appears only once complete.
     ``optimizer_order="model"``: a per-rank folder's optimizer without recorded names numbered the
     model's parameters in the order the model lists them (the output records that its names rest
-    on this); else its state stays keyed by index. With ``parallel``, every process of the group
-    calls this with the same arguments and writes its share of a sharded output (:func:`run`).
+    on this). With ``parallel``, every process of the group writes its share (:func:`run`).
     """
     src_loc = resolve(src, storage_options)
     dst_loc = resolve(dst, storage_options)

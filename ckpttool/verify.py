@@ -123,9 +123,8 @@ def verify_against(path: str | Location, other: str | Location, *, only: str | N
     """Compare ``path`` with ``other`` entry by entry: keys on either side, dtypes and shapes,
     values bitwise or within rtol/atol. ``only`` / ``against_only`` compare one top-level key of
     that side, prefix dropped (an HF export's flat keys against the ``model`` of a DCP step, either
-    way round). A difference is reported under both files (and keys), a missing key under the
-    file that has it. What either side says of how it was read (a per-rank folder's optimizer
-    indices: kept, or named by a proof or by ``optimizer_order``, as ``convert``'s) is noted."""
+    way round). A difference is reported under both files (and keys), a missing key under the file
+    that has it; what either side says of how it was read is noted (``optimizer_order``: convert's)."""
     from .engine import plan_entries
 
     a_loc, b_loc = resolve(path, storage_options), resolve(other, storage_options)
