@@ -1,8 +1,7 @@
 """The background threads of async saves: started once per Checkpointer, not once per save.
 
 Starting a thread waits until the new thread runs, on the training thread: milliseconds when
-the cores are busy (training keeps both of them busy here), a third of what an async ``save()``
-still cost. A :class:`Worker` is one long-lived thread that runs the jobs handed to it in order.
+training keeps the cores busy, a large part of what an async ``save()`` costs that thread. A :class:`Worker` is one long-lived thread that runs the jobs handed to it in order.
 It is not a daemon, and it leaves once the main thread has finished and no job is left, so the
 interpreter never exits before a pending save is written, as with a thread per save.
 

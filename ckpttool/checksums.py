@@ -1,7 +1,8 @@
 """Checksums over byte ranges: torch's CRC-32 and the manifest's xxh3, in one read of each byte.
 
-xxh3 for the manifest because it hashes at memory speed (12.5-14 GB/s on one core here, CRC-32
-about 3, SHA-256 1.5: ``bench/hashes.py``); CRC-32 because torch's zip records carry one.
+xxh3 for the manifest because it hashes at memory speed, several times faster than CRC-32 or
+SHA-256 on one core (figures: docs/benchmarks.md, from ``bench/hashes.py``); CRC-32 because
+torch's zip records carry one.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import xxhash
 
 
 def _fastest_crc32() -> tuple[Any, str]:
-    """zlib's CRC-32 function, from the fastest module here that has it: ISA-L's (``isal``, SIMD
-    carry-less multiplication: 11-18 GB/s on one core here against zlib's 2-4), zlib-ng's, else
-    zlib's. Same values (``tests/unit/test_checksums.py``); all release the GIL. ``CKPTTOOL_CRC32=zlib``
+    """zlib's CRC-32 function, from the fastest module installed that has it: ISA-L's (``isal``,
+    SIMD carry-less multiplication, several times zlib's speed: docs/benchmarks.md), zlib-ng's,
+    else zlib's. Same values (``tests/unit/test_checksums.py``); all release the GIL. ``CKPTTOOL_CRC32=zlib``
     picks zlib's (a comparison, or a doubt)."""
     if os.environ.get("CKPTTOOL_CRC32") != "zlib":
         try:
@@ -45,10 +46,9 @@ BLOCK = 8 << 20  # bytes read at a time
 #: The manifest hashes a record's tensor data in blocks of this many bytes (from the data's first
 #: byte), so a load that needs part of a record reads and checks only the blocks its box touches,
 #: and an incremental save can tell unchanged data from its blocks' hashes. 64 KiB: a box's edges
-#: cost at most a block of reading beyond what it needs each; with 128 KiB blocks a load of 0.3 GB
-#: onto 3 ranks from 2 read 1.22x the bytes it needed (shards of 192 KiB), with 64 KiB 1.10x (1 GB:
-#: 1.02x). The manifest costs 16 hex digits per block (256 KB per GB of data) and xxh3's per-call
-#: cost stays a few percent of hashing the block.
+#: cost at most a block of reading beyond what it needs each, so smaller blocks read less beyond
+#: what a load needs (docs/benchmarks.md: load bytes), while the manifest costs 16 hex digits per
+#: block and xxh3's per-call cost must stay small beside hashing the block.
 HASH_BLOCK = 64 << 10
 DIGEST_CHARS = 16  # hex digits of one xxh3_64 digest
 

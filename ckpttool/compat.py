@@ -21,6 +21,14 @@ What remains private, and why (docs/compat.md has the table):
 - ``torch.testing._internal.distributed.fake_pg.FakeStore`` (and the ``fake`` backend it registers):
   how ``reshard --to torch-ranks`` builds each target rank's device mesh in one process, so the
   per-rank files it writes hold DTensors pickled by torch itself.
+- ``DTensor._local_tensor`` and ``DTensor._spec``: the local shard without ``to_local()``'s autograd
+  function, and the spec object whose identity says a DTensor's layout is the one an async save
+  planned for (its public parts, shape, placements and mesh, are each read from it); both read
+  on every save for every tensor, where the public calls cost more than the copy of a small one.
+- ``torch.utils._python_dispatch.TorchDispatchMode`` and ``torch._C._len_torch_dispatch_stack`` /
+  ``_get_dispatch_stack_at``: the async save's write guard is a dispatch mode (the documented
+  extension point of ``__torch_dispatch__``, in a private module), and it must know whether it is
+  on this thread's stack, and on top, before it pushes or pops itself (torch has no public query).
 """
 
 from __future__ import annotations
@@ -43,13 +51,32 @@ DCP_VERSION = "1.0.0"
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, read from the attribute ``to_local()`` returns without running its
-    autograd function (one per tensor per save; measured at 24 us a call), or a plain tensor itself."""
+    autograd function (one per tensor per save, tens of microseconds each), or a plain tensor itself."""
     local = getattr(value, "_local_tensor", None)
     if local is not None:
         return local
     from torch.distributed.tensor import DTensor
 
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def dtensor_spec(value: torch.Tensor) -> Any:
+    """A DTensor's spec object (None for a plain tensor): the same object while its layout holds."""
+    return getattr(value, "_spec", None)
+
+
+def dispatch_mode_class() -> type:
+    """torch's ``TorchDispatchMode``, the base of the async save's write guard."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def dispatch_stack() -> list[Any]:
+    """The dispatch modes on this thread's stack, bottom first."""
+    import torch
+
+    return [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
 
 
 def local_shard_box(value: torch.Tensor) -> tuple[torch.Tensor, Box]:

@@ -225,8 +225,7 @@ class ReadAhead:
     A slab of fewer than ``min_bytes`` (``sizes``: each slab's bytes) is read in the caller's
     thread when its turn comes, with no read in flight (a source is not read by two threads at
     once: its readers' held spans and its checks' buffers are shared): handing a small read to the
-    thread and back costs more than it hides (a reshard of 33,364 small records took 11.5-14.4 s of
-    CPU with every read handed over, 7.5-8.6 s with none)."""
+    thread and back costs more CPU than it hides (docs/benchmarks.md: the mix of tensor sizes)."""
 
     def __init__(self, schedule: list[tuple[str, Box]], read_into: Callable[[str, Box, int], torch.Tensor], pool: Any,
                  sizes: list[int] | None = None, min_bytes: int = 0):

@@ -164,7 +164,7 @@ def _health(state: dict[str, Any], group: Any) -> dict[str, Any]:
             if coordinate is None or any(isinstance(p, Partial) or (isinstance(p, Replicate) and c != 0)
                                          for p, c in zip(value.placements, coordinate)):
                 continue
-            tally.count(key, value._local_tensor.detach())
+            tally.count(key, local_tensor(value).detach())
         elif isinstance(value, torch.Tensor) and rank == 0:
             tally.count(key, value.detach())
         elif rank == 0:  # an object (a Python float, a numpy value), as rank 0 writes it

@@ -26,8 +26,8 @@ if TYPE_CHECKING:  # (inspect reads a step's health without importing torch)
 def count_nonfinite(t: torch.Tensor) -> tuple[int, int]:
     """(NaN, Inf) in a host tensor. One pass in the common case: a finite sum proves there are none
     (a NaN or an Inf makes the sum NaN or infinite). Summing in the tensor's own dtype runs at
-    memory speed (23-29 GB/s on one core here; asking for a float64 or float32 sum converts each
-    element and runs at 1 GB/s). A sum that overflows is told from a real Inf by summing ``t * 0``
+    memory speed (asking for a float64 or float32 sum converts each element and runs many times
+    slower: docs/benchmarks.md). A sum that overflows is told from a real Inf by summing ``t * 0``
     (0 for every finite value, NaN for the others); only then are they counted."""
     import torch
 

@@ -433,43 +433,6 @@ def _restore_in_place(objects: dict[str, Any] | None, values: dict[str, Any], un
         obj.load_state_dict(values[key])
 
 
-def get_path(tree: Any, path: tuple) -> Any:
-    for part in path:
-        tree = tree[part]
-    return tree
-
-
-def put_path(tree: Any, path: tuple, value: Any) -> None:
-    for i, part in enumerate(path[:-1]):
-        nxt = path[i + 1]
-        if isinstance(tree, dict):
-            tree = tree.setdefault(part, [] if isinstance(nxt, int) else {})
-        else:
-            while len(tree) <= part:
-                tree.append(None)
-            if tree[part] is None:
-                tree[part] = [] if isinstance(nxt, int) else {}
-            tree = tree[part]
-    if isinstance(tree, dict):
-        tree[path[-1]] = value
-    else:
-        while len(tree) <= path[-1]:
-            tree.append(None)
-        tree[path[-1]] = value
-
-
-def drop_path(tree: Any, path: tuple) -> None:
-    for part in path[:-1]:
-        if isinstance(tree, dict):
-            tree = tree.get(part)
-        elif isinstance(tree, list) and isinstance(part, int) and part < len(tree):
-            tree = tree[part]
-        else:
-            return
-    if isinstance(tree, dict):
-        tree.pop(path[-1], None)
-
-
 def load_committed(root: Location, model: torch.nn.Module, optimizer: Optimizers, step: int | None, *, verify: bool,
                    storage_options: dict[str, Any] | None, extra: dict[str, Any] | None) -> LoadResult | None:
     """``Checkpointer.load``: the newest (or the given) committed step under ``root``, loaded; None

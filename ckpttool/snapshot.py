@@ -8,7 +8,7 @@ tear the snapshot. Two guards make every such write wait for the copy of what it
   passed to ``save`` is covered too) finishes all copies in flight first.
 - **Any other in-place write on the thread that called ``save()``** (an EMA written back into the
   model, a manual edit, ``p.data.copy_``, a ``_foreach`` op, ``load_state_dict``): while copies are
-  in flight a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sits on that thread's
+  in flight a ``TorchDispatchMode`` (``compat.dispatch_mode_class``) sits on that thread's
   dispatch stack, finds the ops whose schema writes a tensor argument (``Tensor(a!)``) and, when
   one of those shares memory with a tensor still being copied, copies that tensor first (on CUDA:
   makes the current stream wait for the side-stream copies). The op then runs as the user wrote
@@ -31,7 +31,8 @@ import weakref
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .compat import dispatch_mode_class, dispatch_stack, local_tensor
 
 
 class InFlight(Protocol):
@@ -58,7 +59,7 @@ def watch(copies: InFlight) -> bool:
     then copies at the call instead."""
     guard = getattr(_local, "guard", None)
     if guard is None or not _on_stack(guard):
-        if torch._C._len_torch_dispatch_stack() > 0:
+        if dispatch_stack():
             return False
         guard = WriteGuard()
         guard.__enter__()
@@ -139,13 +140,13 @@ def guarded() -> bool:
     return guard is not None and _on_stack(guard)
 
 
-def _on_top(mode: TorchDispatchMode) -> bool:
-    n = torch._C._len_torch_dispatch_stack()
-    return n > 0 and torch._C._get_dispatch_stack_at(n - 1) is mode
+def _on_top(mode: Any) -> bool:
+    stack = dispatch_stack()
+    return bool(stack) and stack[-1] is mode
 
 
-def _on_stack(mode: TorchDispatchMode) -> bool:
-    return any(torch._C._get_dispatch_stack_at(i) is mode for i in range(torch._C._len_torch_dispatch_stack()))
+def _on_stack(mode: Any) -> bool:
+    return any(m is mode for m in dispatch_stack())
 
 
 def _ensure_hook() -> None:
@@ -191,7 +192,7 @@ def _spans(values: list[Any]) -> list[tuple[int, int]] | None:
                 return None
             out += found
         elif isinstance(value, torch.Tensor):
-            local = getattr(value, "_local_tensor", value)
+            local = local_tensor(value)
             try:
                 span = memory_span(local)
             except Exception:  # noqa: BLE001 - a wrapper subclass: assume it may write anything
@@ -210,7 +211,7 @@ def memory_span(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + extent * t.element_size()
 
 
-class WriteGuard(TorchDispatchMode):
+class WriteGuard(dispatch_mode_class()):  # type: ignore[misc]
     """Finishes the copy of a tensor before an op on this thread writes it (see the module's text)."""
 
     supports_higher_order_operators = True  # (passed through: they are not in-place ops of a tensor we copy)

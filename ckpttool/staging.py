@@ -37,7 +37,7 @@ import torch
 
 from . import snapshot
 from .snapshot import memory_span
-from .compat import Box, local_shard_box, local_tensor
+from .compat import Box, dtensor_spec, local_shard_box, local_tensor
 from .errors import CorruptCheckpointError, SnapshotError
 from .formats.dcp import HostShard
 
@@ -101,7 +101,7 @@ class Stager:
             seen.add(key)
             local = local_tensor(value)
             plan = plans.get(key)
-            if (plan is None or plan.value() is not value or plan.spec is not getattr(value, "_spec", None)
+            if (plan is None or plan.value() is not value or plan.spec is not dtensor_spec(value)
                     or plan.shape != local.shape or plan.dtype is not local.dtype or plan.cuda is not local.is_cuda):
                 plan = plans[key] = self._plan(key, value, local, rank, stores)
                 fresh.append(key)
@@ -233,7 +233,7 @@ class Stager:
 
         spec = None
         if isinstance(value, DTensor):
-            spec = getattr(value, "_spec", None)
+            spec = dtensor_spec(value)
             sig = (tuple(value.shape), tuple(value.placements))
             kept = self._boxes.get(key)
             if kept is not None and kept[0] == sig and kept[1] is value.device_mesh:

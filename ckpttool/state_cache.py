@@ -1,8 +1,8 @@
 """The state a save writes, kept from save to save while the model's and optimizer's structure holds.
 
 torch's ``get_state_dict`` walks the module tree, maps every parameter to its FQN and checks its
-options on every call: 20-30 ms at 1 GB on 2 ranks here, most of what an async ``save()`` still
-spent on the training thread. Its answer depends on the *structure* (which modules, parameters,
+options on every call: tens of milliseconds, most of what an async ``save()`` still spent on the
+training thread (docs/benchmarks.md). Its answer depends on the *structure* (which modules, parameters,
 buffers and optimizer state exist, and where their memory is), not on the values: the model part
 holds detached aliases of the live parameters and buffers, the optimizer part the optimizer's own
 per-parameter state dicts. :class:`StateCache` keeps the answer of the last call and serves it

@@ -51,8 +51,8 @@ def list_root(root: Location, check: bool = True) -> RootListing:
     """What ``root`` holds. With ``check``, every commit record is read and validated (a damaged
     one moves its step to ``damaged``); without, a step counts once its record exists (cheap on
     an object store). Retention, after every save, checks: a damaged step must not count toward
-    ``keep_last`` and so cost a good one its place (reading the records took 0.38 s of a save of a
-    10,000-tensor manifest, profiled for issue 38)."""
+    ``keep_last`` and so cost a good one its place (reading the kept steps' records is then part of
+    every save's cost, which grows with the manifest: docs/benchmarks.md)."""
     committed: list[int] = []
     incomplete: list[str] = []
     damaged: dict[int, str] = {}

@@ -152,15 +152,16 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
 
 
 #: a DCP tensor record's pickle -> the TensorRef it unpickles to: the records of a dtype and shape
-#: all hold the same pickle (13,345 records of a reshard, unpickled one by one: 0.4 s)
+#: all hold the same pickle (a reshard unpickles thousands of them, one by one, for the same answer)
 _REFS: dict[bytes, TensorRef] = {}
 
 
 def _parse_zip(window: _Window, start: int, length: int, where: str) -> tuple[bytes, str, dict[str, StoredStorage]]:
     """(data.pkl, byte order, storages) of the archive in ``window``; the CRC-32 of every entry read
     whole (the pickle, the byte order) is checked. An archive laid out as torch and ckpttool write
-    them is read from its directory here (a few struct reads: 10,000 records of a DCP file parsed
-    in zipfile took 0.25 ms each); anything else, by zipfile."""
+    them is read from its directory here (a few struct reads, where zipfile builds objects for every
+    entry of every record: a DCP file of many small records spends its time there); anything else,
+    by zipfile."""
     entries, zf = _plain_entries(window, length), None
     if entries is None:
         zf = zipfile.ZipFile(window)

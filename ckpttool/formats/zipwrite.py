@@ -1,8 +1,9 @@
 """A stored (uncompressed) zip archive written front to back, entry by entry, with ckpttool's CRC-32.
 
 Every ``torch.save`` archive ckpttool writes (a DCP record, a ``.pt`` file) is a zip of stored
-entries. ``zipfile`` hashes each entry's data with zlib's CRC-32 (3-4 GB/s on one core here); this
-writer takes :func:`ckpttool.checksums.crc32` (ISA-L's, 4-6x faster, where installed) and writes the
+entries. ``zipfile`` hashes each entry's data with zlib's CRC-32, which the CPU of a save then
+spends most of its time in; this writer takes :func:`ckpttool.checksums.crc32` (ISA-L's where
+installed, several times faster: docs/benchmarks.md) and writes the
 bytes ``zipfile`` writes for the same entries: the local header (``ZipInfo.FileHeader``, zipfile's
 public encoder), the data, then the sizes and CRC in a data descriptor when the stream cannot seek
 back (or, when it can, in the header rewritten in place), and at the end the central directory and

@@ -251,8 +251,8 @@ class NoBucket(Exception):
 
 
 #: remote transfers are split into parts of this size: reads of at least two parts into ranged
-#: requests (each request costs a round trip, and on the test server about 0.2 s whatever its
-#: size: bench/s3.py), S3 uploads into the parts of a multipart upload (storage/upload.py) ...
+#: requests (each request costs a round trip whatever its size: docs/benchmarks.md, bench/s3.py),
+#: S3 uploads into the parts of a multipart upload (storage/upload.py) ...
 PART_BYTES = 16 << 20
 #: ... this many in flight at once (bounded: each part is held in memory until copied out, or
 #: until uploaded; see storage.upload.Uploads for every upload's memory together)

@@ -1,10 +1,10 @@
 """A local output file written without the page cache's copy where the file system allows it.
 
 Every byte of a buffered write is copied into the page cache, written back from there, and the
-pages are reclaimed later, all on the writer's CPU: writing and fsyncing 1 GiB cost this machine
-0.23-2.69 s of system time, while the same bytes written with ``O_DIRECT`` from an aligned buffer
-cost 0.04-0.08 s at the same speed (1.7-2 GB/s; docs/benchmarks.md, issue 38). A save in the
-background competes with training for the cores, so that system time is the save's cost.
+pages are reclaimed later, all on the writer's CPU; the same bytes written with ``O_DIRECT`` from
+an aligned buffer cost a small part of that system time at the same speed (docs/benchmarks.md:
+O_DIRECT). A save in the background competes with training for the cores, so that system time is
+the save's cost.
 
 :class:`LocalFile` gathers what is written into one page-aligned buffer (``BUFFER`` bytes) and
 writes each full buffer at an aligned offset with ``O_DIRECT``. Where the file system refuses
@@ -35,7 +35,7 @@ from typing import Any, Callable
 log = logging.getLogger("ckpttool")
 
 ALIGN = 4096  # offsets and lengths of direct writes: a page, a multiple of every disk's logical block
-BUFFER = 8 << 20  # bytes gathered before a write (1-32 MiB wrote at the same speed here)
+BUFFER = 8 << 20  # bytes gathered before a write (large enough that the write's size is not what limits its speed)
 try:
     import fcntl
 except ImportError:  # (Windows: no fcntl, no O_DIRECT either)
@@ -57,9 +57,9 @@ def _sync_file_range() -> Any:
 SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
 #: through the page cache, the kernel is asked to write each window back once written, and to have
-#: finished the window before it: Linux otherwise keeps gigabytes dirty until the final fsync
-#: (a 3.8 GB write plus fsync took 5.3-5.6 s with it, 8.4-11.7 s without) and the dirty pages one
-#: output holds stay about two windows
+#: finished the window before it: Linux otherwise keeps gigabytes dirty until the final fsync,
+#: which then writes them all at once (slower: docs/benchmarks.md), and the dirty pages one output
+#: holds stay about two windows
 WRITEBACK_WINDOW = 64 << 20
 
 

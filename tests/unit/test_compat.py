@@ -123,6 +123,29 @@ def test_dtensor_chunk_list_dunder_and_the_fake_process_group():
     assert not tdist.is_initialized()
 
 
+def test_a_dtensors_local_part_and_spec_and_the_dispatch_stack():
+    """What an async save reads of a DTensor without its public calls (the local shard, the spec
+    object, the same one while the layout holds), and how the write guard finds itself on this
+    thread's dispatch stack."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    with compat.fake_rank(0, 2):
+        mesh = init_device_mesh("cpu", (2,))
+        value = DTensor.from_local(torch.arange(6.0).reshape(2, 3), mesh, [Shard(0)], run_check=False, shape=(4, 3), stride=(3, 1))
+        assert compat.local_tensor(value) is value.to_local() or torch.equal(compat.local_tensor(value), value.to_local()), moved(
+            "DTensor._local_tensor", "an async save's copy of each shard")
+        spec = compat.dtensor_spec(value)
+        assert spec is not None and spec is compat.dtensor_spec(value) and tuple(spec.placements) == (Shard(0),), moved(
+            "DTensor._spec", "an async save's plan of each tensor")
+    assert compat.dtensor_spec(torch.zeros(2)) is None
+    mode_class = compat.dispatch_mode_class()
+    before = compat.dispatch_stack()
+    with mode_class() as mode:
+        assert compat.dispatch_stack()[-1] is mode, moved("torch._C._get_dispatch_stack_at", "the async save's write guard")
+    assert compat.dispatch_stack() == before
+
+
 def test_ckpttool_writes_the_metadata_every_release_reads(tmp_path, monkeypatch):
     """Both DCP writers (offline convert/reshard, and Checkpointer's collective-free save) write
     TensorProperties as the five fields torch <= 2.14 unpickles, even where the object pickles as

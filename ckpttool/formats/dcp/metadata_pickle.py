@@ -1,7 +1,7 @@
 """DCP's ``.metadata`` pickle written without importing ``torch.distributed.checkpoint``.
 
-Importing that package costs 0.8-1.3 s here (it pulls in DTensor and, through it, sympy), a
-quarter to half of a 1 GB offline reshard, for nothing but the names its pickle carries. So the
+Importing that package costs about a second (it pulls in DTensor and, through it, sympy), a large
+part of an offline reshard of a small checkpoint, for nothing but the names its pickle carries. So the
 offline sink builds the metadata from ckpttool's own classes (``metadata_types.py``: the ones the
 reader unpickles into, one set for both) and pickles them with the C pickler: each class (and each
 placeholder for a torch value: ``torch.Size``, a dtype, a layout) is a global of one of our modules,

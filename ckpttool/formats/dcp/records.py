@@ -10,8 +10,8 @@ A small tensor's record (up to ``TEMPLATE_BYTES`` of data, not compressed) is wr
 template: :class:`ArchiveWriter`'s own record for the same dtype and shape, made once with zeros,
 whose bytes differ from any other data's record only in the data and the data's CRC-32 (in the
 entry's data descriptor and in the central directory). Three writes a record instead of ~25, and
-no pickling, ZipInfo or directory built per record: a reshard of 33,364 records spent most of its
-time there (docs/benchmarks.md, issue 38).
+no pickling, ZipInfo or directory built per record, where a checkpoint of many small tensors
+spends most of its time (docs/benchmarks.md: the mix of tensor sizes).
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ class _Template:
 class Appending(io.RawIOBase):
     """``f`` written front to back only: zipfile then puts each entry's sizes and CRC-32 in a data
     descriptor after its data (as torch's own writer does) instead of seeking back to patch the
-    entry's header, and each such seek flushed the output's buffer (30 030 seeks in a 1 GB reshard
-    to 4 ranks)."""
+    entry's header, and each such seek flushed the output's buffer (one per record: tens of
+    thousands in a reshard of a large checkpoint)."""
 
     def __init__(self, f: IO[bytes]):
         self._f = f

@@ -146,9 +146,9 @@ _ID_PLACEHOLDER = "ckpttool:save-id-is-the-digest:00000"
 
 def _with_digest_id(described: mp.Described) -> bytes:
     """``.metadata`` whose save id is a digest of what it describes, not a random one: the same input
-    written by any number of workers, or again, gives the same bytes. Pickled once (a reshard to 3
-    ranks of 13,344 tensors spent 1.4 s a pickling) with a placeholder the id then replaces; twice
-    where the placeholder is not found exactly once."""
+    written by any number of workers, or again, gives the same bytes. Pickled once (a pickle of a
+    checkpoint of many tensors takes seconds: docs/benchmarks.md) with a placeholder the id then
+    replaces; twice where the placeholder is not found exactly once."""
     data = mp.metadata_bytes(described, _ID_PLACEHOLDER)
     placeholder = _ID_PLACEHOLDER.encode()
     save_id = str(uuid.UUID(bytes=hashlib.sha256(data).digest()[:16], version=4))
