@@ -155,7 +155,7 @@ def shell_model(cfg: dict[str, int], mesh):
     import torch
     from torch.distributed.fsdp import fully_shard
 
-    from ckpttool.trainer.model import ModelConfig, Transformer
+    from ckpttool.training.trainer.model import ModelConfig, Transformer
     small = cfg.get("small", 0)
     with torch.device("meta"):
         model = Transformer(ModelConfig(**{k: v for k, v in cfg.items() if k != "small"}))

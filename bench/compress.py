@@ -41,7 +41,7 @@ def single_case(args) -> dict:
     if name == "raw_copy":
         r = raw_copy(dcp_files(src), dst)
         return {"ok": True, "seconds": r["seconds"], "out_bytes": r["bytes"]}
-    from ckpttool.commands import convert
+    from ckpttool.offline.convert import convert
 
     t0 = time.perf_counter()
     if name == "torch_write_zstd":  # plain torch, one process: the whole checkpoint read, then saved with its zstd extension

@@ -69,7 +69,7 @@ def run_case(args) -> dict[str, Any]:
     if not name.startswith("raw"):
         import torch
 
-        for m in ("torch.distributed.checkpoint", "ckpttool.commands", "ckpttool.formats.dcp", "ckpttool.formats.safetensors",
+        for m in ("torch.distributed.checkpoint", "ckpttool.offline.convert", "ckpttool.formats.dcp", "ckpttool.formats.safetensors",
                   "ckpttool.formats.torch_save"):
             __import__(m)  # imports are not the work
         torch.set_num_threads(1)

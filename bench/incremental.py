@@ -32,7 +32,7 @@ def rank_case(args) -> None:
     from ckpttool import Checkpointer
     from ckpttool.steps import read_commit_record
     from ckpttool.storage import resolve
-    from ckpttool.trainer.model import ModelConfig, build_fsdp_model, local_batch
+    from ckpttool.training.trainer.model import ModelConfig, build_fsdp_model, local_batch
 
     cfg = ModelConfig(**json.loads(args._cfg))
     model = build_fsdp_model(cfg, make_mesh("2"), seed=0)

@@ -77,7 +77,7 @@ def make_source(cfg: dict[str, int], where: str):
     from ckpttool.formats.base import Source
     from ckpttool.index import Chunk, Index, ObjectEntry, TensorEntry
     from ckpttool.storage import resolve
-    from ckpttool.trainer.model import ModelConfig, Transformer
+    from ckpttool.training.trainer.model import ModelConfig, Transformer
 
     with torch.device("meta"):
         params = [(name, tuple(p.shape)) for name, p in Transformer(ModelConfig(**cfg)).named_parameters()]
@@ -133,7 +133,8 @@ def generate(args) -> dict[str, Any]:
     import torch
 
     from ckpttool.engine import plan_entries, run
-    from ckpttool.formats.dcp import DcpSink, DcpSource, hash_records, metadata_row
+    from ckpttool.formats.dcp import DcpSink, DcpSource
+    from ckpttool.training.fallback import hash_records, metadata_row
     from ckpttool.layout import FsdpLayout, Mesh
     from ckpttool.steps import COMMIT_FILE, commit_record
     from ckpttool.storage import resolve

@@ -43,7 +43,7 @@ def rank_case(args) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from ckpttool import Checkpointer, verify_loaded
-    from ckpttool.trainer.model import ModelConfig, build_fsdp_model
+    from ckpttool.training.trainer.model import ModelConfig, build_fsdp_model
 
     mesh, t = make_mesh(args._mesh), time.perf_counter()
     model = build_fsdp_model(ModelConfig(**json.loads(args._cfg)), mesh, seed=0)

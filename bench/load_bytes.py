@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from _common import proc_io
 from ckpttool import Checkpointer
-from ckpttool.trainer.model import ModelConfig, build_fsdp_model
+from ckpttool.training.trainer.model import ModelConfig, build_fsdp_model
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("ckpt", help="a checkpoint root written by bench/load.py --keep")

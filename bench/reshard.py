@@ -5,7 +5,7 @@ the commit record), or ``--src`` names one. Each case runs in fresh processes, t
 
   raw copy             the DCP files read and written to one file + fsync (``_common.raw_copy``, one Python
                        process): the limit for a tool that reads and writes every byte once
-  ckpttool reshard M   ``ckpttool.commands.reshard(src, dst, world_size=M)`` (what ``ckpttool reshard SRC DST
+  ckpttool reshard M   ``ckpttool.offline.reshard.reshard(src, dst, world_size=M)`` (what ``ckpttool reshard SRC DST
                        --world-size M`` runs), one process, default budget 1 GiB
   online M             without the tool: M ranks build the FSDP2 model and AdamW, ``dcp.load`` (DCP reshards
                        while reading) and ``set_state_dict``, then ``dcp.save`` to a new directory
@@ -40,7 +40,7 @@ def single_case(args) -> dict[str, Any]:
     if args._case.startswith("ckpt"):
         for m in ("torch", "ckpttool.formats.dcp"):
             __import__(m)  # imports are not the work
-        from ckpttool.commands import reshard
+        from ckpttool.offline.reshard import reshard
     rss0, t0 = reset_peak_rss(), time.perf_counter()
     if args._case == "raw_copy":
         out = raw_copy(dcp_files(args._src), args._dst)

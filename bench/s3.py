@@ -4,7 +4,7 @@
 A state of ``--tensors`` fp32 tensors of ``--tensor-mib`` MiB each, written with ``torch.save``; timed in this one process
 (warm page cache: the server is the bottleneck, not the disk): plain s3fs uploading the .pt whole and downloading it whole
 (the transport), ckpttool.convert from the .pt to a DCP checkpoint on s3 (write) and from there to local safetensors
-(ranged reads), ckpttool.verify.verify_path of the s3 checkpoint (reads every byte); once, in the last round: s3fs ranged
+(ranged reads), ckpttool.offline.verify.verify_path of the s3 checkpoint (reads every byte); once, in the last round: s3fs ranged
 gets of ``--tensor-mib`` and of 64 KiB, ckpttool.convert .pt -> DCP -> safetensors on the local disk. The safetensors
 from s3 must equal the local ones bitwise.
 
@@ -68,7 +68,7 @@ def sets(run):
         from safetensors.torch import load_file
 
         from ckpttool import convert
-        from ckpttool.verify import verify_path
+        from ckpttool.offline.verify import verify_path
 
         torch.manual_seed(0)
         rng, pt, obj = args.tensor_mib * MiB, os.path.join(work, "state.pt"), "bench/state.pt"

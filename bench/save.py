@@ -86,7 +86,7 @@ def rank_case(args) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from ckpttool import Checkpointer
-    from ckpttool.trainer.model import ModelConfig, build_fsdp_model, local_batch
+    from ckpttool.training.trainer.model import ModelConfig, build_fsdp_model, local_batch
 
     method, root, nsteps, config = args._case, args._dst, args.steps, ModelConfig(**json.loads(args._cfg))
     tb = time.perf_counter()

@@ -35,13 +35,13 @@ import xxhash
 from _common import timed
 from harness import Chart, Column, Panel, Set, Spec, check, main, md_table  # before ckpttool: it puts this repository on sys.path
 
-from ckpttool import snapshot
-from ckpttool.formats.dcp.save import write_rank
+from ckpttool.training import snapshot
+from ckpttool.training.step_writer import write_rank
 from ckpttool.health import Check, count_nonfinite
 from ckpttool.index import iter_leaves
-from ckpttool.state_cache import torch_state
+from ckpttool.training.state import torch_state
 from ckpttool.storage import resolve
-from ckpttool.trainer.model import PRESETS, build_model, synthetic_batch
+from ckpttool.training.trainer.model import PRESETS, build_model, synthetic_batch
 
 PARTS = (("user CPU", "user"), ("system CPU", "system"), ("CPU", "cpu"), ("wall", "wall"))
 STATS = (("min", min), ("median", statistics.median), ("max", max))

@@ -6,7 +6,7 @@ process, the page cache dropped before it (cold) or the checkpoint's files read 
 
   raw read            the files read start to end (os.readv, 64 MiB buffer): the disk's limit
   read + CRC-32       the same, plus ``zlib.crc32`` of every byte: the reference pass
-  ckpttool verify     ``ckpttool.verify.verify_path(step)`` (what ``ckpttool verify STEP`` runs: files, byte
+  ckpttool verify     ``ckpttool.offline.verify.verify_path(step)`` (what ``ckpttool verify STEP`` runs: files, byte
                       ranges, tiling, record decoding, the CRC-32 of every record, the manifest)
   ckpttool verify CLI ``ckpttool verify STEP -q``, the whole process (imports included)
 
@@ -42,7 +42,7 @@ def single_case(args) -> dict[str, Any]:
     if args._case == "ckpt_verify":
         for m in ("torch", "ckpttool.formats.dcp"):
             __import__(m)  # imports are not the work
-        from ckpttool.verify import verify_path
+        from ckpttool.offline.verify import verify_path
     rss0, t0, ok = reset_peak_rss(), time.perf_counter(), True
     if args._case == "raw_read":
         out = raw_read(dcp_files(args._src))

@@ -1,6 +1,6 @@
 """ckpttool: inspect, convert, reshard and verify PyTorch distributed checkpoints, and save/resume them.
 
-    from ckpttool import Checkpointer
+    from . import Checkpointer
 
 Names are imported on first use, so ``ckpttool --help`` does not pay for importing torch.
 """
@@ -15,20 +15,20 @@ __all__ = ["Checkpointer", "CkptError", "LoadResult", "convert", "load", "verify
 __version__ = "0.1.0"
 
 _WHERE = {
-    "Checkpointer": "checkpointer",
-    "LoadResult": "restore",
-    "load": "restore",
-    "convert": "commands",
+    "Checkpointer": "training.checkpointer",
+    "LoadResult": "training.load",
+    "load": "training.load",
+    "convert": "offline.convert",
     "CkptError": "errors",
-    "verify_loaded": "loaded",
+    "verify_loaded": "training.loaded",
 }
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
-    from .restore import LoadResult, load
     from .errors import CkptError
-    from .commands import convert
-    from .loaded import verify_loaded
+    from .offline.convert import convert
+    from .training.checkpointer import Checkpointer
+    from .training.load import LoadResult, load
+    from .training.loaded import verify_loaded
 
 
 __getattr__ = lazy_names(__name__, _WHERE, globals())

@@ -240,7 +240,7 @@ def inspect(ctx: click.Context, path: str, optimizer_order: str | None, as_json:
       ckpttool inspect runs/exp1/step-100 --json | jq '.entries | length'
       ckpttool inspect model.safetensors
     """
-    from .describe import inspect_path, render_text
+    from .offline.describe import inspect_path, render_text
 
     report = inspect_path(path, _storage_options(storage_options), optimizer_order=optimizer_order)
     if as_json:
@@ -291,7 +291,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
       ckpttool convert runs/exp1/step-100 finetuned/ --to hf --like meta-llama-3-8b/
       ckpttool convert fsdp-rank-files/ full.pt --optimizer-order model
     """
-    from .commands import convert as run_convert
+    from .offline.convert import convert as run_convert
 
     if any("=" not in rule for rule in key_map):
         raise click.BadParameter("takes REGEX=REPLACEMENT", param_hint="--key-map")
@@ -398,7 +398,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
       ckpttool reshard ckpt-dir-of-rank-files ranks-w3 --world-size 3 --to torch-ranks
       torchrun --nnodes 4 --nproc_per_node 8 ... -m ckpttool reshard s3://b/step-100 s3://b/w1024 --world-size 1024
     """
-    from .commands import reshard as run_reshard
+    from .offline.reshard import reshard as run_reshard
 
     _spread(ctx, nproc, dst, storage_options)
     report = _write(ctx, "reshard", as_json, lambda progress, many: run_reshard(
@@ -454,7 +454,7 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
       ckpttool verify s3://bucket/runs/exp1 --nproc 8
     """
     from .parallel import launched, workers
-    from .verify import verify_against, verify_path
+    from .offline.verify import verify_against, verify_path
 
     if other and (nproc > 1 or launched()):
         raise UsageError("--against runs in one process", hint="split integrity checks only: verify PATH --nproc N")
@@ -506,7 +506,7 @@ def clean(root: str, dry_run: bool, as_json: bool, storage_options: tuple[str, .
       ckpttool clean runs/exp1 --dry-run
       ckpttool clean runs/exp1
     """
-    from .checkpointer import Checkpointer
+    from .training.checkpointer import Checkpointer
     from .errors import NotFoundError
 
     with Checkpointer(root, storage_options=_storage_options(storage_options)) as ckpt:  # releases the lease clean takes
@@ -525,7 +525,7 @@ class _TrainCommand(_Command):
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_options(ctx, formatter)
-        from .trainer.args import make_parser
+        from .training.trainer.args import make_parser
 
         rows = []
         for action in make_parser()._actions:
@@ -559,7 +559,7 @@ def train(ctx: click.Context, nproc: int) -> None:
     """
     if nproc < 1:
         raise click.BadParameter("must be at least 1", param_hint="--nproc")
-    from .trainer.args import check_args, make_parser
+    from .training.trainer.args import check_args, make_parser
 
     parser = make_parser()
     try:
@@ -568,7 +568,7 @@ def train(ctx: click.Context, nproc: int) -> None:
         ctx.exit(EXIT_BAD_INPUT if exc.code else 0)
     check_args(args, nproc)  # flag errors now, with one line, not from every rank under torchrun
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "ckpttool.trainer.train", *ctx.args]
+           "-m", "ckpttool.training.trainer.train", *ctx.args]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     if _debug(ctx):

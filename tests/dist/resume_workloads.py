@@ -41,7 +41,7 @@ class ShuffledLoader:
 def _setup():
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ckpttool.trainer.model import PRESETS, build_fsdp_model
+    from ckpttool.training.trainer.model import PRESETS, build_fsdp_model
 
     import dataclasses
 
@@ -55,7 +55,7 @@ def _setup():
 
 
 def _train_step(model, optimizer, sched, loader) -> tuple[float, float]:
-    from ckpttool.trainer.model import PRESETS, synthetic_batch
+    from ckpttool.training.trainer.model import PRESETS, synthetic_batch
 
     x, y = synthetic_batch(loader.next(), 4, PRESETS["tiny"], 0)
     lr = optimizer.param_groups[0]["lr"]

@@ -34,7 +34,7 @@ def expected_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimize
 
 
 def _train(model, optimizers, step: int) -> None:
-    from ckpttool.trainer.model import PRESETS, local_batch
+    from ckpttool.training.trainer.model import PRESETS, local_batch
 
     x, y = local_batch(step, dist.get_rank(), dist.get_world_size(), 12, PRESETS["tiny"], 0)
     torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
@@ -67,7 +67,7 @@ def _edit(kind: str, model, optimizers, other, extra) -> None:
             dist.all_reduce(extra["ema"])  # a collective: its schema does not say it writes
             extra["history"].append(len(extra["history"]))
     if kind == "other_optimizer":  # an optimizer that was not passed to save() steps at once
-        from ckpttool.trainer.model import PRESETS, local_batch
+        from ckpttool.training.trainer.model import PRESETS, local_batch
 
         x, y = local_batch(0, dist.get_rank(), dist.get_world_size(), 12, PRESETS["tiny"], 0)
         torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()

@@ -34,7 +34,7 @@ def test_background_write_error_surfaces_at_the_next_call(tmp_path):
 
 def _full_state_on_a_laptop(root: str, model_size: str = "tiny") -> dict:
     """Load the newest committed step into an unsharded model in this process (no process group)."""
-    from ckpttool.trainer.model import PRESETS, build_model
+    from ckpttool.training.trainer.model import PRESETS, build_model
 
     model = build_model(PRESETS[model_size], seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)

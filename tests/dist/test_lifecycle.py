@@ -35,7 +35,7 @@ RUNNER = """
 import os, sys, torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from ckpttool.trainer.model import PRESETS, build_fsdp_model
+from ckpttool.training.trainer.model import PRESETS, build_fsdp_model
 
 dist.init_process_group("gloo")
 model = build_fsdp_model(PRESETS["tiny"], init_device_mesh("cpu", (dist.get_world_size(),)), seed=3)
@@ -104,7 +104,7 @@ def test_the_readme_example_commits_its_last_step(tmp_path, form):
     assert ckpt.steps() == [1, 2, 3] and ckpt.incomplete() == []
     shards = [torch.load(tmp_path / f"expected.{r}.pt", weights_only=True) for r in range(2)]
     expected = {k: torch.cat([s[k] for s in shards]) for k in shards[0]}  # FSDP2's Shard(0) on 2 ranks
-    from ckpttool.trainer.model import PRESETS, build_model
+    from ckpttool.training.trainer.model import PRESETS, build_model
 
     model = build_model(PRESETS["tiny"], seed=11)
     assert ckpt.load(model).step == 3

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ckpttool.formats.dcp import read_metadata
-from ckpttool.commands import reshard
+from ckpttool.offline.reshard import reshard
 from ckpttool.storage import resolve
 
 from ..helpers import assert_same_checkpoint, assert_same_nested

@@ -53,7 +53,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pr
 
 
 def trainer_args(**overrides) -> argparse.Namespace:
-    from ckpttool.trainer.train import make_parser
+    from ckpttool.training.trainer.train import make_parser
 
     args = make_parser().parse_args(["--steps", str(overrides.get("steps", 1))])
     for k, v in overrides.items():
@@ -63,7 +63,7 @@ def trainer_args(**overrides) -> argparse.Namespace:
 
 def train_run(**overrides) -> dict[str, object]:
     """Run the real trainer in this group; return its losses and the final full state."""
-    from ckpttool.trainer.train import run_training
+    from ckpttool.training.trainer.train import run_training
 
     run = run_training(trainer_args(**overrides))
     return {"losses": run.losses, "start": run.start_step, "state": full_state(run.model, run.optimizer), "lrs": run.lrs}
@@ -73,7 +73,7 @@ def fresh_model(seed: int = 123, model_size: str = "tiny", mesh_shape: tuple[int
     """The trainer's model under FSDP2 on all ranks (1-D), or HSDP on a 2-D (replicate, shard) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ckpttool.trainer.model import PRESETS, build_fsdp_model
+    from ckpttool.training.trainer.model import PRESETS, build_fsdp_model
 
     shape = mesh_shape or (dist.get_world_size(),)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
@@ -242,7 +242,7 @@ def load_wrong_shape(root: str) -> str:
 
     from ckpttool import Checkpointer
     from ckpttool.errors import MismatchError
-    from ckpttool.trainer.model import PRESETS
+    from ckpttool.training.trainer.model import PRESETS
 
     model, optimizer = fresh_model(config=replace(PRESETS["tiny"], vocab_size=70))
     try:
@@ -271,7 +271,7 @@ def load_and_report(root: str, verify: bool = True, mesh_shape: tuple[int, ...] 
 
 
 def _train_steps(model, optimizer, start: int, n: int) -> None:
-    from ckpttool.trainer.model import PRESETS, local_batch
+    from ckpttool.training.trainer.model import PRESETS, local_batch
 
     for step in range(start, start + n):
         x, y = local_batch(step, dist.get_rank(), dist.get_world_size(), 12, PRESETS["tiny"], 0)

@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 import ckpttool
 from ckpttool import convert, formats
-from ckpttool.describe import inspect_path
+from ckpttool.offline.describe import inspect_path
 from ckpttool.errors import CkptError
-from ckpttool.verify import verify_path
+from ckpttool.offline.verify import verify_path
 
 from ..helpers import FIXTURES, Hang, assert_same_checkpoint, output_name, reference_state, time_limit
 

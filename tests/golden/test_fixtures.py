@@ -50,7 +50,7 @@ def test_plain_torch_dcp_loads_into_an_unsharded_model_without_a_process_group()
 
 
 def test_trainer_fixture_loads_on_a_laptop():
-    from ckpttool.trainer.model import PRESETS, build_model
+    from ckpttool.training.trainer.model import PRESETS, build_model
 
     model = build_model(PRESETS["tiny"], seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

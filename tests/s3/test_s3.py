@@ -13,8 +13,8 @@ import torch
 
 from ckpttool import convert
 from ckpttool.formats import open_source
-from ckpttool.commands import reshard
-from ckpttool.verify import verify_against, verify_path
+from ckpttool.offline.reshard import reshard
+from ckpttool.offline.verify import verify_against, verify_path
 
 from ..dist.harness import run_ranks
 from ..dist.workloads import assert_same, load_into_fresh, train_run

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ckpttool.background import Worker
+from ckpttool.training.background import Worker
 
 
 def test_jobs_run_in_order_on_one_thread_which_close_ends():
@@ -63,7 +63,7 @@ def test_the_interpreter_waits_for_a_pending_job_but_not_for_an_idle_worker(tmp_
     done = tmp_path / "done"
     script = textwrap.dedent(f"""
         import time
-        from ckpttool.background import Worker
+        from ckpttool.training.background import Worker
         idle = Worker("idle")
         idle.submit(lambda: None).wait()
         busy = Worker("busy")
@@ -74,6 +74,6 @@ def test_the_interpreter_waits_for_a_pending_job_but_not_for_an_idle_worker(tmp_
     took = time.perf_counter() - t
     assert done.read_text() == "ok"
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import ckpttool.background"], check=True, timeout=60, cwd=os.getcwd())
+    subprocess.run([sys.executable, "-c", "import ckpttool.training.background"], check=True, timeout=60, cwd=os.getcwd())
     bare = time.perf_counter() - t
     assert took < bare + 1.0 + 1.5  # the job's second and some slack; never the 60 s timeout

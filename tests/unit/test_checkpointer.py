@@ -199,7 +199,7 @@ def test_rank_0_never_reads_a_half_written_rank_index(tmp_path, monkeypatch):
     import time
     from contextlib import contextmanager
 
-    from ckpttool.formats.dcp import save as save_mod
+    from ckpttool.training import step_writer as save_mod
     from ckpttool.storage import LocalDisk, resolve
 
     real_open_write = LocalDisk.open_write
@@ -291,7 +291,7 @@ def test_on_phase_reports_where_a_save_goes(tmp_path):
     its thread; an async save's background phases and its end ("done") in the writer thread."""
     import threading
 
-    from ckpttool.checkpointer import PHASES
+    from ckpttool.training.checkpointer import PHASES
 
     seen = []
     model = torch.nn.Linear(3, 2)

@@ -155,8 +155,8 @@ def test_flag_errors_come_before_torch_is_imported():
 
 
 def test_train_help_lists_the_trainers_flags_and_presets_agree():
-    from ckpttool.trainer.args import PRESET_NAMES, make_parser
-    from ckpttool.trainer.model import PRESETS
+    from ckpttool.training.trainer.args import PRESET_NAMES, make_parser
+    from ckpttool.training.trainer.model import PRESETS
 
     assert tuple(sorted(PRESETS)) == PRESET_NAMES
     out = run("train", "--help").output

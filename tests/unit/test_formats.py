@@ -13,12 +13,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckpttool import convert, formats
-from ckpttool.describe import inspect_path
+from ckpttool.offline.describe import inspect_path
 from ckpttool.errors import ChecksumError, CkptError
 from ckpttool.formats import detect, open_source
 from ckpttool.index import TensorEntry, flatten
 from ckpttool.storage import resolve
-from ckpttool.verify import verify_path
+from ckpttool.offline.verify import verify_path
 
 from ..helpers import (
     assert_bitwise,
@@ -358,7 +358,7 @@ def test_a_reshard_checks_records_it_reads_in_parts_in_one_pass(tmp_path, monkey
     bytes read are about the data's, not twice; a flip anywhere in a record (its first or last
     part, or its header under a manifest) still fails the reshard, and nothing is written."""
     from ckpttool import storage
-    from ckpttool.commands import reshard
+    from ckpttool.offline.reshard import reshard
 
     src = make(tmp_path)
     read = []
@@ -404,7 +404,7 @@ def test_tensors_inside_objects_survive_every_conversion(tmp_path):
     torch.load(weights_only=True) and ckpttool read back (a tensor record of its own, as torch.save
     writes it), and compare equal through torch -> torch -> DCP -> torch."""
     from ckpttool import convert
-    from ckpttool.verify import verify_against
+    from ckpttool.offline.verify import verify_against
 
     src = tmp_path / "src.pt"
     torch.save({"model": {"w": torch.arange(6.0).reshape(2, 3)},
@@ -431,7 +431,7 @@ def test_an_expanded_view_is_read_as_torch_load_reads_it(tmp_path):
     import ckpttool
     from ckpttool.errors import CorruptCheckpointError
     from ckpttool.formats.torchzip import MAX_EXPANDED
-    from ckpttool.verify import verify_against
+    from ckpttool.offline.verify import verify_against
 
     src = tmp_path / "expanded.pt"
     col = torch.arange(3.0).reshape(3, 1)

@@ -114,7 +114,7 @@ def test_a_rank_index_that_names_another_file_is_refused_at_commit(tmp_path):
     """A chunk entry's file (fifth element) must be the rank's own frozen file: a rank index
     naming any other path (here one out of the step) never reaches .metadata."""
     from ckpttool.errors import CorruptCheckpointError
-    from ckpttool.formats.dcp.save import commit_metadata, partial_name, read_rank_indexes, write_rank
+    from ckpttool.training.step_writer import commit_metadata, partial_name, read_rank_indexes, write_rank
     from ckpttool.storage import resolve
 
     step = resolve(str(tmp_path / "step"))
@@ -136,7 +136,7 @@ def test_a_shared_file_whose_version_moved_is_read_and_checked_before_a_link(tmp
     """The link trusts an unchanged storage version; a moved one (touched, copied back) is read and
     every record checked: intact, it is linked; a record that differs from its digest, it is not
     (the frozen tensors are written afresh, said in one line)."""
-    from ckpttool.formats.dcp import save as dcp_save
+    from ckpttool.training import step_writer as dcp_save
 
     root = str(tmp_path / "run")
     m = model()

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from ckpttool import Checkpointer
 from ckpttool.cli import main
 from ckpttool.errors import LeaseError
-from ckpttool.lease import LEASE_FILE
+from ckpttool.training.lease import LEASE_FILE
 
 HOLDER = r"""
 import sys, time, torch

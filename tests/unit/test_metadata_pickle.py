@@ -88,7 +88,7 @@ def test_an_offline_reshard_does_not_import_torchs_checkpoint_package(tmp_path):
     out = tmp_path / "w3"
     code = (
         "import sys\n"
-        "from ckpttool.commands import reshard\n"
+        "from ckpttool.offline.reshard import reshard\n"
         f"reshard({str(dcp_dir)!r}, {str(out)!r}, world_size=3)\n"
         "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n"
     )

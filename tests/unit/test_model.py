@@ -5,16 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpttool.trainer.model import (
-    PRESETS,
-    ModelConfig,
-    Transformer,
-    build_model,
-    derive_seed,
-    init_weights,
-    local_batch,
-    synthetic_batch,
-)
+from ckpttool.training.trainer.model import PRESETS, ModelConfig, Transformer, build_model, derive_seed, init_weights, local_batch, synthetic_batch
 
 TINY = PRESETS["tiny"]
 

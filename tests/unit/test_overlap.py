@@ -124,7 +124,7 @@ def test_every_read_follows_the_sinks_schedule_in_the_background(tmp_path, monke
     direct read: each sink's read_order is the order it really reads in), and the output is
     the same bits as without."""
     from ckpttool.formats.dcp.source import DcpSource
-    from ckpttool.commands import reshard
+    from ckpttool.offline.reshard import reshard
 
     torch.manual_seed(0)
     state = {"model": {"w": torch.randn(300, 64), "b": torch.randn(64).to(torch.bfloat16), "c": torch.arange(7)}}

@@ -19,7 +19,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ckpttool import Checkpointer, compat
 from ckpttool.checksums import HASH_BLOCK
 from ckpttool.errors import ChecksumError
-from ckpttool.formats.dcp import DcpSource, load_into
+from ckpttool.formats.dcp import DcpSource
+from ckpttool.training.read_into import load_into
 from ckpttool.steps import read_commit_record
 from ckpttool.storage import resolve
 from tests.helpers import cli, flip_bit
@@ -143,7 +144,7 @@ def syscr() -> int:
 def test_a_small_local_record_is_read_in_one_read_whatever_the_parts_taken_of_it(tmp_path):
     """A reshard takes each small record in parts (a box per target rank), each part wanting the
     record's header, data and rest: all of it served from one read of the record."""
-    from ckpttool.commands import reshard
+    from ckpttool.offline.reshard import reshard
 
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(300)) for _ in range(200)])
     Checkpointer(str(tmp_path / "run")).save(1, model)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckpttool import Checkpointer, dist
-from ckpttool.staging import Stager
+from ckpttool.training.staging import Stager
 
 
 def _model(device: str = "cpu"):
@@ -232,7 +232,7 @@ def test_staged_state_has_the_keys_and_nesting_the_writer_flattens():
     """stage() walks a state as index.flatten does (DCP's rule for lists, tuples are leaves) and
     gives it back nested the same way, every tensor a HostShard under its flat key."""
     from ckpttool.errors import CorruptCheckpointError
-    from ckpttool.formats.dcp import HostShard
+    from ckpttool.training.step_writer import HostShard
     from ckpttool.index import flatten
 
     t = [torch.full((2,), float(i)) for i in range(5)]
@@ -431,7 +431,7 @@ def test_a_write_guarded_while_the_copy_thread_finishes_copies_nothing_twice_and
     """The copy thread may finish (and let go of its list of tensors) while the saving thread's
     guard looks up what a write touches: found by torch 2.7's FSDP all-gather in a forward right
     after save() (an IndexError in the training thread)."""
-    from ckpttool import staging
+    from ckpttool.training import staging
 
     real = staging.memory_span
     with _async_run(tmp_path) as (root, model, optimizer, ckpt):

@@ -9,7 +9,7 @@ import torch
 
 from ckpttool import Checkpointer
 from ckpttool.index import flatten
-from ckpttool.state_cache import StateCache, torch_state
+from ckpttool.training.state import StateCache, torch_state
 
 
 def _model():

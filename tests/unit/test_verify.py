@@ -19,7 +19,7 @@ from ckpttool.errors import CkptError
 from ckpttool.formats import open_source
 from ckpttool.formats.dcp import read_metadata
 from ckpttool.storage import resolve
-from ckpttool.verify import verify_against, verify_path
+from ckpttool.offline.verify import verify_against, verify_path
 
 from .. import helpers
 from ..helpers import flip_bit

@@ -1,8 +1,9 @@
 """DCP (``torch.distributed.checkpoint``) directories: the registered format.
 
-``.metadata`` plus ``__<rank>_<i>.distcp`` files (metadata.py); read offline by range (source.py),
-written offline for any layout (sink.py), checked by ``verify`` (integrity.py), and saved/loaded
-online through torch's own reader and writer with our rules (online.py).
+``.metadata`` plus ``__<rank>_<i>.distcp`` files (metadata.py); read by range (source.py), written
+for any layout (sink.py; one record writer, records.py, and one ``.metadata`` builder,
+metadata_pickle.py, which the training client's step writer shares), checked by ``verify``
+(integrity.py).
 """
 
 from __future__ import annotations
@@ -20,21 +21,11 @@ from .source import DcpSource
 from .transforms import check_compress
 
 if TYPE_CHECKING:
-    from .load import load_into
-    from .online import dcp_writer, hash_records, metadata_row
-    from .save import (HostShard, Written, commit_metadata, per_rank_buffer_keys, per_rank_keys, publish_failure, read_rank_indexes,
-                       step_bytes, stores, supports, write_rank)
     from .sink import DcpSink
 
-#: the names of the writing and loading modules (they import torch): imported on first use, so
-#: reading a checkpoint offline (inspect, verify) does not import torch
-_LAZY = {"load_into": "load", "dcp_writer": "online", "hash_records": "online", "metadata_row": "online",
-         **{name: "save" for name in ("HostShard", "Written", "commit_metadata", "per_rank_buffer_keys", "per_rank_keys", "publish_failure",
-                                     "read_rank_indexes", "step_bytes", "stores", "supports", "write_rank")},
-         "DcpSink": "sink"}
-
-
-__getattr__ = lazy_names(__name__, _LAZY, globals())
+#: the writing module imports torch: imported on first use, so reading a checkpoint (inspect,
+#: verify) does not import torch
+__getattr__ = lazy_names(__name__, {"DcpSink": "sink"}, globals())
 
 
 class DcpFormat(Format):
@@ -68,7 +59,5 @@ class DcpFormat(Format):
 
 FORMAT = DcpFormat()
 
-# The public API of the format: what the training API (checkpointer.py) uses, and all it uses.
-__all__ = ["FORMAT", "METADATA_FILE", "DcpSink", "DcpSource", "HostShard", "check_compress", "commit_metadata", "data_file_name",
-           "dcp_writer", "hash_records", "load_into", "metadata_row", "per_rank_buffer_keys", "per_rank_keys", "publish_failure", "read_metadata", "read_rank_indexes", "step_bytes",
-           "stores", "supports", "write_rank", "Written"]
+# The public API of the format
+__all__ = ["FORMAT", "METADATA_FILE", "DcpSink", "DcpSource", "check_compress", "data_file_name", "read_metadata"]

@@ -14,18 +14,18 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import dist, health
-from .checksums import hash_bytes
-from .compat import local_tensor
-from .formats import dcp as dcp_format
-from .formats.dcp import dcp_writer, hash_records
-from .formats.dcp.metadata import PER_RANK, PER_RANK_BUFFERS
-from .formats.dcp.save import Whole
-from .restore import holds_dtensor
+from .. import compat, dist, health
+from ..checksums import ALGORITHM, hash_bytes, hash_range, new_block
+from ..compat import local_tensor
+from ..formats.dcp.metadata import METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, file_rank, read_metadata, read_metadata_bytes
+from ..storage import Location, save_error
+from . import step_writer
+from .state import holds_dtensor
 from .staging import frozen
-from .storage import Location, save_error
+from .step_writer import Whole
 
 # DCP raises CheckpointException, a BaseException, for failures on any rank.
 _DCP_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
@@ -39,9 +39,9 @@ def stores(value: Any) -> bool:
     """Whether this rank stores its box of a DTensor (``dcp.stores``), raising :class:`Unsupported`
     for a placement the writer does not lay out, so that an async save falls back to DCP's writer.
     Called by the stager only for a tensor it has not seen: a kept tensor was checked then."""
-    if not dcp_format.supports({"t": value}):
+    if not step_writer.supports({"t": value}):
         raise Unsupported
-    return dcp_format.stores(value)
+    return step_writer.stores(value)
 
 
 def write(state: dict[str, Any], step_dir: Location, storage_options: dict[str, Any], compress: str | None, group: Any,
@@ -153,7 +153,7 @@ def _health(state: dict[str, Any], group: Any) -> dict[str, Any]:
     is no value yet, not at all), and rank 0 adds them up. No stale check on this path."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    from .index import flatten
+    from ..index import flatten
 
     flat, _ = flatten(state)
     tally = health.Tally()
@@ -190,3 +190,43 @@ def _single_process_quiet():
         if not dist.active():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+# --- torch's own DCP writer, and the manifest of what it wrote --------------------------------------
+
+
+def dcp_writer(loc: Location, storage_options: dict[str, Any] | None = None, compress: str | None = None):
+    """A DCP StorageWriter for ``loc`` (a single file per rank, fsync'ed; with ``compress``,
+    torch's own zstd extension on every record)."""
+    extra: dict[str, Any] = {}
+    if compress is not None:
+        extra["_extensions"] = [compat.zstd_extension()]
+    if loc.local_path is not None:
+        return FileSystemWriter(loc.local_path, single_file_per_rank=True, sync_files=True, **extra)
+    FsspecWriter = compat.fsspec_writer_class()
+    return FsspecWriter(loc.url, single_file_per_rank=True, sync_files=True, **extra, **(storage_options or {}))
+
+
+def hash_records(step_dir: Location, rank: int | None = None) -> dict[str, Any]:
+    """The manifest rows of a step's data files (only those ``rank`` wrote, when given):
+    ``{"algorithm": ..., "records": {FILE: [[offset, length, hexdigest], ...]}}``."""
+    metadata = read_metadata(step_dir)
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for info in (metadata.storage_data or {}).values():
+        if rank is None or file_rank(info.relative_path) == rank:
+            by_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+    buf = new_block()
+    records: dict[str, list[list[Any]]] = {}
+    for name, spans in sorted(by_file.items()):
+        reader = step_dir.child(name).open_reader()
+        try:
+            records[name] = [[off, length, hash_range(reader, off, length, buf)] for off, length in sorted(spans)]
+        finally:
+            reader.close()
+    return {"algorithm": ALGORITHM, "records": records}
+
+
+def metadata_row(step_dir: Location) -> dict[str, list[Any]]:
+    """The manifest's entry for ``.metadata`` itself: ``{".metadata": [length, hexdigest]}``."""
+    raw = read_metadata_bytes(step_dir)
+    return {METADATA_FILE: [len(raw), hash_bytes(raw)]}

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .compat import dispatch_mode_class, dispatch_stack, local_tensor
+from ..compat import dispatch_mode_class, dispatch_stack, local_tensor
 
 
 class InFlight(Protocol):

@@ -1,4 +1,5 @@
-"""The state a save writes, kept from save to save while the model's and optimizer's structure holds.
+"""The state a save writes: the model's and optimizers' (torch's ``get_state_dict`` answer, kept from
+save to save while their structure holds) and the caller's ``extra``.
 
 torch's ``get_state_dict`` walks the module tree, maps every parameter to its FQN and checks its
 options on every call: tens of milliseconds, most of what an async ``save()`` still spent on the
@@ -27,11 +28,17 @@ answer when the cache is filled; anything else, or any mismatch, and every save 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Union
 
 import torch
 
-from .compat import local_tensor
+from ..compat import local_tensor
+from ..errors import UsageError
+from .step_writer import Whole
+
+#: what ``save`` and ``load`` take as ``optimizer``: none, one, or a list of them
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
 
 #: the FSDP2 state-dict pre-hook (it reshards a module's parameters before a state dict is taken)
 _FSDP2_HOOK = "to_sharded_hook"
@@ -72,8 +79,6 @@ class StateCache:
 def optimizers_of(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
     """``None``, one optimizer or several (a list or tuple, as torch's ``get_state_dict`` takes
     them) as a tuple; raises :class:`UsageError` for anything else."""
-    from .errors import UsageError
-
     if optimizer is None:
         return ()
     found = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
@@ -269,3 +274,54 @@ def _safe_eq(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - a value that cannot be compared is not known to be equal
         return False
+
+
+# --- what a save writes of the caller's state ----------------------------------------------------
+
+
+def training_state(model: torch.nn.Module, optimizer: Optimizers, extra: dict | None) -> dict[str, Any]:
+    state = torch_state(model, optimizers_of(optimizer))
+    if extra:
+        state["extra"] = extra_state(extra)
+    return state
+
+
+def extra_state(extra: dict[str, Any]) -> dict[str, Any]:
+    """What is saved of ``extra``: each Stateful value (``state_dict()`` and ``load_state_dict()``:
+    an LR scheduler, a stateful data loader, the user's own) as its state dict, as ``dcp.save``
+    treats a Stateful; everything else as it is."""
+    if not isinstance(extra, dict):
+        raise UsageError(f"extra must be a dict, got {type(extra).__name__}")
+    out = {}
+    for key, value in extra.items():
+        value = value.state_dict() if _stateful(value) else value
+        # a value keyed by anything but strings (an optimizer's state is keyed by int) is stored as
+        # one object: DCP's flattened keys would give its keys back as strings; one holding a
+        # DTensor is sharded state and stays traversed
+        out[key] = Whole(value) if _odd_keys(value) and not holds_dtensor(value) else value
+    return out
+
+
+def _odd_keys(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(not isinstance(k, str) for k in value) or any(_odd_keys(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_odd_keys(v) for v in value)
+    return False
+
+
+def holds_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, dict):
+        return any(holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_dtensor(v) for v in value)
+    return False
+
+
+def _stateful(value: Any) -> bool:
+    return (not isinstance(value, (torch.Tensor, type)) and callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None)))

@@ -23,8 +23,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import CkptError, LeaseError
-from .storage import Location
+from ..errors import CkptError, LeaseError
+from ..storage import Location
 
 log = logging.getLogger("ckpttool")
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from ...buffers import SlabBuffers
-from ...compat import local_shard_box
-from ...index import TensorEntry
-from ...layout import Box, relative
-from ..base import Source
-from .source import DcpSource
+from ..buffers import SlabBuffers
+from ..compat import local_shard_box
+from ..index import TensorEntry
+from ..layout import Box, relative
+from ..formats.base import Source
+from ..formats.dcp.source import DcpSource
 
 def load_into(source: Source, flat: dict[str, Any]) -> None:
     """Fill every tensor of the flat state ``flat`` in place with this rank's box of it, and

@@ -19,16 +19,17 @@ from typing import Any, Callable
 
 import torch
 
-from . import dist
-from .errors import NotFoundError, UsageError
-from .formats.dcp import check_compress
+from .. import dist
+from ..errors import NotFoundError, UsageError
+from ..formats.dcp import check_compress
 from .lease import Lease
-from .restore import LoadResult, Optimizers, load_committed
+from .load import LoadResult, load_committed
+from .state import Optimizers
 from .saving import Options, Saves, check_root
 from .staging import Stager
-from .state_cache import StateCache, optimizers_of
-from .steps import list_root, step_name
-from .storage import Location, resolve
+from .state import StateCache, optimizers_of
+from ..steps import list_root, step_name
+from ..storage import Location, resolve
 
 #: the phases ``Checkpointer(on_phase=...)`` reports: preparing (joining the previous save, the lease,
 #: the step's directory, the ranks' agreement), getting the state dict, staging (the async copy into

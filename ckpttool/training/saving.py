@@ -20,17 +20,16 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from . import dist, fallback, health
+from .. import dist, health
+from . import fallback, step_writer
 from .background import Job, Worker
-from .errors import CkptError, OutputExistsError, SnapshotError, UnhealthyStepError, UsageError
-from .formats import dcp as dcp_format
-from .formats.dcp import metadata_row
+from ..errors import CkptError, OutputExistsError, SnapshotError, UnhealthyStepError, UsageError
 from .lease import Lease
-from .restore import extra_state
+from .state import extra_state
 from .staging import Stager
-from .state_cache import StateCache
-from .steps import COMMIT_FILE, await_outcome, commit_record, list_root, refuse_step, retention_victims, step_name
-from .storage import Location, save_error
+from .state import StateCache
+from ..steps import COMMIT_FILE, await_outcome, commit_record, list_root, refuse_step, retention_victims, step_name
+from ..storage import Location, save_error
 
 log = logging.getLogger("ckpttool")
 T = TypeVar("T")
@@ -71,7 +70,7 @@ class Saves:
         self._buffers: frozenset[str] = frozenset()  # the state keys of the model's plain-tensor buffers (several ranks)
         self._trainable: set[str] = set()  # the state keys of this save's trainable parameters
         self._last_digests: Any = None  # (step, its final place, this rank's record digests) of its last save
-        self._written: Any = None  # what this rank put in its frozen file at its last save (dcp_format.Written)
+        self._written: Any = None  # what this rank put in its frozen file at its last save (step_writer.Written)
         # the copy into host memory, at the training thread's priority (the optimizer's next step
         # may wait for it), and the writer, at nice ``writer_nice`` (Linux: per thread)
         self.copier = Worker("ckpttool-stage")
@@ -99,7 +98,7 @@ class Saves:
                                     background=True)
             except fallback.Unsupported:
                 staged = None  # a placement ckpttool's writer does not lay out: DCP's own writer
-        own = staged is not None or (blocking and dcp_format.supports(state))  # else DCP's writer, which needs the process group
+        own = staged is not None or (blocking and step_writer.supports(state))  # else DCP's writer, which needs the process group
         if blocking:
             if own:
                 self.timed("sync save", self._save_own_sync, state, step, tmp, final)
@@ -162,7 +161,7 @@ class Saves:
                 refuse_step(tmp, exc.message() if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}")
             elif isinstance(exc, SnapshotError):
                 with contextlib.suppress(Exception):  # rank 0 stops waiting for this rank's part
-                    dcp_format.publish_failure(tmp, rank, exc.message())
+                    step_writer.publish_failure(tmp, rank, exc.message())
             raise
         if rank != 0:
             self._outcome = (tmp, final)  # wait() and close() learn from storage whether rank 0 committed it
@@ -182,7 +181,7 @@ class Saves:
         self._written = None
         self._last_digests = None
         try:
-            written = dcp_format.write_rank(tmp, rank, state, pause=dist.pause_point, compress=self.o.compress,
+            written = step_writer.write_rank(tmp, rank, state, pause=dist.pause_point, compress=self.o.compress,
                                             frozen=self._frozen, previous=previous, health=check, buffers=self._buffers)
             if written is not None:
                 written.step_dir = final  # where its files are once the step is committed
@@ -197,13 +196,13 @@ class Saves:
     def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int) -> None:
         """Rank 0: wait for every rank's index in storage, write .metadata, then the commit record
         (last), publish the step and apply retention."""
-        indexes = dcp_format.read_rank_indexes(tmp, world_size, self.o.commit_timeout)
-        manifest = dcp_format.commit_metadata(tmp, indexes)
-        record = {"manifest": manifest, **dcp_format.step_bytes(indexes)}  # bytes written, and shared with the step before
-        per_rank = dcp_format.per_rank_keys(indexes)
+        indexes = step_writer.read_rank_indexes(tmp, world_size, self.o.commit_timeout)
+        manifest = step_writer.commit_metadata(tmp, indexes)
+        record = {"manifest": manifest, **step_writer.step_bytes(indexes)}  # bytes written, and shared with the step before
+        per_rank = step_writer.per_rank_keys(indexes)
         if per_rank:
             record["per_rank"] = per_rank  # keys of extra whose values differ between ranks: each rank's own is kept
-        buffers = dcp_format.per_rank_buffer_keys(indexes)
+        buffers = step_writer.per_rank_buffer_keys(indexes)
         if buffers:
             record["per_rank_buffers"] = buffers  # the model's buffers whose values differ between ranks: idem
         found = health.merge_ranks([index.health for index in indexes])
@@ -220,7 +219,7 @@ class Saves:
         dist.barrier("ckpttool.commit", group)
 
         def commit() -> None:
-            record: dict[str, Any] = {"manifest": {**manifest, "files": metadata_row(tmp)}}  # .metadata's row too
+            record: dict[str, Any] = {"manifest": {**manifest, "files": fallback.metadata_row(tmp)}}  # .metadata's row too
             if per_rank:
                 record["per_rank"] = per_rank
             if buffers:

@@ -22,18 +22,18 @@ from typing import IO, Any
 
 import torch
 
-from ...buffers import tensor_buffer
-from ...checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
-from ...compat import local_shard_box
-from ...errors import CkptError, CorruptCheckpointError, StorageError
-from ...health import Check, Tally
-from ...index import dtype_size, flatten
-from ...layout import Box, relative, slabs, tiles_exactly
-from ...storage import Location
-from .metadata import METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
-from . import metadata_pickle as mp
-from .records import write_object, write_tensor
-from .transforms import transform_names
+from ..buffers import tensor_buffer
+from ..checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
+from ..compat import local_shard_box
+from ..errors import CkptError, CorruptCheckpointError, StorageError
+from ..health import Check, Tally
+from ..index import dtype_size, flatten
+from ..layout import Box, relative, slabs, tiles_exactly
+from ..storage import Location
+from ..formats.dcp.metadata import METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
+from ..formats.dcp import metadata_pickle as mp
+from ..formats.dcp.records import write_object, write_tensor
+from ..formats.dcp.transforms import transform_names
 
 log = logging.getLogger("ckpttool")
 PARTIAL = ".ckpttool-rank-{rank}.json"

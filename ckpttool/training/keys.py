@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .index import Index, key_of
+from ..index import Index, key_of
 
 #: wrapper modules that put a component into every key below them (torch.compile, FSDP1,
 #: activation checkpointing): removed wherever they appear when that makes every key match

@@ -1,6 +1,6 @@
-"""The FSDP2 training loop behind ``torchrun -m ckpttool.trainer.train``: train, save, resume.
+"""The FSDP2 training loop behind ``torchrun -m ckpttool.training.trainer.train``: train, save, resume.
 
-    torchrun --nproc_per_node 2 -m ckpttool.trainer.train --steps 6 --ckpt-dir runs/a --save-every 3
+    torchrun --nproc_per_node 2 -m ckpttool.training.trainer.train --steps 6 --ckpt-dir runs/a --save-every 3
 
 A run that stops after step N and resumes from ``step-N`` on the same world size ends bitwise equal
 to one that never stopped: the data of a step depends only on (seed, step), the model and AdamW
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import UsageError
+from ...errors import UsageError
 from .args import check_args, make_parser
 from .model import PRESETS, Transformer, build_fsdp_model, derive_seed, local_batch
 
@@ -116,7 +116,7 @@ def _checkpointer(args: argparse.Namespace) -> Any:
     """The Checkpointer of ``--ckpt-dir`` (None without one), saying each commit on stdout."""
     if not args.ckpt_dir:
         return None
-    from .. import Checkpointer  # only needed when checkpointing
+    from ... import Checkpointer  # only needed when checkpointing
 
     return Checkpointer(args.ckpt_dir, keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save,
                         incremental=args.incremental, on_commit=lambda step, url: print(f"committed step {step}: {url}", flush=True))
@@ -163,7 +163,7 @@ def _resume(ckpt: Any, model: nn.Module, optimizer: torch.optim.Optimizer, sched
     else:  # another world size (or a checkpoint without it): a fresh, deterministic generator
         torch.manual_seed(derive_seed(args.seed, f"rank/{rank}/step/{res.step}"))
     if args.verify_after_load:
-        from .. import verify_loaded
+        from ... import verify_loaded
 
         report = verify_loaded(model, optimizer, res.path)
         if not report.ok:
@@ -209,7 +209,7 @@ def _init_process_group() -> bool:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:
-        # Plain `python -m ckpttool.trainer.train`: a world of one needs no rendezvous.
+        # Plain `python -m ckpttool.training.trainer.train`: a world of one needs no rendezvous.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 #: the model presets of ``trainer/model.py`` (a test checks that they agree)
 PRESET_NAMES = ("1g", "small", "tiny")
@@ -14,7 +14,7 @@ PRESET_NAMES = ("1g", "small", "tiny")
 def make_parser() -> argparse.ArgumentParser:
     """The trainer's flags; ``ckpttool train`` passes its own through to this list unchanged."""
     parser = argparse.ArgumentParser(
-        prog="python -m ckpttool.trainer.train",
+        prog="python -m ckpttool.training.trainer.train",
         description="Train a small GPT-like model with FSDP2, saving and resuming through ckpttool.Checkpointer.",
     )
     parser.add_argument("--steps", type=int, required=True, help="total optimizer steps of the run (resumed ones included)")

@@ -37,9 +37,9 @@ import torch
 
 from . import snapshot
 from .snapshot import memory_span
-from .compat import Box, dtensor_spec, local_shard_box, local_tensor
-from .errors import CorruptCheckpointError, SnapshotError
-from .formats.dcp import HostShard
+from ..compat import Box, dtensor_spec, local_shard_box, local_tensor
+from ..errors import CorruptCheckpointError, SnapshotError
+from .step_writer import HostShard
 
 
 _ALIGN = 64  # bytes: each buffer in the block starts at a multiple (any dtype's view, vector loads)

@@ -6,13 +6,13 @@ import io
 
 from typing import Any
 
-from .formats import Reading, check_optimizer_order, detect, open_source
-from .health import nonfinite_keys, problems
-from .index import TensorEntry
-from .safe_torch import values_as_read
-from .choices import human_bytes
-from .steps import is_training_root, list_root, read_commit_record, step_name
-from .storage import Location, resolve
+from ..formats import Reading, check_optimizer_order, detect, open_source
+from ..health import nonfinite_keys, problems
+from ..index import TensorEntry
+from ..safe_torch import values_as_read
+from ..choices import human_bytes
+from ..steps import is_training_root, list_root, read_commit_record, step_name
+from ..storage import Location, resolve
 
 _VALUE_CHARS = 80
 

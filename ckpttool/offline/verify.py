@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import dist, formats
-from .choices import DEFAULT_BUDGET
-from .errors import CkptError, FormatError, UnsafePickleError, UsageError
-from .buffers import SlabBuffers
-from .formats.base import Progress, Source
-from .index import TensorEntry, dtype_size, strip_prefix
-from .layout import slabs, whole
-from .report import Problem, Report
-from .safe_torch import values_as_read
-from .safe_pickle import same_value
-from .steps import is_training_root, list_root, step_name
-from .storage import Location, resolve
+from .. import dist, formats
+from ..choices import DEFAULT_BUDGET
+from ..errors import CkptError, FormatError, UnsafePickleError, UsageError
+from ..buffers import SlabBuffers
+from ..formats.base import Progress, Source
+from ..index import TensorEntry, dtype_size, strip_prefix
+from ..layout import slabs, whole
+from ..report import Problem, Report
+from ..safe_torch import values_as_read
+from ..safe_pickle import same_value
+from ..steps import is_training_root, list_root, step_name
+from ..storage import Location, resolve
 
 __all__ = ["Problem", "Report", "verify_against", "verify_path"]
 
@@ -72,7 +72,7 @@ def _verify_path(path: str | Location, only: str | None, storage_options: dict[s
     segments = None
     shared = None
     if share is not None:
-        from .parallel import SharedProgress
+        from ..parallel import SharedProgress
 
         # every worker's progress counts against the bytes of all the entries checked
         shared = progress = SharedProgress(progress, None, loc.url)
@@ -125,7 +125,7 @@ def verify_against(path: str | Location, other: str | Location, *, only: str | N
     that side, prefix dropped (an HF export's flat keys against the ``model`` of a DCP step, either
     way round). A difference is reported under both files (and keys), a missing key under the file
     that has it; what either side says of how it was read is noted (``optimizer_order``: convert's)."""
-    from .engine import plan_entries
+    from ..engine import plan_entries
 
     a_loc, b_loc = resolve(path, storage_options), resolve(other, storage_options)
     report = Report(a_loc.url, "equality")
@@ -193,8 +193,8 @@ def _keys_compared(index: Any, only: str | None, loc: Location) -> dict[str, str
 def _compare_tensor(a: Source, a_key: str, b: Source, b_key: str, shape, a_dtype, b_dtype, rtol, atol, budget, report, where):
     import torch
 
-    from .compare import bits_differ
-    from .layout import unravel
+    from ..compare import bits_differ
+    from ..layout import unravel
 
     item = max(dtype_size(a_dtype), dtype_size(b_dtype))
     first = None

@@ -162,7 +162,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     rank of a CPU mesh, so the full weights would depend on the world size.
     Raises ``TypeError`` for a parameter kind it has no rule for (a model this module did not build).
     """
-    from ..compat import local_shard_box
+    from ...compat import local_shard_box
 
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():

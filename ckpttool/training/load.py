@@ -3,7 +3,7 @@ and the saved ``extra`` given back to each rank as its own, Stateful values rest
 
 Any format ckpttool reads: a ckpttool step or DCP, a per-rank folder, a trainer folder's model, a
 ``torch.save`` state dict, a safetensors file or a ``save_pretrained`` folder (``keys.py`` matches
-the model's keys to the file's). Every rank reads only its own boxes (``formats/dcp/load.py``);
+the model's keys to the file's). Every rank reads only its own boxes (``read_into.py``);
 keys and shapes are checked first; values of ``extra`` saved per rank (``per_rank.<rank>.*``) go
 back to their own rank on the world size that saved them and to none on another.
 """
@@ -12,27 +12,24 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-from . import dist, formats, health, keys
-from .errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, UsageError
-from .formats import dcp as dcp_format
-from .formats.dcp.metadata import PER_RANK, PER_RANK_BUFFERS
-from .formats.dcp.save import Whole
-from .formats.torch_save import TorchSaveSource, check_together
-from .index import Index, TensorEntry, unflatten
-from .state_cache import optimizers_of, torch_state
-from .steps import list_root, parse_step, read_commit_record, step_health, step_name
-from .storage import Location, resolve
+from .. import dist, formats, health
+from . import keys
+from ..errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, UsageError
+from .read_into import load_into
+from ..formats.dcp.metadata import PER_RANK, PER_RANK_BUFFERS
+from ..formats.torch_save import TorchSaveSource, check_together
+from ..index import Index, TensorEntry, unflatten
+from .state import Optimizers, optimizers_of, training_state
+from ..steps import list_root, parse_step, read_commit_record, step_health, step_name
+from ..storage import Location, resolve
 
 log = logging.getLogger("ckpttool")
-#: what ``save`` and ``load`` take as ``optimizer``: none, one, or a list of them
-Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
 
 
 @dataclass(frozen=True)
@@ -51,54 +48,6 @@ class LoadResult:
     #: the model does not have (as torch's ``load_state_dict`` returns them)
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
-
-
-def training_state(model: torch.nn.Module, optimizer: Optimizers, extra: dict | None) -> dict[str, Any]:
-    state = torch_state(model, optimizers_of(optimizer))
-    if extra:
-        state["extra"] = extra_state(extra)
-    return state
-
-
-def extra_state(extra: dict[str, Any]) -> dict[str, Any]:
-    """What is saved of ``extra``: each Stateful value (``state_dict()`` and ``load_state_dict()``:
-    an LR scheduler, a stateful data loader, the user's own) as its state dict, as ``dcp.save``
-    treats a Stateful; everything else as it is."""
-    if not isinstance(extra, dict):
-        raise UsageError(f"extra must be a dict, got {type(extra).__name__}")
-    out = {}
-    for key, value in extra.items():
-        value = value.state_dict() if _stateful(value) else value
-        # a value keyed by anything but strings (an optimizer's state is keyed by int) is stored as
-        # one object: DCP's flattened keys would give its keys back as strings; one holding a
-        # DTensor is sharded state and stays traversed
-        out[key] = Whole(value) if _odd_keys(value) and not holds_dtensor(value) else value
-    return out
-
-
-def _odd_keys(value: Any) -> bool:
-    if isinstance(value, dict):
-        return any(not isinstance(k, str) for k in value) or any(_odd_keys(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_odd_keys(v) for v in value)
-    return False
-
-
-def holds_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return True
-    if isinstance(value, dict):
-        return any(holds_dtensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(holds_dtensor(v) for v in value)
-    return False
-
-
-def _stateful(value: Any) -> bool:
-    return (not isinstance(value, (torch.Tensor, type)) and callable(getattr(value, "state_dict", None))
-            and callable(getattr(value, "load_state_dict", None)))
 
 
 def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: Optimizers = None, *,
@@ -234,7 +183,7 @@ def _ties(model: dict[str, Any]) -> dict[str, str]:
     """A key -> the first key whose tensor's memory it is (tied weights: ``lm_head.weight`` ->
     ``model.embed_tokens.weight``), told by the local data's address, shape and strides (a DTensor
     state dict may wrap one parameter's local tensor in two DTensor objects)."""
-    from .compat import local_tensor
+    from ..compat import local_tensor
 
     first: dict[tuple, str] = {}
     ties: dict[str, str] = {}
@@ -254,7 +203,7 @@ def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys
     """``state`` (the live model's and optimizers' state dicts) filled from ``source``, with the
     saved ``extra`` and per-rank values beside it (each buffer saved per rank from this rank's own
     value, on the world size that saved it); and the paths of the per-rank values saved."""
-    from .index import flatten
+    from ..index import flatten
 
     model = state.pop("model")
     own = own_buffer_keys(source.index(), record, loc) if matched.layout == "step" else {}
@@ -280,7 +229,7 @@ def _read_state(source: Any, state: dict[str, Any], loc: Location, matched: keys
                 state[top] = template
     flat, paths = flatten(state)
     flat.update(by_key)
-    dcp_format.load_into(source, flat)
+    load_into(source, flat)
     _check_ties(source, model, twins, loc)
     state = unflatten({k: v for k, v in flat.items() if k in paths}, paths)
     state["model"] = {name: model[name] if name in twins else flat[key] for name, key in pairs.items()}
@@ -323,9 +272,9 @@ def _check_ties(source: Any, model: dict[str, Any], twins: dict[str, tuple[str, 
     compares its own box of the tied key's values, slab by slab, with what the load put into the
     tensor; the load's agreement raises it on every rank (after the load: the tensor holds the
     first key's values)."""
-    from .compare import bits_differ
-    from .compat import local_shard_box
-    from .layout import relative, slabs
+    from ..compare import bits_differ
+    from ..compat import local_shard_box
+    from ..layout import relative, slabs
 
     for name, (twin, loaded, other) in twins.items():
         local, box = local_shard_box(model[name])
@@ -345,7 +294,7 @@ def _rank_name(name: Any) -> bool:
 
 
 def _check_fits(state: dict[str, Any], index: Index, loc: Location) -> None:
-    from .index import flatten
+    from ..index import flatten
 
     flat, _ = flatten(state)
     for key, value in flat.items():

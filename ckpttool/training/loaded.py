@@ -8,15 +8,16 @@ from typing import Any
 
 import torch
 
-from . import dist, formats
-from .restore import own_buffer_keys, training_state
-from .steps import read_commit_record
-from .compare import bits_differ
-from .layout import unravel
-from .compat import local_shard_box
-from .errors import CkptError
-from .index import flatten
-from .storage import Location, resolve
+from .. import dist, formats
+from .load import own_buffer_keys
+from .state import training_state
+from ..steps import read_commit_record
+from ..compare import bits_differ
+from ..layout import unravel
+from ..compat import local_shard_box
+from ..errors import CkptError
+from ..index import flatten
+from ..storage import Location, resolve
 
 __all__ = ["LoadedReport", "Mismatch", "verify_loaded"]
 
