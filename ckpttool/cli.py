@@ -473,7 +473,7 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
         progress.close()
     if not _speaks():
         ctx.exit(report.exit_code)
-    from .dist import pause_point
+    from .rendezvous import pause_point
 
     pause_point("report")  # tests slow worker 0 down here: the others must not exit before it prints
     if as_json:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import dist
+from . import rendezvous
 from .buffers import SlabBuffers
 from .choices import DEFAULT_BUDGET
 from .errors import StorageError, UsageError
@@ -80,7 +80,7 @@ def run(source: Source, sink: Sink, plan: Plan, budget: int = DEFAULT_BUDGET, pr
     With ``parallel``, every process of the torch.distributed group runs this together and each
     writes its share of the output's files (:mod:`ckpttool.parallel`): the same bytes as one
     process writes, committed once every worker has finished, or nothing when any one fails."""
-    workers = dist.world_size() if parallel else 1
+    workers = rendezvous.world_size() if parallel else 1
     if workers > 1 and not sink.splittable:
         raise UsageError(f"{workers} workers cannot share a single-file {sink.format} output",
                          hint="split the output (--max-shard-size), write DCP, or run one worker")
@@ -105,7 +105,7 @@ class _Streaming:
                  workers: int):
         self.source, self.sink, self.plan, self.budget, self.workers = source, sink, plan, budget, workers
         if workers > 1:
-            sink.share = Share(dist.rank(), workers)
+            sink.share = Share(rendezvous.rank(), workers)
         self.tensors = sink.order(plan.tensors)
         self.index = source.index()
         self.specs = {spec.key: spec for spec in self.tensors}
@@ -143,7 +143,7 @@ class _Streaming:
         return (lambda box: self.ahead.read(spec.key, box)), self._slab_budget(spec)
 
     def _advance(self, nbytes: int, key: str) -> None:
-        dist.pause_point("offline-chunk")
+        rendezvous.pause_point("offline-chunk")
         self.done += nbytes
         if self.progress:
             self.progress(self.done, self.total, key)
@@ -177,12 +177,12 @@ class _Streaming:
         if self.workers == 1:
             sink.finalize()
             return
-        dist.agree(None)
+        rendezvous.agree(None)
         self.shared.close(finished=True)
-        if sink.merge(dist.gather):  # worker 0 alone writes the file that describes the pieces
-            dist.agree_on(sink.finalize)
+        if sink.merge(rendezvous.gather):  # worker 0 alone writes the file that describes the pieces
+            rendezvous.agree_on(sink.finalize)
         else:
-            dist.agree_on(lambda: None)
+            rendezvous.agree_on(lambda: None)
 
     def abort(self, exc: BaseException) -> BaseException:
         """Remove the partial output after ``exc``; returns what to raise (every worker the same
@@ -192,12 +192,12 @@ class _Streaming:
         agreed = self.workers == 1 or getattr(exc, "_agreed", False)
         if not agreed and isinstance(exc, Exception):  # an interrupt (SIGTERM, Ctrl-C) stops without a word
             try:
-                exc, agreed = dist.agreed_error(exc), True
+                exc, agreed = rendezvous.agreed_error(exc), True
             except Exception:  # noqa: BLE001 - a worker is gone (killed): no agreement to be had
                 pass
         # worker 0 removes the shared staging directory after an agreed failure; when the workers
         # could not agree, every one removes it (some may not be there to do it)
-        self.sink.abort(exc, discard=not agreed or dist.rank() == 0)
+        self.sink.abort(exc, discard=not agreed or rendezvous.rank() == 0)
         if isinstance(exc, OSError):  # a commit the storage refused
             return StorageError(describe_os_error(exc, "write"), where=self.sink.location.url)
         return exc
@@ -209,10 +209,10 @@ def _start_shared(sink: Sink, plan: Plan) -> None:
     from .parallel import staging_name
 
     if sink.tmp.url != sink.location.url:
-        sink.tmp = sink.location.sibling(dist.broadcast(staging_name() or sink.tmp.name))
-    dist.agree(None)  # every worker has checked the output before worker 0 prepares it
-    dist.agree_on(lambda: sink.policy.prepare(sink.tmp, sink.location) if dist.rank() == 0 else None)
-    dist.agree_on(lambda: sink.start(plan.entries, prepare=False))
+        sink.tmp = sink.location.sibling(rendezvous.broadcast(staging_name() or sink.tmp.name))
+    rendezvous.agree(None)  # every worker has checked the output before worker 0 prepares it
+    rendezvous.agree_on(lambda: sink.policy.prepare(sink.tmp, sink.location) if rendezvous.rank() == 0 else None)
+    rendezvous.agree_on(lambda: sink.start(plan.entries, prepare=False))
 
 
 class ReadAhead:

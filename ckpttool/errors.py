@@ -80,6 +80,24 @@ class LeaseError(CkptError):
     """Another live job holds the training root (or took it over from this one)."""
 
 
+class RendezvousError(CkptError):
+    """Ranks could not agree: a collective of the agreement failed (a rank died, or its connection
+    broke)."""
+
+
+class RankFailedError(RendezvousError):
+    """Another rank failed at a step every rank takes together: raised on every rank but the failing
+    ones (which raise their own error), naming the failing ranks, what they were doing, and the
+    first one's error (``ranks``, ``doing``, ``error_type``)."""
+
+    def __init__(self, ranks: list[int], doing: str, error_type: str, text: str):
+        self.ranks = list(ranks)
+        self.doing = doing
+        self.error_type = error_type
+        more = "" if len(ranks) == 1 else f"; rank{'s' if len(ranks) > 2 else ''} {', '.join(map(str, ranks[1:]))} failed too"
+        super().__init__(f"rank {ranks[0]} failed: {error_type}: {text} (while {doing}{more})")
+
+
 class WorkerError(CkptError):
     """Another worker of a command run by several (``--nproc``, torchrun) failed; this is its error."""
 

@@ -18,7 +18,6 @@ from .errors import CkptError, CorruptCheckpointError
 from .storage import Location
 
 COMMIT_FILE = ".ckpttool-commit.json"
-FAILED_FILE = ".ckpttool-failed.json"  # rank 0 writes it into a step it could not commit: the other ranks stop waiting
 COMMIT_FORMAT = "ckpttool-commit"
 COMMIT_VERSION = 2  # 2: the record carries a checksum of its own content (1 had none)
 MAX_COMMIT_BYTES = 256 << 20  # a manifest row per record: far below this for any real step
@@ -176,44 +175,6 @@ def step_health(step_dir: Location) -> dict[str, Any] | None:
         return None
     found = (record or {}).get("health")
     return found if isinstance(found, dict) else None
-
-
-def refuse_step(step_dir: Location, message: str) -> None:
-    """Rank 0: say in the step's (uncommitted) directory why it was not committed, so every other
-    rank's background save stops waiting for the commit and raises the same message. Best effort:
-    a storage that refuses it leaves the others to time out."""
-    import contextlib
-
-    with contextlib.suppress(Exception):
-        step_dir.child(FAILED_FILE).write_bytes(json.dumps({"error": message}).encode())
-
-
-def await_outcome(step_dir: Location, final: Location, timeout: float) -> None:
-    """Ranks other than 0, after writing their part of an async save: wait until rank 0 committed
-    the step (its commit record at ``final``) or refused it (:func:`refuse_step` in ``step_dir``),
-    so that ``wait()`` and ``close()`` tell every rank whether the step counts. Raises
-    :class:`StepNotCommittedError` with rank 0's reason, or after ``timeout`` seconds."""
-    import time
-
-    from .errors import StepNotCommittedError
-
-    deadline = time.monotonic() + timeout
-    pause = 0.005
-    while True:
-        if final.child(COMMIT_FILE).exists():
-            return
-        marker = step_dir.child(FAILED_FILE)
-        if marker.exists():
-            try:
-                reason = json.loads(marker.read_bytes()[:1 << 16]).get("error", "no reason given")
-            except (ValueError, AttributeError, CkptError):
-                reason = "its reason could not be read"
-            raise StepNotCommittedError(f"step {parse_step(final.name)} was not committed: {reason}", where=final.url)
-        if time.monotonic() > deadline:
-            raise StepNotCommittedError(f"rank 0 did not commit step {parse_step(final.name)} within {timeout:.0f} s",
-                                        where=final.url, hint="rank 0 died or its storage stalled; the step stays uncommitted")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.2)
 
 
 def retention_victims(committed: list[int], keep_last: int | None, keep_every: int | None = None) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import dist, formats
+from .. import formats, rendezvous
 from ..choices import DEFAULT_BUDGET
 from ..errors import CkptError, FormatError, UnsafePickleError, UsageError
 from ..buffers import SlabBuffers
@@ -67,8 +67,8 @@ def _verify_path(path: str | Location, only: str | None, storage_options: dict[s
     except CkptError as exc:
         report.add(exc.what, exc.where, hint=exc.hint or "restore the checkpoint from a good copy")
         return report
-    workers = dist.world_size() if parallel else 1
-    share = (dist.rank(), workers) if workers > 1 and fmt.splits_integrity else None
+    workers = rendezvous.world_size() if parallel else 1
+    share = (rendezvous.rank(), workers) if workers > 1 and fmt.splits_integrity else None
     segments = None
     shared = None
     if share is not None:
@@ -80,7 +80,7 @@ def _verify_path(path: str | Location, only: str | None, storage_options: dict[s
         try:
             if share is not None:
                 segments = fmt.check_integrity(source, report, only, progress, share)
-            elif dist.rank() == 0 or workers == 1:
+            elif rendezvous.rank() == 0 or workers == 1:
                 fmt.check_integrity(source, report, only, progress)
         except UnsafePickleError as exc:  # unreadable input (exit 2), not a difference found
             report.add(exc.what, exc.where, hint=exc.hint, unreadable=True)
@@ -98,7 +98,7 @@ def _verify_path(path: str | Location, only: str | None, storage_options: dict[s
     if shared is not None:
         shared.close(finished=False)
     if workers > 1:
-        report = _merged(report, dist.all_gather((report, segments or [])))
+        report = _merged(report, rendezvous.all_gather((report, segments or [])))
     return report
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import dist
+from .. import rendezvous
 from ..errors import NotFoundError, UsageError
 from ..formats.dcp import check_compress
 from .lease import Lease
@@ -120,7 +120,7 @@ class Checkpointer:
                 removed.append(name)
             return removed
 
-        return dist.agreed(remove, rank0_only=True) or []
+        return rendezvous.agreed("removing the root's uncommitted steps", remove, rank0_only=True) or []
 
     def step_path(self, step: int) -> str:
         return self.root.child(step_name(step)).url

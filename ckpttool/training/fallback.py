@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import compat, dist, health
+from .. import compat, health, rendezvous
 from ..checksums import ALGORITHM, hash_bytes, hash_range, new_block
 from ..compat import local_tensor
 from ..formats.dcp.metadata import METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, file_rank, read_metadata, read_metadata_bytes
@@ -57,7 +57,7 @@ def write(state: dict[str, Any], step_dir: Location, storage_options: dict[str, 
             dcp.save(state, storage_writer=dcp_writer(step_dir, storage_options, compress), process_group=group)
     except _DCP_ERRORS as exc:
         raise save_error(exc, step_dir) from None
-    dist.pause_point("after-write")
+    rendezvous.pause_point("after-write")
     return _manifest_of_own_file(step_dir, group), per_rank, own_buffers, found
 
 
@@ -105,7 +105,7 @@ def _with_per_rank(state: dict[str, Any], group: Any) -> tuple[dict[str, Any], l
         return state, []
     extra = {k: v.value if isinstance(v, Whole) else v for k, v in extra.items()}
     state = {**state, "extra": extra}
-    if not dist.active():
+    if not rendezvous.active():
         return state, []
     everyone, differing = _differing({top: value for top, value in extra.items() if not holds_dtensor(value)}, group)
     if not differing:
@@ -121,7 +121,7 @@ def _with_own_buffers(state: dict[str, Any], group: Any, buffers: frozenset[str]
     differs between ranks is added under ``per_rank_buffers.<rank>.<name>``."""
     model = state.get("model") or {}
     keys = sorted(k[len("model."):] for k in buffers if k[len("model."):] in model)
-    if not keys or not dist.active():
+    if not keys or not rendezvous.active():
         return state, []
     everyone, differing = _differing({k: model[k].detach().cpu() for k in keys}, group)
     if not differing:
@@ -141,7 +141,7 @@ def _differing(values: dict[str, Any], group: Any) -> tuple[list[dict[str, Any]]
         buf = io.BytesIO()
         torch.save(value, buf)
         mine[key] = (hash_bytes(buf.getvalue()), value)
-    everyone = dist.all_gather(mine, group)
+    everyone = rendezvous.all_gather(mine, group)
     differing = sorted({key for held in everyone for key in held if any(key not in other or other[key][0] != held[key][0]
                                                                         for other in everyone)})
     return [{key: value for key, (_, value) in held.items()} for held in everyone], differing
@@ -157,7 +157,7 @@ def _health(state: dict[str, Any], group: Any) -> dict[str, Any]:
 
     flat, _ = flatten(state)
     tally = health.Tally()
-    rank = dist.rank()
+    rank = rendezvous.rank()
     for key, value in flat.items():
         if isinstance(value, DTensor):
             coordinate = value.device_mesh.get_coordinate()
@@ -169,16 +169,16 @@ def _health(state: dict[str, Any], group: Any) -> dict[str, Any]:
             tally.count(key, value.detach())
         elif rank == 0:  # an object (a Python float, a numpy value), as rank 0 writes it
             tally.count_object(key, value.value if isinstance(value, Whole) else value)
-    parts = [{"nonfinite": counts} for counts in dist.all_gather(tally.nonfinite, group)]
+    parts = [{"nonfinite": counts} for counts in rendezvous.all_gather(tally.nonfinite, group)]
     return health.merge(parts, None, set())
 
 
 def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
     """Each rank hashes the records of its own data file (read back while the page cache still
     holds them); rank 0 gets them all for the commit record. Documented in docs/format.md."""
-    mine = hash_records(step_dir, dist.rank())
+    mine = hash_records(step_dir, rendezvous.rank())
     records: dict[str, Any] = {}
-    for part in dist.all_gather(mine, group):
+    for part in rendezvous.all_gather(mine, group):
         records.update(part["records"])
     return {"algorithm": mine["algorithm"], "records": records}
 
@@ -187,7 +187,7 @@ def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
 def _single_process_quiet():
     """Without a process group DCP warns on every call that it assumes one process; that is our intent."""
     with warnings.catch_warnings():
-        if not dist.active():
+        if not rendezvous.active():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-from .. import dist, formats, health
+from .. import formats, health, rendezvous
 from . import keys
 from ..errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, UsageError
 from .read_into import load_into
@@ -107,7 +107,7 @@ def _read_agreed(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.
     try:
         record = read_commit_record(loc)
         source = _open(loc, model, optimizers, verify)
-        if dist.rank() == 0:  # what the reader noted (a per-rank folder's optimizer indices: how they were paired)
+        if rendezvous.rank() == 0:  # what the reader noted (a per-rank folder's optimizer indices: how they were paired)
             for note in source.notes:
                 log.info("%s: %s", loc.url, note)
         # a torch.save file: each rank reads its rows; the records' CRC-32s are checked together below
@@ -117,9 +117,10 @@ def _read_agreed(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.
     except CkptError as exc:
         error = exc
     try:
-        error = dist.first_error(error)
+        error = rendezvous.agreed_failure("loading its shards", error)
         if error is None and together:  # from the pieces every rank read (the same verdict on every rank)
-            error = dist.first_error(check_together(source, dist.rank(), dist.all_gather))
+            error = rendezvous.agreed_failure("checking the CRC-32 of the records read",
+                                              check_together(source, rendezvous.rank(), rendezvous.all_gather))
     finally:
         if source is not None:
             source.close()
@@ -148,7 +149,7 @@ def _open(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.optim.O
     # a per-rank folder's optimizer state is keyed by index: paired through the live optimizers' own groups
     fqn = {id(p): n for n, p in model.named_parameters()}
     names = [[fqn.get(id(p), "?") for p in g["params"]] for o in optimizers for g in o.param_groups] if optimizers else None
-    return fmt.open_source(loc, verify, formats.Reading(rank=dist.rank(), optimizer_names=names))
+    return fmt.open_source(loc, verify, formats.Reading(rank=rendezvous.rank(), optimizer_names=names))
 
 
 def _match(index: Index, state: dict[str, Any], loc: Location, key_map: dict[str, str] | None, strict: bool,
@@ -158,7 +159,7 @@ def _match(index: Index, state: dict[str, Any], loc: Location, key_map: dict[str
     model = state["model"]
     matched = keys.match(model, _ties(model), index, key_map)
     shown = (lambda n: f"model.{n}") if matched.layout == "step" else (lambda n: n)
-    if matched.renamed and dist.rank() == 0:
+    if matched.renamed and rendezvous.rank() == 0:
         log.warning("%s: the model's keys matched %s", loc.url, matched.renamed)
     if strict and matched.missing:
         more = f" ({len(matched.missing)} keys of the model are not)" if len(matched.missing) > 1 else ""
@@ -251,12 +252,12 @@ def own_buffer_keys(index: Index, record: dict | None, loc: Location, warn: bool
         return {}
     world = record.get("world_size") if record is not None else None
     world = world if isinstance(world, int) and world > 0 else max(saved) + 1
-    if world == dist.world_size():
-        return saved.get(dist.rank(), {})
-    if warn and dist.rank() == 0:
+    if world == rendezvous.world_size():
+        return saved.get(rendezvous.rank(), {})
+    if warn and rendezvous.rank() == 0:
         names = sorted({k for keys in saved.values() for k in keys})
         log.warning("%s: buffers saved per rank on %d ranks (their values differed between ranks) cannot be matched to %d "
-                    "ranks: every rank gets rank 0's value of %s", loc.url, world, dist.world_size(), ", ".join(names))
+                    "ranks: every rank gets rank 0's value of %s", loc.url, world, rendezvous.world_size(), ", ".join(names))
     return {}
 
 
@@ -353,7 +354,7 @@ def _own_values(extra: dict[str, Any], by_rank: dict[int, dict[str, Any]], leave
     if not everyone:
         return extra, set()
     saved = saved_world if isinstance(saved_world, int) and saved_world > 0 else max(leaves) + 1
-    rank, world = dist.rank(), dist.world_size()
+    rank, world = rendezvous.rank(), rendezvous.world_size()
     own = tops.get(rank, set()) if saved == world else set()
     for top in everyone:
         extra.pop(top, None)
@@ -390,7 +391,7 @@ def load_committed(root: Location, model: torch.nn.Module, optimizer: Optimizers
     committed = listing.committed
     if step is None:
         newer_damaged = [s for s in listing.damaged if not committed or s > committed[-1]]
-        if newer_damaged and dist.rank() == 0:
+        if newer_damaged and rendezvous.rank() == 0:
             log.warning("not loading step(s) %s under %s: commit record damaged (%s)", newer_damaged, root.url,
                         listing.damaged[newer_damaged[-1]])
         if not committed:
@@ -410,7 +411,7 @@ def load_committed(root: Location, model: torch.nn.Module, optimizer: Optimizers
 def _warn_if_unhealthy(root: Location, step: int, committed: list[int]) -> None:
     """One line (rank 0) when the step to load holds non-finite values, naming the newest
     committed step that does not (from the commit records' health)."""
-    if dist.rank() != 0:
+    if rendezvous.rank() != 0:
         return
     found = step_health(root.child(step_name(step)))
     bad = health.nonfinite_keys(found)

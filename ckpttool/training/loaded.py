@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .. import dist, formats
+from .. import formats, rendezvous
 from .load import own_buffer_keys
 from .state import training_state
 from ..steps import read_commit_record
@@ -52,7 +52,7 @@ def verify_loaded(model: torch.nn.Module, optimizer: Any, path: str | Location, 
     report. Call it on every rank after a load."""
     loc = resolve(path, storage_options)
     report = LoadedReport(loc.url)
-    rank = dist.rank()
+    rank = rendezvous.rank()
     state, _ = flatten(training_state(model, optimizer, None))
     mine: list[Mismatch] = []
     checked = [0, 0]
@@ -87,10 +87,10 @@ def verify_loaded(model: torch.nn.Module, optimizer: Any, path: str | Location, 
                 checked[1] += local.numel() * local.element_size()
     except CkptError as exc:
         error = exc
-    error = dist.first_error(error)
+    error = rendezvous.agreed_failure("comparing its shards with the checkpoint's bytes", error)
     if error is not None:
         raise error
-    for r, (found, counts) in enumerate(dist.all_gather((mine, checked))):
+    for r, (found, counts) in enumerate(rendezvous.all_gather((mine, checked))):
         report.mismatches += found
         report.tensors_checked += counts[0]
         report.bytes_checked += counts[1]

@@ -20,7 +20,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from .. import dist, health
+from .. import health, rendezvous
 from . import fallback, step_writer
 from .background import Job, Worker
 from ..errors import CkptError, OutputExistsError, SnapshotError, UnhealthyStepError, UsageError
@@ -28,7 +28,7 @@ from .lease import Lease
 from .state import extra_state
 from .staging import Stager
 from .state import StateCache
-from ..steps import COMMIT_FILE, await_outcome, commit_record, list_root, refuse_step, retention_victims, step_name
+from ..steps import COMMIT_FILE, commit_record, list_root, parse_step, retention_victims, step_name
 from ..storage import Location, save_error
 
 log = logging.getLogger("ckpttool")
@@ -88,13 +88,13 @@ class Saves:
         frozen = [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]
         self._frozen = frozenset(frozen) if self.o.incremental else frozenset()
         self._trainable = {f"model.{n}" for n, _ in model.named_parameters()} - set(frozen)
-        self._buffers = plain_buffers(state["model"], buffers) if dist.world_size() > 1 else frozenset()
+        self._buffers = plain_buffers(state["model"], buffers) if rendezvous.world_size() > 1 else frozenset()
         staged = None
         if not blocking:
             try:
                 # a forward may change module buffers in place: copied at the call (``buffers``: the
                 # addresses of their local tensors); the rest is copied in the background, guarded
-                staged = self.timed("stage", self.stager.stage, state, dist.rank(), fallback.stores, in_order=buffers,
+                staged = self.timed("stage", self.stager.stage, state, rendezvous.rank(), fallback.stores, in_order=buffers,
                                     background=True)
             except fallback.Unsupported:
                 staged = None  # a placement ckpttool's writer does not lay out: DCP's own writer
@@ -108,10 +108,10 @@ class Saves:
         if not own:
             self._make_group()
             staged = self._staged = fallback.stage(state, self._staged)  # copied at the call
-        dist.pause_point("after-stage")
+        rendezvous.pause_point("after-stage")
         if own and self.stager.copying:
             self.copier.submit(self.stager.copy, name="ckpttool-stage")
-        rank, world_size = dist.rank(), dist.world_size()
+        rank, world_size = rendezvous.rank(), rendezvous.world_size()
         self.pending = self.writer.submit(lambda: self._background(staged, step, tmp, final, own, rank, world_size),
                                           name=f"ckpttool-save-{step}")
         return final.url
@@ -127,7 +127,7 @@ class Saves:
         return state, buffers
 
     def _make_group(self) -> None:
-        if self._group is None and dist.active():
+        if self._group is None and rendezvous.active():
             import torch.distributed as tdist
 
             # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
@@ -158,17 +158,19 @@ class Saves:
                 self.timed("commit", self._commit_own, step, tmp, final, world_size)
         except BaseException as exc:
             if rank == 0:  # the other ranks wait for the commit: tell them why it will not come
-                refuse_step(tmp, exc.message() if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}")
+                rendezvous.refuse_step(tmp, exc.message() if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}")
             elif isinstance(exc, SnapshotError):
                 with contextlib.suppress(Exception):  # rank 0 stops waiting for this rank's part
-                    step_writer.publish_failure(tmp, rank, exc.message())
+                    step_writer.publish_failure(tmp, rank, exc)
             raise
         if rank != 0:
             self._outcome = (tmp, final)  # wait() and close() learn from storage whether rank 0 committed it
 
     def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
-        dist.agreed(lambda: self.timed("write", self._write_own, state, tmp, dist.rank(), final, step))
-        dist.agreed(lambda: self.timed("commit", self._commit_own, step, tmp, final, dist.world_size()), rank0_only=True)
+        rendezvous.agreed(f"writing its part of step {step}",
+                          lambda: self.timed("write", self._write_own, state, tmp, rendezvous.rank(), final, step))
+        rendezvous.agreed(f"committing step {step}",
+                          lambda: self.timed("commit", self._commit_own, step, tmp, final, rendezvous.world_size()), rank0_only=True)
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location, step: int) -> None:
         previous = self._written
@@ -181,7 +183,7 @@ class Saves:
         self._written = None
         self._last_digests = None
         try:
-            written = step_writer.write_rank(tmp, rank, state, pause=dist.pause_point, compress=self.o.compress,
+            written = step_writer.write_rank(tmp, rank, state, pause=rendezvous.pause_point, compress=self.o.compress,
                                             frozen=self._frozen, previous=previous, health=check, buffers=self._buffers)
             if written is not None:
                 written.step_dir = final  # where its files are once the step is committed
@@ -216,7 +218,7 @@ class Saves:
         """DCP's writer (``fallback.py``), then the commit, agreed over ``group``."""
         manifest, per_rank, buffers, found = fallback.write(state, tmp, self.o.storage_options or {}, self.o.compress, group,
                                                             self.o.health, self._buffers)
-        dist.barrier("ckpttool.commit", group)
+        rendezvous.barrier("ckpttool.commit", group)
 
         def commit() -> None:
             record: dict[str, Any] = {"manifest": {**manifest, "files": fallback.metadata_row(tmp)}}  # .metadata's row too
@@ -227,16 +229,16 @@ class Saves:
             if found is not None:
                 record["health"] = found
                 self._judge_health(step, found)
-            self._publish(step, tmp, final, dist.world_size(), record)
+            self._publish(step, tmp, final, rendezvous.world_size(), record)
 
-        dist.agreed(commit, rank0_only=True, group=group)
+        rendezvous.agreed(f"committing step {step}", commit, rank0_only=True, group=group)
         self._apply_retention()
 
     def _publish(self, step: int, tmp: Location, final: Location, world_size: int, record: dict[str, Any]) -> None:
         """Rank 0: the commit record, written last, then the step renamed into place; ``on_commit``
         told (an error in it is logged: the step is committed whatever it does)."""
         tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, record))
-        dist.pause_point("before-rename")
+        rendezvous.pause_point("before-rename")
         self.root.commit_policy.publish(tmp, final)
         if self.o.on_commit is not None:
             try:
@@ -263,7 +265,7 @@ class Saves:
                         step, len(stale), found.get("compared_with"), stale[0])
 
     def _apply_retention(self) -> None:
-        if dist.rank() != 0 or self.o.keep_last is None:
+        if rendezvous.rank() != 0 or self.o.keep_last is None:
             return
         for victim in retention_victims(list_root(self.root).committed, self.o.keep_last, self.o.keep_every):
             loc = self.root.child(step_name(victim))
@@ -282,23 +284,19 @@ class Saves:
         raised on every rank (a failed background save fails every rank's next save)."""
         error = self.join_pending()
         name = None
-        if error is None and dist.rank() == 0:
+        if error is None and rendezvous.rank() == 0:
             try:
                 self.hold_lease()
                 name = self._make_step_dir(final)
             except CkptError as exc:
                 error = exc
-        outcomes = dist.all_gather((None if error is None else (type(error).__name__, str(error)), name))
-        failed = next((r for r, (failure, _) in enumerate(outcomes) if failure is not None), None)
-        if failed is not None:
+        agreed_name, failure = rendezvous.rank0_value(f"preparing step {step}", name, error)
+        if failure is not None:
             if name is not None:  # made here, and no rank writes into it
                 with contextlib.suppress(CkptError):
                     self.root.child(name).remove()
-            if error is not None:
-                raise error
-            kind, text = outcomes[failed][0]
-            raise RuntimeError(f"rank {failed} failed: {kind}: {text}")
-        return self.root.child(outcomes[0][1])
+            raise failure
+        return self.root.child(agreed_name)
 
     def _make_step_dir(self, final: Location) -> str:
         check_root(self.root)
@@ -335,7 +333,8 @@ class Saves:
         pending, self._outcome = self._outcome, None
         if outcome and error is None and pending is not None:
             try:
-                await_outcome(*pending, self.o.commit_timeout)
+                tmp, final = pending
+                rendezvous.await_commit(tmp, final.child(COMMIT_FILE), parse_step(final.name), self.o.commit_timeout)
             except CkptError as exc:
                 error = exc
         return error
@@ -351,7 +350,7 @@ class Saves:
         if self._group is not None:
             import torch.distributed as tdist
 
-            if dist.active():
+            if rendezvous.active():
                 tdist.destroy_process_group(self._group)
             self._group = None
 
@@ -367,7 +366,7 @@ class Saves:
 
     def _new_stager(self) -> Stager:
         # (a write that waits for the copy, an optimizer step or a guarded edit, is the phase "fence")
-        return Stager(lambda: dist.pause_point("stage-copy"), on_fence=lambda start, end: self.phase("fence", start, end))
+        return Stager(lambda: rendezvous.pause_point("stage-copy"), on_fence=lambda start, end: self.phase("fence", start, end))
 
     def timed(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, reported to ``on_phase`` as phase ``name`` (when set)."""

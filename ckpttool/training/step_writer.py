@@ -11,10 +11,8 @@ and the output is the layout torch's ``FileSystemWriter`` writes: plain ``dcp.lo
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,23 +20,22 @@ from typing import IO, Any
 
 import torch
 
+from .. import rendezvous
 from ..buffers import tensor_buffer
 from ..checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
 from ..compat import local_shard_box
-from ..errors import CkptError, CorruptCheckpointError, StorageError
+from ..errors import CkptError, CorruptCheckpointError
+from ..formats.dcp import metadata_pickle as mp
+from ..formats.dcp.metadata import METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
+from ..formats.dcp.records import write_object, write_tensor
+from ..formats.dcp.transforms import transform_names
 from ..health import Check, Tally
 from ..index import dtype_size, flatten
 from ..layout import Box, relative, slabs, tiles_exactly
 from ..storage import Location
-from ..formats.dcp.metadata import METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
-from ..formats.dcp import metadata_pickle as mp
-from ..formats.dcp.records import write_object, write_tensor
-from ..formats.dcp.transforms import transform_names
 
 log = logging.getLogger("ckpttool")
-PARTIAL = ".ckpttool-rank-{rank}.json"
 _HEAD_MAX = 64 << 10  # bytes of a record kept until its tensor data begins (a zip entry's header: ~100)
-MAX_PARTIAL_BYTES = 256 << 20
 MID_WRITE = 20 << 20  # the pause point "mid-write" comes after the first record that ends past this byte
 SLAB = 64 << 20  # bytes of a tensor copied to the host at a time (GPU shards)
 
@@ -53,10 +50,6 @@ class HostShard:
     shape: tuple[int, ...]  # the global tensor's shape
     store: bool  # whether this rank writes it (the first holder of a replicated box)
     plain: bool = False  # a plain tensor (not a DTensor): every rank holds a value of its own
-
-
-def partial_name(rank: int) -> str:
-    return PARTIAL.format(rank=rank)
 
 
 def stores(value: Any) -> bool:
@@ -199,7 +192,8 @@ class RankIndex:
     objects: dict[str, list[int]] = field(default_factory=dict)
     records: list[list[Any]] = field(default_factory=list)
     paths: dict[str, list[Any]] = field(default_factory=dict)
-    error: str | None = None
+    error: str | None = None  # (a rank that failed: its error, and the error's type)
+    error_type: str | None = None
     compress: str | None = None  # every record of this rank stored through this transform
     files: dict[str, list[list[Any]]] = field(default_factory=dict)  # other files' manifest rows
     written: int = 0  # bytes this rank wrote
@@ -282,7 +276,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         if pause is not None:
             pause("after-write")
     except BaseException as exc:
-        index.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CkptError) else exc.message()
+        index.error, index.error_type = _text(exc), type(exc).__name__
         try:
             publish_index(step_dir, index)
         except Exception:  # noqa: BLE001 - the storage refuses writes; rank 0 times out instead
@@ -492,16 +486,18 @@ def _unchanged(parts: list[tuple[str, tuple, torch.Tensor, Box]], previous: Writ
     return True
 
 
-def publish_failure(step_dir: Location, rank: int, message: str) -> None:
+def publish_failure(step_dir: Location, rank: int, error: BaseException) -> None:
     """A rank that failed before it wrote anything: an index that carries only the error."""
-    publish_index(step_dir, RankIndex(rank, data_file_name(rank), error=message))
+    publish_index(step_dir, RankIndex(rank, data_file_name(rank), error=_text(error), error_type=type(error).__name__))
 
 
 def publish_index(step_dir: Location, index: RankIndex) -> None:
-    """Put a rank's index in storage in one step. Rank 0 polls for the name and reads the file as
-    soon as it appears, so a file written in place could be read empty or half written: locally it
-    is written under a hidden name and renamed; an object store's put is already whole."""
-    step_dir.child(partial_name(index.rank)).replace_bytes(json.dumps(index.__dict__).encode())
+    """Put a rank's index in storage, whole, where rank 0 waits for it (``rendezvous.publish_part``)."""
+    rendezvous.publish_part(step_dir, index.rank, index.__dict__)
+
+
+def _text(error: BaseException) -> str:
+    return error.message() if isinstance(error, CkptError) else f"{type(error).__name__}: {error}"
 
 
 def _declare(index: RankIndex, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
@@ -554,39 +550,15 @@ def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[i
 
 
 def read_rank_indexes(step_dir: Location, world_size: int, timeout: float) -> list[RankIndex]:
-    """Wait until every rank's index is in storage (or one says it failed), then read them all."""
-    names = [partial_name(r) for r in range(world_size)]
-    deadline = time.monotonic() + timeout
-    pause = 0.005
-    while True:
-        present = set(step_dir.listdir())
-        if all(n in present for n in names):
-            break
-        for n in names:
-            if n in present:
-                index = _read_index(step_dir.child(n))
-                if index.error:
-                    raise StorageError(f"rank {index.rank} could not write its part: {index.error}", where=step_dir.url)
-        if time.monotonic() > deadline:
-            missing = [r for r, n in enumerate(names) if n not in present]
-            raise StorageError(f"ranks {missing} did not finish writing within {timeout:.0f} s", where=step_dir.url,
-                               hint="a rank died or its storage stalled; the step stays uncommitted")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.2)
-    indexes = [_read_index(step_dir.child(n)) for n in names]
-    for index in indexes:
-        if index.error:
-            raise StorageError(f"rank {index.rank} could not write its part: {index.error}", where=step_dir.url)
+    """Rank 0: every rank's index, once all are in storage (``rendezvous.await_parts``: a rank whose
+    part failed ends the wait, named)."""
+    indexes = []
+    for r, part in enumerate(rendezvous.await_parts(step_dir, world_size, timeout, "writing its part of the step")):
+        try:
+            indexes.append(RankIndex(**part))
+        except TypeError as exc:
+            raise CorruptCheckpointError(f"a rank's index is damaged ({exc})", where=step_dir.child(rendezvous.part_name(r)).url) from None
     return indexes
-
-
-def _read_index(loc: Location) -> RankIndex:
-    if loc.size() > MAX_PARTIAL_BYTES:
-        raise CorruptCheckpointError("a rank's index is too large", where=loc.url)
-    try:
-        return RankIndex(**json.loads(loc.read_bytes()))
-    except (ValueError, TypeError) as exc:
-        raise CorruptCheckpointError(f"a rank's index is damaged ({exc})", where=loc.url) from None
 
 
 def _keep_differing_per_rank(indexes: list[RankIndex]) -> dict[str, list[Any]]:
@@ -647,7 +619,7 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
         if any(name != frozen_file_name(index.rank) for name in index.files) or any(
                 len(c) > 4 and c[4] not in index.files for t in index.tensors.values() for c in t["chunks"]):
             raise CorruptCheckpointError(f"rank {index.rank}'s index names a data file that is not its own",
-                                         where=step_dir.child(partial_name(index.rank)).url)
+                                         where=step_dir.child(rendezvous.part_name(index.rank)).url)
         for key, t in index.tensors.items():
             shapes.setdefault(key, (tuple(t["shape"]), t["dtype"]))
             chunks.setdefault(key, []).extend(((tuple(c[0]), tuple(c[1])), c[4] if len(c) > 4 else index.file, c[2], c[3])
@@ -668,7 +640,7 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
     raw = mp.metadata_bytes(described, str(uuid.uuid4()))
     step_dir.child(METADATA_FILE).write_bytes(raw)
     for index in indexes:
-        step_dir.child(partial_name(index.rank)).remove()
+        step_dir.child(rendezvous.part_name(index.rank)).remove()
     records = {i.file: i.records for i in indexes}
     for index in indexes:
         records.update(index.files)

@@ -80,5 +80,5 @@ def test_a_flipped_bit_in_one_shard_fails_the_load_on_every_rank(saved, tmp_path
         assert key in msg and file.name in msg and "manifest's checksum" in msg and f"on rank {i}" in msg, msg
     for i, r in enumerate(results):  # every other rank raises the reader's error, naming its rank
         if i not in readers:
-            assert r["error"] == "RuntimeError" and f"rank {readers[0]} failed: ChecksumError" in r["message"], r
+            assert r["error"] == "RankFailedError" and f"rank {readers[0]} failed: ChecksumError" in r["message"], r
     assert all(r["error"] is None and r["step"] == 3 for r in run_ranks(load_and_report, w_load, root, False))

@@ -104,12 +104,13 @@ def test_errors_are_typed_and_name_what_is_wrong(tmp_path):
 def test_a_save_another_rank_refuses_leaves_no_step_directory(tmp_path, monkeypatch):
     """Rank 0 makes the step's directory before the ranks agree; when another rank reports a
     failure (its last background save failed), every rank raises and the directory is removed."""
-    from ckpttool import dist
+    from ckpttool import rendezvous as dist
+    from ckpttool.errors import RankFailedError
 
     model, opt = make()
     monkeypatch.setattr(dist, "all_gather", lambda obj, group=None: [obj, (("StorageError", "disk full"), None)])
     ck = Checkpointer(tmp_path / "run")
-    with pytest.raises(RuntimeError, match="rank 1 failed: StorageError: disk full"):
+    with pytest.raises(RankFailedError, match="rank 1 failed: StorageError: disk full"):
         ck.save(1, model, opt)
     assert ck.incomplete() == [] and ck.steps() == []
 

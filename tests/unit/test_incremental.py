@@ -114,7 +114,8 @@ def test_a_rank_index_that_names_another_file_is_refused_at_commit(tmp_path):
     """A chunk entry's file (fifth element) must be the rank's own frozen file: a rank index
     naming any other path (here one out of the step) never reaches .metadata."""
     from ckpttool.errors import CorruptCheckpointError
-    from ckpttool.training.step_writer import commit_metadata, partial_name, read_rank_indexes, write_rank
+    from ckpttool.rendezvous import part_name as partial_name
+    from ckpttool.training.step_writer import commit_metadata, read_rank_indexes, write_rank
     from ckpttool.storage import resolve
 
     step = resolve(str(tmp_path / "step"))

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpttool import Checkpointer, dist
+from ckpttool import Checkpointer
+from ckpttool import rendezvous as dist
 from ckpttool.training.staging import Stager
 
 

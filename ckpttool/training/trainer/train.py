@@ -116,7 +116,7 @@ def _checkpointer(args: argparse.Namespace) -> Any:
     """The Checkpointer of ``--ckpt-dir`` (None without one), saying each commit on stdout."""
     if not args.ckpt_dir:
         return None
-    from ... import Checkpointer  # only needed when checkpointing
+    from ..checkpointer import Checkpointer  # only needed when checkpointing
 
     return Checkpointer(args.ckpt_dir, keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save,
                         incremental=args.incremental, on_commit=lambda step, url: print(f"committed step {step}: {url}", flush=True))
@@ -163,7 +163,7 @@ def _resume(ckpt: Any, model: nn.Module, optimizer: torch.optim.Optimizer, sched
     else:  # another world size (or a checkpoint without it): a fresh, deterministic generator
         torch.manual_seed(derive_seed(args.seed, f"rank/{rank}/step/{res.step}"))
     if args.verify_after_load:
-        from ... import verify_loaded
+        from ..loaded import verify_loaded
 
         report = verify_loaded(model, optimizer, res.path)
         if not report.ok:
