@@ -111,11 +111,15 @@ class NotRead:
 class Source(ABC):
     """A checkpoint opened for reading. Cheap to open; ``index()`` reads only metadata.
 
-    Twelve public methods: the index and its entries, the reads, where the bytes are (``data_spans``,
-    ``files``, ``about``, ``world_size``, ``describe_parts``), what was not read, the checks of records
-    read in parts, close. The rest are hooks a format overrides (``_check``, ``_chunk_file``, ...)."""
+    Fourteen public methods: the index and its entries, the reads, where the bytes are (``data_spans``,
+    ``files``, ``aux_files``, ``about``, ``world_size``, ``describe_parts``), what was not read, the
+    checks of records read in parts, a training step's commit record, close. The rest are hooks a
+    format overrides (``_check``, ``_chunk_file``, ...)."""
 
     format: str = ""
+    #: a reader that checks each record in the same pass that reads it into a tensor (DCP's
+    #: ``RecordChecks``: ``done``, ``read_chunk``), or None: the format checks a record before its first read
+    checks: Any = None
 
     def __init__(self, location: Location):
         self.location = location
@@ -197,12 +201,13 @@ class Source(ABC):
         that could not be read (a trainer folder's)."""
         unread = []
         if self.location.isdir():
-            own = {*self.files(), *self._aux_files()}
+            own = {*self.files(), *self.aux_files()}
             unread = sorted(n for n in self.location.listdir() if n not in own)
         return NotRead(tuple([*self.notes, *([f"not part of the checkpoint, not read: {', '.join(unread)}"] if unread else [])]))
 
-    def _aux_files(self) -> list[str]:
-        """Names of the other files of a directory checkpoint that it reads (metadata, an index)."""
+    def aux_files(self) -> list[str]:
+        """Names of the other files of a directory checkpoint that it reads (metadata, an index),
+        beside its data files (:meth:`files`)."""
         return []
 
     @contextmanager
@@ -220,6 +225,10 @@ class Source(ABC):
 
     def _settle(self) -> None:
         pass
+
+    def commit_record(self) -> dict | None:
+        """The commit record of a ckpttool training step (the DCP format's), else None."""
+        return None
 
     def close(self) -> None:
         pass

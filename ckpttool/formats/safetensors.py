@@ -213,7 +213,7 @@ class SafetensorsSource(Source):
     def files(self) -> list[str]:
         return [f.loc.name for f in self.parts]
 
-    def _aux_files(self) -> list[str]:
+    def aux_files(self) -> list[str]:
         return [INDEX_FILE]
 
     def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:

@@ -202,7 +202,7 @@ class TorchSaveSource(Source):
     def files(self) -> list[str]:
         return [p.location.name for p in self.parts]
 
-    def _aux_files(self) -> list[str]:
+    def aux_files(self) -> list[str]:
         name = _index_name(self.location.listdir()) if self.location.isdir() else None
         return [name] if name else []
 

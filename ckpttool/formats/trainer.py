@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpointError, FormatError, NotACheckpointError, UnsafePickleError
@@ -43,7 +45,7 @@ from ..index import Index, ObjectEntry, TensorEntry
 from ..layout import Box
 from ..report import Report
 from ..storage import Location
-from .base import Format, NotRead, Probe, Progress, Source
+from .base import About, Format, NotRead, Probe, Progress, Source
 
 if TYPE_CHECKING:
     import torch
@@ -215,7 +217,7 @@ class TrainerSource(Source):
         out = []
         for top, source in self._parts:
             # a sharded model is the folder itself (its shards); a DCP part a directory; else one file
-            name = ", ".join([*source._aux_files(), *source.files()]) if source.location == self.location else source.location.name
+            name = ", ".join([*source.aux_files(), *source.files()]) if source.location == self.location else source.location.name
             out.append({"file": name, "format": source.format, "key": top})  # (key None: the part's own keys)
         out += [{"file": name, "format": "json", "key": top} for top, name in self._json_parts]
         out += [{"file": name, "format": None, "key": None, "not_read": why} for name, why in self._unreadable]
@@ -260,27 +262,21 @@ class TrainerSource(Source):
             names += [prefix + n if prefix else n for n in source.files()]
         return names
 
-    def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
-        source, own = self._part(entry.key)
-        name = source._chunk_file(source.index()[own], chunk_index)
-        prefix = self._prefix(source)
-        return prefix + name if prefix else name
+    def about(self, key: str) -> About:
+        source, own = self._part(key)
+        about, prefix = source.about(own), self._prefix(source)
+        return About(tuple(prefix + name for name in about.files), about.placement)
 
     def not_read(self) -> NotRead:
         # (the folder's other files are named in the notes, with what they are)
         return NotRead(tuple(self.notes), tuple(self._unreadable))
 
-    def _placement(self, key: str) -> str | None:
-        source, own = self._owner.get(key, (None, key))
-        return source._placement(own) if source is not None else None
-
-    def _check_in_parts(self) -> None:
-        for _, source in self._parts:
-            source._check_in_parts()
-
-    def _settle(self) -> None:
-        for _, source in self._parts:
-            source._settle()
+    @contextmanager
+    def checked_in_parts(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for _, source in self._parts:
+                stack.enter_context(source.checked_in_parts())
+            yield
 
     def close(self) -> None:
         for _, source in self._parts:

@@ -76,6 +76,11 @@ class Backend(ABC):
     @abstractmethod
     def rename(self, src: str, dst: str) -> None: ...
 
+    def share(self, source: Backend, src: str, dst: str) -> bool:
+        """Make ``dst`` hold ``source``'s file ``src`` without the bytes passing through this
+        process; False where this storage cannot (the caller then writes them)."""
+        return False
+
     def local_path(self, path: str) -> str | None:
         return None
 
@@ -183,6 +188,13 @@ class LocalDisk(Backend):
 
     def rename(self, src: str, dst: str) -> None:
         os.replace(src, dst)
+
+    def share(self, source: Backend, src: str, dst: str) -> bool:
+        """A hard link (both names share the bytes; removing either leaves the other whole)."""
+        if source.local_path(src) is None:
+            return False
+        os.link(source.local_path(src), dst)
+        return True
 
     def local_path(self, path: str) -> str | None:
         return path
@@ -375,6 +387,13 @@ class Fsspec(Backend):
 
     def rename(self, src: str, dst: str) -> None:
         self.fs.mv(src, dst, recursive=True)
+
+    def share(self, source: Backend, src: str, dst: str) -> bool:
+        """A server-side copy, within one store."""
+        if source != self:
+            return False
+        self.fs.copy(src, dst)
+        return True
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         try:

@@ -177,17 +177,10 @@ class Location:
         process: a hard link on a local disk (both names share the bytes; removing either leaves
         the other whole), a server-side copy on an object store. False where the storage cannot
         (another filesystem, no hard links, a store without copy): the caller writes the bytes."""
-        src, dst = source.local_path, self.local_path
         try:
-            if src is not None and dst is not None:
-                os.link(src, dst)
-                return True
-            if isinstance(self._backend, Fsspec) and self._backend == source._backend:
-                self._backend.fs.copy(source.path, self.path)
-                return True
+            return self._backend.share(source._backend, source.path, self.path)
         except (OSError, NotImplementedError):
             return False
-        return False
 
     def remove(self) -> None:
         """Remove a file or a directory tree; a missing path is not an error."""

@@ -128,8 +128,8 @@ class Checkpointer:
     @property
     def saving(self) -> bool:
         """Whether this rank's async save is still being written (its background thread runs)."""
-        pending = self._saves.pending
-        return pending is not None and not pending.done.is_set()
+        job = self._saves.job
+        return job is not None and not job.done.is_set()
 
     @property
     def staging(self) -> Stager:
@@ -185,7 +185,8 @@ class Checkpointer:
         its error if it failed."""
         self._saves.not_from_the_writer("wait")
         self._saves.stager.fence()  # the copy's rest runs here if the copy thread has not done it (and the write guard goes)
-        error = self._saves.timed("wait", self._saves.join_pending, True)
+        with self._saves.timing("wait"):
+            error = self._saves.join_job(True)
         if error is not None:
             raise error
 

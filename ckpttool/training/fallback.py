@@ -22,26 +22,12 @@ from ..checksums import ALGORITHM, hash_bytes, hash_range, new_block
 from ..compat import local_tensor
 from ..formats.dcp.metadata import METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, file_rank, read_metadata, read_metadata_bytes
 from ..storage import Location, save_error
-from . import step_writer
 from .state import holds_dtensor
 from .staging import frozen
 from .step_writer import Whole
 
 # DCP raises CheckpointException, a BaseException, for failures on any rank.
 _DCP_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
-
-
-class Unsupported(Exception):
-    """A tensor of the state has a placement ckpttool's writer does not lay out (found while staging)."""
-
-
-def stores(value: Any) -> bool:
-    """Whether this rank stores its box of a DTensor (``dcp.stores``), raising :class:`Unsupported`
-    for a placement the writer does not lay out, so that an async save falls back to DCP's writer.
-    Called by the stager only for a tensor it has not seen: a kept tensor was checked then."""
-    if not step_writer.supports({"t": value}):
-        raise Unsupported
-    return step_writer.stores(value)
 
 
 def write(state: dict[str, Any], step_dir: Location, storage_options: dict[str, Any], compress: str | None, group: Any,

@@ -26,7 +26,7 @@ from ..formats.dcp.metadata import PER_RANK, PER_RANK_BUFFERS
 from ..formats.torch_save import TorchSaveSource, check_together
 from ..index import Index, TensorEntry, unflatten
 from .state import Optimizers, optimizers_of, training_state
-from ..steps import list_root, parse_step, read_commit_record, step_health, step_name
+from ..steps import list_root, parse_step, step_health, step_name
 from ..storage import Location, resolve
 
 log = logging.getLogger("ckpttool")
@@ -105,8 +105,8 @@ def _read_agreed(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.
     source: Any = None
     together = False
     try:
-        record = read_commit_record(loc)
         source = _open(loc, model, optimizers, verify)
+        record = source.commit_record()
         if rendezvous.rank() == 0:  # what the reader noted (a per-rank folder's optimizer indices: how they were paired)
             for note in source.notes:
                 log.info("%s: %s", loc.url, note)

@@ -11,7 +11,6 @@ import torch
 from .. import formats, rendezvous
 from .load import own_buffer_keys
 from .state import training_state
-from ..steps import read_commit_record
 from ..compare import bits_differ
 from ..layout import unravel
 from ..compat import local_shard_box
@@ -60,7 +59,7 @@ def verify_loaded(model: torch.nn.Module, optimizer: Any, path: str | Location, 
     try:
         with formats.open_source(loc, verify=False) as source:  # compares the bytes themselves
             index = source.index()
-            own = own_buffer_keys(index, read_commit_record(loc), loc, warn=False)  # buffers saved per rank: this rank's own
+            own = own_buffer_keys(index, source.commit_record(), loc, warn=False)  # buffers saved per rank: this rank's own
             for key, value in state.items():
                 if not isinstance(value, torch.Tensor):
                     continue

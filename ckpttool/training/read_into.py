@@ -1,7 +1,7 @@
-"""Loading a DCP checkpoint into live tensors: every rank reads only the boxes it holds (DTensor
-shards or whole plain tensors), straight into them where the memory allows, and checks each record
-it reads, once: torch's CRC-32 of the record's tensor data and, when the step has a manifest, the
-manifest's hash of the whole record (and of ``.metadata``).
+"""Reading a checkpoint of any format into live tensors: every rank reads only the boxes it holds
+(DTensor shards or whole plain tensors), straight into them where the memory allows, and checks
+each record it reads, once: for a DCP step, torch's CRC-32 of the record's tensor data and, when
+the step has a manifest, the manifest's hash of the whole record (and of ``.metadata``), as it reads.
 
 This replaces ``torch.distributed.checkpoint.load`` on the load path: DCP reads each record through
 ``torch.load`` into a temporary tensor and copies it (two copies per tensor, no checksum);
@@ -19,7 +19,7 @@ from ..compat import local_shard_box
 from ..index import TensorEntry
 from ..layout import Box, relative
 from ..formats.base import Source
-from ..formats.dcp.source import DcpSource
+
 
 def load_into(source: Source, flat: dict[str, Any]) -> None:
     """Fill every tensor of the flat state ``flat`` in place with this rank's box of it, and
@@ -28,7 +28,7 @@ def load_into(source: Source, flat: dict[str, Any]) -> None:
     record's bytes reached the tensor: a load that raises leaves the state partly filled. A DCP
     source checks each record as it reads it into the tensor; any other ranked source (a per-rank
     torch.save folder) checks a record before its first read."""
-    checks = source.checks if isinstance(source, DcpSource) else None
+    checks = source.checks
     scratch = SlabBuffers(1)
     # Everything that can be checked without the tensor data is checked before the first tensor
     # is written: each tensor's chunks (coverage, records inside their files) and every object.

@@ -16,7 +16,8 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -32,7 +33,6 @@ from ..steps import COMMIT_FILE, commit_record, list_root, parse_step, retention
 from ..storage import Location, save_error
 
 log = logging.getLogger("ckpttool")
-T = TypeVar("T")
 
 
 @dataclass
@@ -59,8 +59,8 @@ class Saves:
         self.root = root
         self.o = options
         self.lease = lease
-        self.pending: Job | None = None  # the async save being written
-        self._pending_error: BaseException | None = None
+        self.job: Job | None = None  # the async save being written (its writer thread's job)
+        self._job_error: BaseException | None = None
         self._outcome: tuple[Location, Location] | None = None  # (ranks > 0) the last async step whose commit is not yet seen
         self._group: Any = None  # checkpoint-only process group, made on the first async save through DCP's writer
         self._staged: Any = None  # the last such save's copy of the state, reused by the next
@@ -80,41 +80,54 @@ class Saves:
 
     def save(self, step: int, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], extra: dict | None,
              blocking: bool) -> str:
+        """One save: prepare (the step's directory, agreed), the state, then the write and the
+        commit, here (``blocking``) or in the background after the state is staged. One switch
+        picks the writer: ckpttool's own (no collective), or DCP's for placements it does not lay out."""
         self.stager.fence()  # the last save's copy ends first (and its write guard leaves this thread)
         final = self.root.child(step_name(step))
-        tmp = self.timed("prepare", self._begin_save, step, final)
-        state, buffers = self.timed("state", self._training_state, model, optimizers, extra)
-        # (read by this save's writer only: the next save() sets them after joining this one)
+        with self.timing("prepare"):
+            tmp = self._begin_save(step, final)
+        with self.timing("state"):
+            state, buffers = self._training_state(model, optimizers, extra)
+        self._note_keys(model, state, buffers)
+        if blocking:
+            if step_writer.supports(state):
+                with self.timing("sync save"):
+                    self._save_own_sync(state, step, tmp, final)
+            else:
+                self._save_through_dcp(state, step, tmp, final, group=None)
+            return final.url
+        staged, own = self._stage(state, buffers)
+        rendezvous.pause_point("after-stage")
+        rank, world_size = rendezvous.rank(), rendezvous.world_size()
+        self.job = self.writer.submit(lambda: self._background(staged, step, tmp, final, own, rank, world_size),
+                                      name=f"ckpttool-save-{step}")
+        return final.url
+
+    def _note_keys(self, model: torch.nn.Module, state: dict[str, Any], buffers: set[int]) -> None:
+        """The state keys this save's writer treats apart: the frozen parameters (incremental), the
+        trainable ones (health), the plain-tensor buffers (kept per rank). Read by this save's
+        writer only: the next save() sets them after joining this one."""
         frozen = [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]
         self._frozen = frozenset(frozen) if self.o.incremental else frozenset()
         self._trainable = {f"model.{n}" for n, _ in model.named_parameters()} - set(frozen)
         self._buffers = plain_buffers(state["model"], buffers) if rendezvous.world_size() > 1 else frozenset()
-        staged = None
-        if not blocking:
-            try:
-                # a forward may change module buffers in place: copied at the call (``buffers``: the
-                # addresses of their local tensors); the rest is copied in the background, guarded
-                staged = self.timed("stage", self.stager.stage, state, rendezvous.rank(), fallback.stores, in_order=buffers,
-                                    background=True)
-            except fallback.Unsupported:
-                staged = None  # a placement ckpttool's writer does not lay out: DCP's own writer
-        own = staged is not None or (blocking and step_writer.supports(state))  # else DCP's writer, which needs the process group
-        if blocking:
-            if own:
-                self.timed("sync save", self._save_own_sync, state, step, tmp, final)
-            else:
-                self._save_through_dcp(state, step, tmp, final, group=None)
-            return final.url
-        if not own:
+
+    def _stage(self, state: dict[str, Any], buffers: set[int]) -> tuple[dict[str, Any], bool]:
+        """An async save's copy of the state, and whether ckpttool's own writer writes it: host
+        buffers filled in the background, guarded (module buffers, which a forward may change in
+        place, at the call: ``buffers`` holds the addresses of their local tensors); for a
+        placement ckpttool's writer does not lay out, DCP's writer and a copy made at the call."""
+        try:
+            with self.timing("stage"):
+                staged = self.stager.stage(state, rendezvous.rank(), step_writer.stores, in_order=buffers, background=True)
+        except step_writer.UnsupportedPlacement:
             self._make_group()
-            staged = self._staged = fallback.stage(state, self._staged)  # copied at the call
-        rendezvous.pause_point("after-stage")
-        if own and self.stager.copying:
+            staged = self._staged = fallback.stage(state, self._staged)
+            return staged, False
+        if self.stager.copying:
             self.copier.submit(self.stager.copy, name="ckpttool-stage")
-        rank, world_size = rendezvous.rank(), rendezvous.world_size()
-        self.pending = self.writer.submit(lambda: self._background(staged, step, tmp, final, own, rank, world_size),
-                                          name=f"ckpttool-save-{step}")
-        return final.url
+        return staged, True
 
     def _training_state(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
                         extra: dict | None) -> tuple[dict[str, Any], set[int]]:
@@ -142,7 +155,7 @@ class Saves:
             else:
                 self._save_through_dcp(staged, step, tmp, final, group=self._group)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
-            self._pending_error = exc
+            self._job_error = exc
             # also said now: a process whose last save fails and that never calls save/wait/close again
             log.error("ckpttool: the background save of step %d failed: %s", step, exc)
         finally:
@@ -153,9 +166,11 @@ class Saves:
                               world_size: int) -> None:
         try:
             self.stager.wait(run=False)  # the copies are in host memory (CUDA: issued on a side stream)
-            self.timed("write", self._write_own, staged, tmp, rank, final, step)
+            with self.timing("write"):
+                self._write_own(staged, tmp, rank, final, step)
             if rank == 0:
-                self.timed("commit", self._commit_own, step, tmp, final, world_size)
+                with self.timing("commit"):
+                    self._commit_own(step, tmp, final, world_size)
         except BaseException as exc:
             if rank == 0:  # the other ranks wait for the commit: tell them why it will not come
                 rendezvous.refuse_step(tmp, exc.message() if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}")
@@ -167,10 +182,16 @@ class Saves:
             self._outcome = (tmp, final)  # wait() and close() learn from storage whether rank 0 committed it
 
     def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
-        rendezvous.agreed(f"writing its part of step {step}",
-                          lambda: self.timed("write", self._write_own, state, tmp, rendezvous.rank(), final, step))
-        rendezvous.agreed(f"committing step {step}",
-                          lambda: self.timed("commit", self._commit_own, step, tmp, final, rendezvous.world_size()), rank0_only=True)
+        def write() -> None:
+            with self.timing("write"):
+                self._write_own(state, tmp, rendezvous.rank(), final, step)
+
+        def commit() -> None:
+            with self.timing("commit"):
+                self._commit_own(step, tmp, final, rendezvous.world_size())
+
+        rendezvous.agreed(f"writing its part of step {step}", write)
+        rendezvous.agreed(f"committing step {step}", commit, rank0_only=True)
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location, step: int) -> None:
         previous = self._written
@@ -282,7 +303,7 @@ class Saves:
         """Join the pending save, hold the lease and make the step's temporary directory (rank 0),
         and agree on the outcome in one exchange: the directory's name, or the first rank's error
         raised on every rank (a failed background save fails every rank's next save)."""
-        error = self.join_pending()
+        error = self.join_job()
         name = None
         if error is None and rendezvous.rank() == 0:
             try:
@@ -321,15 +342,15 @@ class Saves:
 
     # --- waiting and closing -----------------------------------------------------------------------
 
-    def join_pending(self, outcome: bool = False) -> BaseException | None:
+    def join_job(self, outcome: bool = False) -> BaseException | None:
         """Wait for this rank's background save; its error, if it failed. With ``outcome`` (wait and
         close), a rank other than 0 also waits until rank 0 committed the step or refused it (its
         reason is then this rank's error): every rank tells the same story, with no collective.
         (``save`` needs not: its agreement raises any rank's error on every rank.)"""
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-        error, self._pending_error = self._pending_error, None
+        if self.job is not None:
+            self.job.wait()
+            self.job = None
+        error, self._job_error = self._job_error, None
         pending, self._outcome = self._outcome, None
         if outcome and error is None and pending is not None:
             try:
@@ -368,15 +389,15 @@ class Saves:
         # (a write that waits for the copy, an optimizer step or a guarded edit, is the phase "fence")
         return Stager(lambda: rendezvous.pause_point("stage-copy"), on_fence=lambda start, end: self.phase("fence", start, end))
 
-    def timed(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)``, reported to ``on_phase`` as phase ``name`` (when set)."""
-        if self.o.on_phase is None:
-            return fn(*args, **kwargs)
+    @contextlib.contextmanager
+    def timing(self, name: str) -> Iterator[None]:
+        """What runs inside is reported to ``on_phase`` as phase ``name`` (when set)."""
         start = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            yield
         finally:
-            self.phase(name, start, time.perf_counter())
+            if self.o.on_phase is not None:
+                self.phase(name, start, time.perf_counter())
 
     def phase(self, name: str, start: float, end: float) -> None:
         if self.o.on_phase is not None:

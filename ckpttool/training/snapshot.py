@@ -42,7 +42,7 @@ class InFlight(Protocol):
         """Finish (or order) the copy of every tensor whose memory meets one of ``spans`` (byte
         address ranges ``[start, end)``; None: all of them)."""
 
-    def pending(self) -> bool:
+    def in_flight(self) -> bool:
         """Whether any copy is still in flight."""
 
 
@@ -111,7 +111,7 @@ def release() -> None:
     if guard is None:
         return
     with _lock:
-        busy = any(c.pending() for c in _in_flight)
+        busy = any(c.in_flight() for c in _in_flight)
     if busy:
         return
     guard.watching = False
@@ -236,7 +236,7 @@ class WriteGuard(dispatch_mode_class()):  # type: ignore[misc]
         values = [args[i] if i < len(args) else kwargs.get(name) for i, name in written]
         spans = _spans(values)
         with _lock:
-            pending = [c for c in _in_flight if c.pending()]
+            pending = [c for c in _in_flight if c.in_flight()]
         if not pending:
             self.watching = False
             return

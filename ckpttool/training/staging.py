@@ -197,7 +197,7 @@ class Stager:
         if pending is not None:
             pending.run()
 
-    def pending(self) -> bool:
+    def in_flight(self) -> bool:
         """Whether a copy is in flight that a write could still tear (:class:`snapshot.InFlight`)."""
         cpu = self._pending
         return (cpu is not None and not cpu.done.is_set()) or not self._fenced
@@ -218,7 +218,7 @@ class Stager:
             self._torn += _moved(self._side)  # launched before this fence: it may have raced the copy
             self._side = []
             torch.cuda.current_stream().wait_event(self._copied)
-        if not self.pending():
+        if not self.in_flight():
             snapshot.forget(self)
         if waited and self._on_fence is not None:
             self._on_fence(start, time.perf_counter())

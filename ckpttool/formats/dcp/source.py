@@ -58,11 +58,17 @@ class DcpSource(Source):
         self._spans: dict[str, list[tuple[int, int]]] = {}  # per data file: its plain records' (offset, length), sorted
         self._index: Index | None = None
         self.checks: RecordChecks | None = None
+        self._record: tuple[dict | None] | None = None  # (the commit record,) once read
         if verify:
             from . import checks  # (only a checking reader needs it; verify opens without)
 
-            record = read_commit_record(location)
-            self.checks = checks.RecordChecks(self, (record or {}).get("manifest"), rank)
+            self.checks = checks.RecordChecks(self, (self.commit_record() or {}).get("manifest"), rank)
+
+    def commit_record(self) -> dict | None:
+        """The commit record of a ckpttool step (None for plain DCP), read once."""
+        if self._record is None:
+            self._record = (read_commit_record(self.location),)
+        return self._record[0]
 
     def index(self) -> Index:
         if self._index is not None:
@@ -116,7 +122,7 @@ class DcpSource(Source):
     def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
         return entry.chunks[chunk_index].location.relative_path
 
-    def _aux_files(self) -> list[str]:
+    def aux_files(self) -> list[str]:
         return [METADATA_FILE, COMMIT_FILE]
 
     def reader(self, relative_path: str) -> RangeReader:
