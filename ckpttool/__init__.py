@@ -1,6 +1,6 @@
 """ckpttool: inspect, convert, reshard and verify PyTorch distributed checkpoints, and save/resume them.
 
-    from . import Checkpointer
+    from ckpttool import Checkpointer
 
 Names are imported on first use, so ``ckpttool --help`` does not pay for importing torch.
 """

@@ -28,7 +28,13 @@ What remains private, and why (docs/compat.md has the table):
 - ``torch.utils._python_dispatch.TorchDispatchMode`` and ``torch._C._len_torch_dispatch_stack`` /
   ``_get_dispatch_stack_at``: the async save's write guard is a dispatch mode (the documented
   extension point of ``__torch_dispatch__``, in a private module), and it must know whether it is
-  on this thread's stack, and on top, before it pushes or pops itself (torch has no public query).
+  on this thread's stack, and on top, before it pushes or pops itself (torch has no public query);
+  and whether a frame belongs to ``torch._dynamo`` (a compiled frame restores the dispatch state
+  it entered with: the guard must not leave the stack from inside one).
+- ``Tensor._version``: the in-place version counter, how an async save tells that a tensor was
+  written during its copy (autograd's own check reads it; there is no public accessor).
+- ``distributed_c10d._get_default_store``: the default group's key-value store, where the workers
+  of an offline command publish their progress (optional: without it, worker 0 shows its own).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import LEGACY_STORAGE
@@ -58,6 +65,29 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (offline workers' shared progress), or None
+    where a release moved torch's private accessor."""
+    from torch.distributed import distributed_c10d
+
+    getter = getattr(distributed_c10d, "_get_default_store", None)
+    return getter() if getter is not None else None
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """A tensor's in-place version counter (``Tensor._version``): what an async save compares to
+    tell a write during its copy."""
+    return t._version
+
+
+def in_dynamo_frame(frame: Any) -> bool:
+    """Whether a frame runs code of ``torch._dynamo`` (a compiled function being run or traced)."""
+    return _DYNAMO in frame.f_code.co_filename
+
+
+_DYNAMO = f"{os.sep}torch{os.sep}_dynamo{os.sep}"
 
 
 def dtensor_spec(value: torch.Tensor) -> Any:

@@ -4,7 +4,7 @@ Transforms are *select* (``only``: keep one top-level key and drop its prefix) a
 (``dtype``: floating-point tensors only), planned by :func:`plan_entries`; :func:`run` streams
 the plan. Memory: a sink pulls each tensor in slabs of at most the budget, so no more than about
 one slab (plus its cast) is in memory at once, whatever the size. The offline commands
-(``commands.py``: convert, reshard) and verify are built on it.
+(``offline/``: convert, reshard, verify) are built on it.
 """
 
 from __future__ import annotations

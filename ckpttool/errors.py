@@ -90,12 +90,16 @@ class RankFailedError(RendezvousError):
     ones (which raise their own error), naming the failing ranks, what they were doing, and the
     first one's error (``ranks``, ``doing``, ``error_type``)."""
 
-    def __init__(self, ranks: list[int], doing: str, error_type: str, text: str):
+    def __init__(self, ranks: list[int], doing: str, error_type: str, text: str, where: str | None = None):
         self.ranks = list(ranks)
         self.doing = doing
         self.error_type = error_type
+        self.text = text
         more = "" if len(ranks) == 1 else f"; rank{'s' if len(ranks) > 2 else ''} {', '.join(map(str, ranks[1:]))} failed too"
-        super().__init__(f"rank {ranks[0]} failed: {error_type}: {text} (while {doing}{more})")
+        super().__init__(f"rank {ranks[0]} failed: {error_type}: {text} (while {doing}{more})", where=where)
+
+    def __reduce__(self) -> tuple:  # (an error a thread or a process hands on is pickled)
+        return type(self), (self.ranks, self.doing, self.error_type, self.text, self.where)
 
 
 class WorkerError(CkptError):

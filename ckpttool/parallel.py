@@ -71,7 +71,7 @@ def workers() -> Iterator[bool]:
     # The group is not destroyed: the process ends in leave() and os._exit. Destroying it joins
     # gloo's threads while holding the GIL, and one of them may still be dropping the last
     # reference to a collective's tensor made in Python (all_gather_object's), which needs the
-    # GIL: a deadlock (torch 2.7.1, about one verify in three with 2 workers, seen in gdb).
+    # GIL: a deadlock, seen on older torch releases.
 
 
 _terminated = False
@@ -85,14 +85,9 @@ def leave() -> None:
     A worker stopped by SIGTERM, or one whose peers are gone, does not wait."""
     if not joined or _terminated:
         return
-    import torch.distributed as dist
+    from . import rendezvous
 
-    try:
-        if dist.is_initialized():
-            # gloo's own barrier, in C++: no tensor made in Python, so nothing for its threads to free
-            dist.monitored_barrier(timeout=timedelta(seconds=GRACE_S), wait_all_ranks=True)
-    except Exception:  # noqa: BLE001 - a peer that died or hung: exit anyway, the launcher reports it
-        pass
+    rendezvous.await_every_worker(GRACE_S)
 
 
 class Terminated(BaseException):
@@ -194,14 +189,14 @@ class SharedProgress:
 
     def __init__(self, progress: Callable[[int, int, str], None] | None, total: int | None, tag: str):
         import torch.distributed as dist
-        from torch.distributed import distributed_c10d
+
+        from .compat import default_store
 
         self._progress = progress
         self._total = total or 0
         self._calls_total = total is None  # each call's total is the command's (verify), not a share's
         self._rank, self._workers = dist.get_rank(), dist.get_world_size()
-        getter = getattr(distributed_c10d, "_get_default_store", None)
-        self._store = getter() if getter is not None else None
+        self._store = default_store()
         self._keys = [f"ckpttool-progress/{tag}/{r}" for r in range(self._workers)]
         self._done = 0
         self._key = ""

@@ -24,10 +24,12 @@ The agreements:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -58,16 +60,24 @@ def world_size(group: Any = None) -> int:
     return _dist().get_world_size(group) if active() else 1
 
 
+@contextlib.contextmanager
+def _collective(name: str) -> Iterator[None]:
+    """A collective that fails (a rank died, its connection broke) raises a :class:`RendezvousError`
+    naming it, not torch's bare ``RuntimeError``."""
+    from .errors import RendezvousError
+
+    try:
+        yield
+    except RuntimeError as exc:
+        raise RendezvousError(f"{name} failed: {exc}", hint="a rank died or lost its connection") from exc
+
+
 def barrier(name: str, group: Any = None) -> None:  # noqa: D417
     """Wait for every rank. ``name`` says which barrier in a hang or failure report."""
     if not active():
         return
-    from .errors import RendezvousError
-
-    try:
+    with _collective(f"barrier {name!r}"):
         _dist().barrier(group=group)
-    except RuntimeError as exc:
-        raise RendezvousError(f"barrier {name!r} failed: {exc}", hint="a rank died or lost its connection") from exc
 
 
 def broadcast(obj: T, src: int = 0, group: Any = None) -> T:
@@ -75,7 +85,8 @@ def broadcast(obj: T, src: int = 0, group: Any = None) -> T:
     if not active():
         return obj
     box = [obj]
-    _dist().broadcast_object_list(box, src=src, group=group)
+    with _collective("a broadcast between ranks"):
+        _dist().broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -83,7 +94,8 @@ def all_gather(obj: T, group: Any = None) -> list[T]:
     if not active():
         return [obj]
     out: list[Any] = [None] * world_size(group)
-    _dist().all_gather_object(out, obj, group=group)
+    with _collective("an all-gather between ranks"):
+        _dist().all_gather_object(out, obj, group=group)
     return out
 
 
@@ -93,14 +105,45 @@ def gather(obj: T, dst: int = 0, group: Any = None) -> list[T] | None:
     if not active():
         return [obj]
     out: list[Any] | None = [None] * world_size(group) if rank(group) == dst else None
-    _dist().gather_object(obj, out, dst=dst, group=group)
+    with _collective("a gather between ranks"):
+        _dist().gather_object(obj, out, dst=dst, group=group)
     return out
+
+
+def new_group() -> Any:
+    """A process group of every rank of its own (gloo), or None without one: collectives of a
+    background save must never interleave with the training's on the default group (FSDP's
+    all-gathers)."""
+    if not active():
+        return None
+    with _collective("making a process group"):
+        return _dist().new_group(backend="gloo")
+
+
+def destroy_group(group: Any) -> None:
+    """Let go of a group :func:`new_group` made (where the default one still exists)."""
+    if group is not None and active():
+        _dist().destroy_process_group(group)
+
+
+def await_every_worker(timeout_s: float) -> None:
+    """An offline command's workers, before they exit: wait (at most ``timeout_s``) until every
+    worker got here, so that none exits before worker 0 has written its report. gloo's own barrier,
+    in C++: no tensor made in Python, so nothing for its threads to free while the process ends.
+    A peer that died or hung ends the wait (the launcher reports it)."""
+    from datetime import timedelta
+
+    try:
+        if active():
+            _dist().monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except Exception:  # noqa: BLE001 - exit anyway
+        pass
 
 
 _FLAGS: dict[int, torch.Tensor] = {}
 
 
-def _described(error: BaseException) -> tuple[str, str]:
+def described(error: BaseException) -> tuple[str, str]:
     """An error as the other ranks are told it: its type's name and its one-line text."""
     from .errors import CkptError
 
@@ -126,6 +169,22 @@ def agreed(doing: str, fn: Any, *, rank0_only: bool = False, group: Any = None) 
     return result
 
 
+def agreed_gather(doing: str, fn: Any, group: Any = None) -> list[Any]:
+    """``fn()`` on every rank, and every rank's result on every rank, once every rank succeeded;
+    else the agreed failure of ``doing`` (:func:`agreed_failure`) is raised on every rank, before
+    any rank waits in the gather for one that will not come."""
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - agreed on, then raised on every rank
+        error = exc
+    error = agreed_failure(doing, error, group)
+    if error is not None:
+        raise error
+    return all_gather(result, group)
+
+
 def any_rank(flag: bool, group: Any = None) -> bool:
     """Whether ``flag`` is true on any rank: one all-reduce of a tensor that lives as long as the
     process (see :func:`agreed_failure` for why it must)."""
@@ -135,7 +194,8 @@ def any_rank(flag: bool, group: Any = None) -> bool:
 
     tensor = _FLAGS.setdefault(id(group), torch.zeros(1, dtype=torch.int64))
     tensor.fill_(1 if flag else 0)
-    _dist().all_reduce(tensor, op=_dist().ReduceOp.MAX, group=group)
+    with _collective("an all-reduce between ranks"):
+        _dist().all_reduce(tensor, op=_dist().ReduceOp.MAX, group=group)
     return bool(tensor.item())
 
 
@@ -154,7 +214,7 @@ def agreed_failure(doing: str, error: BaseException | None, group: Any = None) -
         return error
     if not any_rank(error is not None, group):
         return None
-    errors = all_gather(None if error is None else _described(error), group)
+    errors = all_gather(None if error is None else described(error), group)
     return error if error is not None else _rank_failed(doing, errors)
 
 
@@ -172,7 +232,7 @@ def _rank_failed(doing: str, outcomes: list[Any]) -> BaseException | None:
 def rank0_value(doing: str, value: Any, error: BaseException | None, group: Any = None) -> tuple[Any, BaseException | None]:
     """Rank 0's ``value`` on every rank and the agreed failure of ``doing`` (None when every rank
     succeeded: then the value), in one exchange."""
-    outcomes = all_gather((None if error is None else _described(error), value), group)
+    outcomes = all_gather((None if error is None else described(error), value), group)
     failure = error if error is not None else _rank_failed(doing, [failed for failed, _ in outcomes])
     return (outcomes[0][1] if failure is None else None), failure
 
@@ -190,7 +250,7 @@ def agreed_error(error: BaseException | None) -> BaseException | None:
 
     mine = None
     if error is not None:
-        name, text = _described(error)
+        name, text = described(error)
         text = text if isinstance(error, CkptError) else f"{name}: {text}"
         mine = (text, getattr(error, "exit_code", 2) if isinstance(error, CkptError) else 2)
     if not any_rank(mine is not None):  # the common case: one all-reduce, no objects
@@ -255,12 +315,12 @@ def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str)
         for r, name in enumerate(names):
             if r not in parts and name in present:
                 parts[r] = _read_part(step_dir.child(name))
-                _raise_failed(r, parts[r], doing)
+                _raise_failed(r, parts[r], doing, step_dir.url)
         if len(parts) == world_size:
             return [parts[r] for r in range(world_size)]
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if r not in parts]
-            raise RendezvousError(f"ranks {missing} did not finish {doing} within {timeout:.0f} s", where=step_dir.url,
+            raise RendezvousError(f"no part from rank(s) {missing} after {timeout:.0f} s (while {doing})", where=step_dir.url,
                                   hint="a rank died or its storage stalled; the step stays uncommitted")
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
@@ -280,11 +340,11 @@ def _read_part(loc: Location) -> dict[str, Any]:
     return part
 
 
-def _raise_failed(rank_: int, part: dict[str, Any], doing: str) -> None:
+def _raise_failed(rank_: int, part: dict[str, Any], doing: str, where: str) -> None:
     from .errors import RankFailedError
 
     if part.get("error"):
-        raise RankFailedError([rank_], doing, str(part.get("error_type") or "Error"), str(part["error"]))
+        raise RankFailedError([rank_], doing, str(part.get("error_type") or "Error"), str(part["error"]), where=where)
 
 
 def refuse_step(step_dir: Location, message: str) -> None:

@@ -263,6 +263,7 @@ class TrainerSource(Source):
         return names
 
     def about(self, key: str) -> About:
+        self.entry(key, TensorEntry)  # (a key of this checkpoint's, and a tensor: said in its terms)
         source, own = self._part(key)
         about, prefix = source.about(own), self._prefix(source)
         return About(tuple(prefix + name for name in about.files), about.placement)
@@ -274,7 +275,7 @@ class TrainerSource(Source):
     @contextmanager
     def checked_in_parts(self) -> Iterator[None]:
         with ExitStack() as stack:
-            for _, source in self._parts:
+            for _, source in reversed(self._parts):  # (left in reverse: the parts settle in their order)
                 stack.enter_context(source.checked_in_parts())
             yield
 

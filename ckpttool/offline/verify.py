@@ -60,14 +60,15 @@ def _verify_path(path: str | Location, only: str | None, storage_options: dict[s
     fmt = formats.detect(loc)
     formats.check_optimizer_order(reading.optimizer_order, loc.url, fmt.name)
     report = Report(loc.url, "integrity")
+    workers = rendezvous.world_size() if parallel else 1
     try:
         source = fmt.open_source(loc, verify=False, reading=reading)  # check_integrity reports what it finds instead
     except (UnsafePickleError, FormatError):  # input ckpttool cannot read as asked (exit 2): no difference found
         raise
     except CkptError as exc:
         report.add(exc.what, exc.where, hint=exc.hint or "restore the checkpoint from a good copy")
-        return report
-    workers = rendezvous.world_size() if parallel else 1
+        # (the other workers, which may have opened it, gather the reports: this worker's too)
+        return _merged(report, rendezvous.all_gather((report, []))) if workers > 1 else report
     share = (rendezvous.rank(), workers) if workers > 1 and fmt.splits_integrity else None
     segments = None
     shared = None

@@ -122,12 +122,15 @@ def _differing(values: dict[str, Any], group: Any) -> tuple[list[dict[str, Any]]
     """Every rank's ``values`` (gathered over ``group``: DCP's planner has rank 0 alone write
     objects, so every rank gets them all) and the keys whose values differ between ranks (by a
     digest of their ``torch.save`` bytes), or that some rank lacks."""
-    mine = {}
-    for key, value in values.items():
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        mine[key] = (hash_bytes(buf.getvalue()), value)
-    everyone = rendezvous.all_gather(mine, group)
+    def digests() -> dict[str, tuple[str, Any]]:
+        mine = {}
+        for key, value in values.items():
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            mine[key] = (hash_bytes(buf.getvalue()), value)
+        return mine
+
+    everyone = rendezvous.agreed_gather("digesting its own values", digests, group)
     differing = sorted({key for held in everyone for key in held if any(key not in other or other[key][0] != held[key][0]
                                                                         for other in everyone)})
     return [{key: value for key, (_, value) in held.items()} for held in everyone], differing
@@ -141,32 +144,34 @@ def _health(state: dict[str, Any], group: Any) -> dict[str, Any]:
 
     from ..index import flatten
 
-    flat, _ = flatten(state)
-    tally = health.Tally()
-    rank = rendezvous.rank()
-    for key, value in flat.items():
-        if isinstance(value, DTensor):
-            coordinate = value.device_mesh.get_coordinate()
-            if coordinate is None or any(isinstance(p, Partial) or (isinstance(p, Replicate) and c != 0)
-                                         for p, c in zip(value.placements, coordinate)):
-                continue
-            tally.count(key, local_tensor(value).detach())
-        elif isinstance(value, torch.Tensor) and rank == 0:
-            tally.count(key, value.detach())
-        elif rank == 0:  # an object (a Python float, a numpy value), as rank 0 writes it
-            tally.count_object(key, value.value if isinstance(value, Whole) else value)
-    parts = [{"nonfinite": counts} for counts in rendezvous.all_gather(tally.nonfinite, group)]
+    def count() -> dict[str, list[int]]:
+        flat, _ = flatten(state)
+        tally = health.Tally()
+        rank = rendezvous.rank()
+        for key, value in flat.items():
+            if isinstance(value, DTensor):
+                coordinate = value.device_mesh.get_coordinate()
+                if coordinate is None or any(isinstance(p, Partial) or (isinstance(p, Replicate) and c != 0)
+                                             for p, c in zip(value.placements, coordinate)):
+                    continue
+                tally.count(key, local_tensor(value).detach())
+            elif isinstance(value, torch.Tensor) and rank == 0:
+                tally.count(key, value.detach())
+            elif rank == 0:  # an object (a Python float, a numpy value), as rank 0 writes it
+                tally.count_object(key, value.value if isinstance(value, Whole) else value)
+        return tally.nonfinite
+
+    parts = [{"nonfinite": counts} for counts in rendezvous.agreed_gather("counting NaN and Inf", count, group)]
     return health.merge(parts, None, set())
 
 
 def _manifest_of_own_file(step_dir: Location, group: Any) -> dict[str, Any]:
     """Each rank hashes the records of its own data file (read back while the page cache still
     holds them); rank 0 gets them all for the commit record. Documented in docs/format.md."""
-    mine = hash_records(step_dir, rendezvous.rank())
     records: dict[str, Any] = {}
-    for part in rendezvous.all_gather(mine, group):
+    for part in rendezvous.agreed_gather("hashing its records", lambda: hash_records(step_dir, rendezvous.rank()), group):
         records.update(part["records"])
-    return {"algorithm": mine["algorithm"], "records": records}
+    return {"algorithm": ALGORITHM, "records": records}
 
 
 @contextlib.contextmanager

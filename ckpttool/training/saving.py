@@ -99,6 +99,8 @@ class Saves:
             return final.url
         staged, own = self._stage(state, buffers)
         rendezvous.pause_point("after-stage")
+        if own and self.stager.copying:
+            self.copier.submit(self.stager.copy, name="ckpttool-stage")
         rank, world_size = rendezvous.rank(), rendezvous.world_size()
         self.job = self.writer.submit(lambda: self._background(staged, step, tmp, final, own, rank, world_size),
                                       name=f"ckpttool-save-{step}")
@@ -115,9 +117,9 @@ class Saves:
 
     def _stage(self, state: dict[str, Any], buffers: set[int]) -> tuple[dict[str, Any], bool]:
         """An async save's copy of the state, and whether ckpttool's own writer writes it: host
-        buffers filled in the background, guarded (module buffers, which a forward may change in
-        place, at the call: ``buffers`` holds the addresses of their local tensors); for a
-        placement ckpttool's writer does not lay out, DCP's writer and a copy made at the call."""
+        buffers to be filled in the background, guarded (module buffers, which a forward may
+        change in place, at the call: ``buffers`` holds the addresses of their local tensors); for
+        a placement ckpttool's writer does not lay out, DCP's writer and a copy made at the call."""
         try:
             with self.timing("stage"):
                 staged = self.stager.stage(state, rendezvous.rank(), step_writer.stores, in_order=buffers, background=True)
@@ -125,8 +127,6 @@ class Saves:
             self._make_group()
             staged = self._staged = fallback.stage(state, self._staged)
             return staged, False
-        if self.stager.copying:
-            self.copier.submit(self.stager.copy, name="ckpttool-stage")
         return staged, True
 
     def _training_state(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
@@ -140,12 +140,8 @@ class Saves:
         return state, buffers
 
     def _make_group(self) -> None:
-        if self._group is None and rendezvous.active():
-            import torch.distributed as tdist
-
-            # DCP's collectives must never interleave with the training's (FSDP all-gathers on the
-            # default group): a group of their own, used only by the background thread.
-            self._group = tdist.new_group(backend="gloo")
+        if self._group is None:
+            self._group = rendezvous.new_group()  # DCP's collectives, in the background thread alone
 
     def _background(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, own: bool, rank: int,
                     world_size: int) -> None:
@@ -368,12 +364,8 @@ class Saves:
         self.copier.close()
         self.writer.close()  # joins a write still running (wait() interrupted): then the lease may go
         self.lease.release()
-        if self._group is not None:
-            import torch.distributed as tdist
-
-            if rendezvous.active():
-                tdist.destroy_process_group(self._group)
-            self._group = None
+        rendezvous.destroy_group(self._group)
+        self._group = None
 
     def not_from_the_writer(self, what: str) -> None:
         """``on_commit`` of an async save runs in the writer thread: a ``save``, ``wait`` or

@@ -24,7 +24,6 @@ whose version moved before its copy was done makes the save fail, never commit
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import weakref
@@ -32,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..compat import dispatch_mode_class, dispatch_stack, local_tensor
+from ..compat import dispatch_mode_class, dispatch_stack, in_dynamo_frame, local_tensor
 
 
 class InFlight(Protocol):
@@ -89,13 +88,12 @@ def _under_dynamo() -> bool:
     """Whether a frame of torch._dynamo (a compiled function being run or traced) is on the stack."""
     frame = sys._getframe(1)
     while frame is not None:
-        if _DYNAMO in frame.f_code.co_filename:
+        if in_dynamo_frame(frame):
             return True
         frame = frame.f_back
     return False
 
 
-_DYNAMO = f"{os.sep}torch{os.sep}_dynamo{os.sep}"
 
 
 def forget(copies: InFlight) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from . import snapshot
 from .snapshot import memory_span
-from ..compat import Box, dtensor_spec, local_shard_box, local_tensor
+from ..compat import Box, dtensor_spec, local_shard_box, local_tensor, version_counter
 from ..errors import CorruptCheckpointError, SnapshotError
 from .step_writer import HostShard
 
@@ -139,7 +139,7 @@ class Stager:
                     # copied in the background: from an alias of the memory it has now (a later
                     # ``p.data = other`` does not move what is copied), checked by its version
                     src = local if local is not value else local.detach()
-                    (side if plan.cuda else cpu_side).append(_Item(key, src, buf, value, value._version))
+                    (side if plan.cuda else cpu_side).append(_Item(key, src, buf, value, version_counter(value)))
                 else:
                     buf.copy_(local, non_blocking=plan.cuda)
                     cuda_in_order |= plan.cuda
@@ -318,7 +318,7 @@ class _Item:
         self.dst = dst
         self.owner = owner
         self.version = version
-        self.local_version = src._version  # (a DTensor's to_local() written in place moves only this one)
+        self.local_version = version_counter(src)  # (a DTensor's to_local() written in place moves only this one)
         self.state = _PENDING
 
 
@@ -326,7 +326,8 @@ _PENDING, _COPYING, _DONE = 0, 1, 2
 
 
 def _moved(items: list[_Item]) -> list[str]:
-    return [item.key for item in items if item.owner._version != item.version or item.src._version != item.local_version]
+    return [item.key for item in items
+            if version_counter(item.owner) != item.version or version_counter(item.src) != item.local_version]
 
 
 class _Copy:

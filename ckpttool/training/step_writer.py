@@ -55,19 +55,17 @@ class HostShard:
 def stores(value: Any) -> bool:
     """Whether this rank stores its box of a DTensor: once per box, by the rank whose coordinate
     is 0 on every mesh dim the tensor is replicated over. Raises for placements the writer does
-    not lay out (``Partial``, strided shards)."""
+    not lay out (``Partial``, strided shards), on every rank alike (whatever its coordinate: the
+    ranks must all choose the same writer)."""
     from torch.distributed.tensor import Replicate, Shard
 
+    for placement in value.placements:
+        if type(placement) not in (Replicate, Shard):
+            raise UnsupportedPlacement(placement)
     coordinate = value.device_mesh.get_coordinate()
     if coordinate is None:
         return False  # this rank is not on the tensor's mesh
-    for placement, c in zip(value.placements, coordinate):
-        if type(placement) is Replicate:
-            if c != 0:
-                return False
-        elif type(placement) is not Shard:
-            raise UnsupportedPlacement(placement)
-    return True
+    return all(c == 0 for placement, c in zip(value.placements, coordinate) if type(placement) is Replicate)
 
 
 def _is_staged_or_tensor(value: Any) -> bool:
@@ -276,7 +274,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         if pause is not None:
             pause("after-write")
     except BaseException as exc:
-        index.error, index.error_type = _text(exc), type(exc).__name__
+        index.error_type, index.error = rendezvous.described(exc)
         try:
             publish_index(step_dir, index)
         except Exception:  # noqa: BLE001 - the storage refuses writes; rank 0 times out instead
@@ -488,16 +486,13 @@ def _unchanged(parts: list[tuple[str, tuple, torch.Tensor, Box]], previous: Writ
 
 def publish_failure(step_dir: Location, rank: int, error: BaseException) -> None:
     """A rank that failed before it wrote anything: an index that carries only the error."""
-    publish_index(step_dir, RankIndex(rank, data_file_name(rank), error=_text(error), error_type=type(error).__name__))
+    error_type, text = rendezvous.described(error)
+    publish_index(step_dir, RankIndex(rank, data_file_name(rank), error=text, error_type=error_type))
 
 
 def publish_index(step_dir: Location, index: RankIndex) -> None:
     """Put a rank's index in storage, whole, where rank 0 waits for it (``rendezvous.publish_part``)."""
     rendezvous.publish_part(step_dir, index.rank, index.__dict__)
-
-
-def _text(error: BaseException) -> str:
-    return error.message() if isinstance(error, CkptError) else f"{type(error).__name__}: {error}"
 
 
 def _declare(index: RankIndex, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:

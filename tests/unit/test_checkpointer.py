@@ -307,3 +307,38 @@ def test_on_phase_reports_where_a_save_goes(tmp_path):
     assert names[:3] == ["prepare", "state", "stage"] and {"write", "commit", "done", "wait"} <= set(names)
     assert {t for n, _, t in seen if n in ("write", "commit", "done")} == {"ckpttool-save-2"}
     assert set(names) <= set(PHASES) and ckpt.saving is False
+
+
+def test_every_rank_chooses_the_same_writer_for_a_placement_it_does_not_lay_out():
+    """A strided shard beside a Replicate dim: the step writer refuses the placement on every rank,
+    whatever the rank's coordinate (a rank whose replica coordinate is not 0 answered "not mine"
+    and took ckpttool's writer while rank 0 took DCP's: the ranks then waited for each other)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckpttool import compat
+    from ckpttool.training.step_writer import UnsupportedPlacement, stores
+
+    for rank in range(4):
+        with compat.fake_rank(rank, 4):
+            mesh = init_device_mesh("cpu", (2, 2))
+            strided = DTensor.from_local(torch.ones(2, 3), mesh, [Replicate(), _StridedShard(0, split_factor=1)],
+                                         run_check=False, shape=(4, 3), stride=(3, 1))
+            with pytest.raises(UnsupportedPlacement):
+                stores(strided)
+            plain = DTensor.from_local(torch.ones(2, 3), mesh, [Replicate(), Shard(0)], run_check=False, shape=(4, 3), stride=(3, 1))
+            assert stores(plain) == (rank < 2)  # (the first replica stores each box)
+
+
+def test_another_ranks_failure_is_typed_names_the_ranks_and_survives_pickling():
+    import pickle
+
+    from ckpttool.errors import CkptError, RankFailedError
+
+    error = RankFailedError([1, 3], "writing its part of step 7", "OSError", "[Errno 28] No space left on device", where="/r/s")
+    assert isinstance(error, CkptError) and error.ranks == [1, 3]
+    assert str(error) == ("/r/s: rank 1 failed: OSError: [Errno 28] No space left on device "
+                          "(while writing its part of step 7; rank 3 failed too)")
+    again = pickle.loads(pickle.dumps(error))
+    assert str(again) == str(error) and again.ranks == [1, 3] and again.doing == error.doing

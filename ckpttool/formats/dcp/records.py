@@ -1,4 +1,4 @@
-"""The one writer of DCP records, for the training save (``save.py``, each rank's file) and the
+"""The one writer of DCP records, for the training save (``training/step_writer.py``, each rank's file) and the
 offline sink (``sink.py``, convert and reshard): each record a ``torch.save`` archive as torch's
 ``FileSystemWriter`` lays it out (an object's pickle; a tensor's zip with its data streamed slab by
 slab), through the record's transform (zstd) when there is one.
