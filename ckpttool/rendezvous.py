@@ -15,7 +15,12 @@ The agreements:
   failing ranks, what they were doing and the first one's error.
 - ``rank0_value(doing, value, error)``: rank 0's value (a step's directory) on every rank, with the
   same agreement on failure, in one exchange.
-- ``agreed_error`` / ``agree`` / ``agree_on``: the workers of an offline command (``--nproc``).
+- ``agreed_gather(doing, fn)``: every rank's result on every rank, once all succeeded (DCP's writer
+  path: the per-rank values, NaN counts and records' digests).
+- ``agreed_error`` / ``agree`` / ``agree_on``: the workers of an offline command (``--nproc``), and
+  ``await_every_worker`` before they exit.
+- ``new_group``: the process group of a background save through DCP's writer, apart from the
+  training's collectives.
 - Through storage, without a collective (an async save's ranks may have destroyed their process
   group): every rank publishes its part of a step (``publish_part``) and rank 0 waits for all of
   them (``await_parts``); rank 0 commits the step or says in it why not (``refuse_step``), and the
