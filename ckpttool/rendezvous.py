@@ -17,6 +17,9 @@ The agreements:
   same agreement on failure, in one exchange.
 - ``agreed_gather(doing, fn)``: every rank's result on every rank, once all succeeded (DCP's writer
   path: the per-rank values, NaN counts and records' digests).
+- ``checked_together(doing, mine, check)``: ranks that each read part of some records
+  split the check of the rest between them (a ``torch.save`` file's CRC-32s after a load): the same
+  verdict on every rank, in exactly two gathers whatever fails where.
 - ``agreed_error`` / ``agree`` / ``agree_on``: the workers of an offline command (``--nproc``), and
   ``await_every_worker`` before they exit.
 - ``new_group``: the process group of a background save through DCP's writer, apart from the
@@ -188,6 +191,27 @@ def agreed_gather(doing: str, fn: Any, group: Any = None) -> list[Any]:
     if error is not None:
         raise error
     return all_gather(result, group)
+
+
+def checked_together(doing: str, mine: Any, check: Any, group: Any = None) -> BaseException | None:
+    """Every rank's ``mine`` (what it read) on every rank; ``check(everyone)`` the same on every
+    rank, whose ``share(rank)`` is this rank's part of what none read, checked (a
+    :class:`CkptError` there is this rank's failure), and whose ``verdict(shares)``, once every
+    rank's share is in, is the same on every rank. Returns the agreed failure of ``doing`` (None
+    when the check passed everywhere). Exactly two gathers on every rank, whatever fails where."""
+    from .errors import CkptError
+
+    work = check(all_gather(mine, group))
+    error: BaseException | None = None
+    found = None
+    try:
+        found = work.share(rank(group))
+    except CkptError as exc:
+        error = exc
+    shares = all_gather(None if error is not None else found, group)
+    if error is None and all(s is not None for s in shares):
+        error = work.verdict({k: v for s in shares for k, v in s.items()})
+    return agreed_failure(doing, error, group)
 
 
 def any_rank(flag: bool, group: Any = None) -> bool:

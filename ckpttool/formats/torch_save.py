@@ -65,7 +65,7 @@ class TorchFile:
     def __init__(self, location: Location, verify: bool = True):
         self.location = location
         self.crc_checked: set[str] | None = set() if verify else None
-        #: checked together (:func:`check_together`): per storage record, the pieces read (start,
+        #: checked together (:class:`CrcCheck`): per storage record, the pieces read (start,
         #: end, CRC-32), and the key each record was first read for
         self.pieces: dict[str, list[Piece]] | None = None
         self.read_for: dict[str, str] = {}
@@ -98,7 +98,7 @@ class TorchFile:
 
     def read(self, ref: TensorRef, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
         """``box`` of the tensor ``ref`` (a tensor of this file), checked (or, checked together,
-        the CRC-32 of each range read kept for :func:`check_together`)."""
+        the CRC-32 of each range read kept for :class:`CrcCheck`)."""
         storage, reader = self.checked_storage(ref, key), self.reader
         if self.pieces is not None:
             reader = _Kept(reader, storage.offset, self.pieces.setdefault(ref.storage.key, []))
@@ -240,13 +240,18 @@ class TorchSaveSource(Source):
 
     def check_together(self) -> bool:
         """With ``verify``: records are no longer scanned whole before their first read; the CRC-32
-        of each range read is kept, and :func:`check_together` (a collective) checks them, with the
-        ranks' pieces combined. Returns whether there is anything to check."""
+        of each range read is kept, and the ranks check them together, with the
+        ranks' pieces combined (:class:`CrcCheck`). Returns whether there is anything to check."""
         if not self._verify:
             return False
         for part in self.parts:
             part.pieces = {}
         return True
+
+    def pieces_read(self) -> list[tuple[int, str, str, list[Piece]]]:
+        """What this rank read of each record since :meth:`check_together`: (file, record, key, pieces)."""
+        return [(i, name, part.read_for[name], pieces) for i, part in enumerate(self.parts)
+                for name, pieces in (part.pieces or {}).items()]
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         storage = self.storage_of(self._ref(key), key)
@@ -380,47 +385,48 @@ def int_keyed_optimizers(tree: Any) -> Any:
     return with_int_keys(tree, optimizer_states(tree))
 
 
-def check_together(source: TorchSaveSource, rank: int, gather: Callable[[Any], list[Any]]) -> CkptError | None:
-    """Check the CRC-32 of every record any rank read (after :meth:`TorchSaveSource.check_together`)
-    from the pieces the ranks read, each rank reading its share of the bytes none did; the same
-    :class:`ChecksumError` on every rank for the first record that does not match. Exactly two
-    ``gather`` calls (``dist.all_gather``) on every rank, whatever fails where: a rank that cannot
-    read its share returns its error and the others None (agree on it after)."""
-    records: dict[tuple[int, str], tuple[str, list[Piece]]] = {}
-    everyone = gather([(i, name, part.read_for[name], pieces) for i, part in enumerate(source.parts)
-                       for name, pieces in (part.pieces or {}).items()])
-    for i, name, key, pieces in (item for rank_pieces in everyone for item in rank_pieces):
-        records.setdefault((i, name), (key, []))[1].extend(pieces)
-    stored = {rec: source.parts[rec[0]].archive.storages[rec[1]] for rec in sorted(records)}
-    plan = {rec: cover(records[rec][1], storage.nbytes) for rec, storage in stored.items()}
-    world, shares, error = len(everyone), {}, None
-    try:  # this rank's share of each gap: the bytes no rank read
+class CrcCheck:
+    """The CRC-32 check of every record some rank read (after :meth:`TorchSaveSource.check_together`),
+    split between the ranks (the agreement around it: ``rendezvous.checked_together``): built on
+    every rank from every rank's :meth:`TorchSaveSource.pieces_read`, each rank scans its
+    :meth:`share` of the bytes no rank read, and :meth:`verdict` from all shares is the same on
+    every rank: the :class:`ChecksumError` of the first record that does not match, or None."""
+
+    def __init__(self, source: TorchSaveSource, everyone: list[list[tuple]]):
+        self.source = source
+        self.world = len(everyone)
+        self.records: dict[tuple[int, str], tuple[str, list[Piece]]] = {}
+        for i, name, key, pieces in (item for rank_pieces in everyone for item in rank_pieces):
+            self.records.setdefault((i, name), (key, []))[1].extend(pieces)
+        self.stored = {rec: source.parts[rec[0]].archive.storages[rec[1]] for rec in sorted(self.records)}
+        self.plan = {rec: cover(self.records[rec][1], storage.nbytes) for rec, storage in self.stored.items()}
+
+    def share(self, rank: int) -> dict[tuple, tuple[int, int]]:
+        """This rank's share of each gap (the bytes no rank read), scanned: ``{(record, lo): (hi, crc)}``."""
         block = new_block()
-        for rec, segments in plan.items():
+        shares = {}
+        for rec, segments in self.plan.items():
             for start, end, crc in segments:
-                lo, hi = _share(start, end, rank, world)
+                lo, hi = _share(start, end, rank, self.world)
                 if crc is None and lo < hi:
-                    shares[(rec, lo)] = (hi, scan(source.parts[rec[0]].reader, stored[rec].offset + lo, hi - lo, block))
-    except CkptError as exc:
-        error = exc
-    found = gather(None if error is not None else shares)
-    if error is not None or any(f is None for f in found):
-        return error
-    for f in found:
-        shares.update(f)
-    for rec, segments in plan.items():
-        parts: list[tuple[int, int, int]] = []
-        for start, end, crc in segments:
-            if crc is not None:
-                parts.append((start, end, crc))
-                continue
-            for lo, hi in (_share(start, end, r, world) for r in range(world)):
-                if lo < hi:
-                    parts.append((lo, *shares[(rec, lo)]))
-        crc = combine(parts)
-        if crc != stored[rec].crc32:
-            return _crc_mismatch(records[rec][0], stored[rec], crc, source.parts[rec[0]].location.url)
-    return None
+                    reader = self.source.parts[rec[0]].reader
+                    shares[(rec, lo)] = (hi, scan(reader, self.stored[rec].offset + lo, hi - lo, block))
+        return shares
+
+    def verdict(self, shares: dict[tuple, tuple[int, int]]) -> ChecksumError | None:
+        for rec, segments in self.plan.items():
+            parts: list[tuple[int, int, int]] = []
+            for start, end, crc in segments:
+                if crc is not None:
+                    parts.append((start, end, crc))
+                    continue
+                for lo, hi in (_share(start, end, r, self.world) for r in range(self.world)):
+                    if lo < hi:
+                        parts.append((lo, *shares[(rec, lo)]))
+            crc = combine(parts)
+            if crc != self.stored[rec].crc32:
+                return _crc_mismatch(self.records[rec][0], self.stored[rec], crc, self.source.parts[rec[0]].location.url)
+        return None
 
 
 def _share(start: int, end: int, rank: int, world: int) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from . import keys
 from ..errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, UsageError
 from .read_into import load_into
 from ..formats.dcp.metadata import PER_RANK, PER_RANK_BUFFERS
-from ..formats.torch_save import TorchSaveSource, check_together
+from ..formats.torch_save import CrcCheck, TorchSaveSource
 from ..index import Index, TensorEntry, unflatten
 from .state import Optimizers, optimizers_of, training_state
 from ..steps import list_root, parse_step, step_health, step_name
@@ -119,8 +119,8 @@ def _read_agreed(loc: Location, model: torch.nn.Module, optimizers: tuple[torch.
     try:
         error = rendezvous.agreed_failure("loading its shards", error)
         if error is None and together:  # from the pieces every rank read (the same verdict on every rank)
-            error = rendezvous.agreed_failure("checking the CRC-32 of the records read",
-                                              check_together(source, rendezvous.rank(), rendezvous.all_gather))
+            error = rendezvous.checked_together("checking the CRC-32 of the records read", source.pieces_read(),
+                                                lambda everyone: CrcCheck(source, everyone))
     finally:
         if source is not None:
             source.close()
