@@ -102,6 +102,26 @@ class RankFailedError(RendezvousError):
         return type(self), (self.ranks, self.doing, self.error_type, self.text, self.where)
 
 
+class RankDeadError(RendezvousError):
+    """A rank stopped answering: its beat in the job's store has not moved for ``dead_after``
+    seconds (its process was killed or is stopped), or the store itself, which rank 0 hosts, cannot
+    be reached. Raised on every live rank, naming the dead ranks (``ranks``), the phase each was
+    last seen in (``phases``) and what the raising rank was waiting for (``doing``)."""
+
+    def __init__(self, ranks: list[int], phases: dict[int, str], doing: str, where: str | None = None):
+        self.ranks = list(ranks)
+        self.phases = {int(r): p for r, p in phases.items()}
+        self.doing = doing
+        seen = "; ".join(f"rank {r}: last seen {self.phases.get(r, 'nowhere')}" for r in self.ranks)
+        which = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
+        super().__init__(f"{which} stopped answering ({seen}) while {doing}", where=where,
+                         hint="its process died or is stopped; the step is not committed: restart the job, "
+                              "it resumes from the newest committed step")
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.ranks, self.phases, self.doing, self.where)
+
+
 class WorkerError(CkptError):
     """Another worker of a command run by several (``--nproc``, torchrun) failed; this is its error."""
 

@@ -40,8 +40,12 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import liveness
+
 if TYPE_CHECKING:
     import torch
+
+    from .liveness import Roll
 
     from .storage import Location
 
@@ -128,6 +132,26 @@ def new_group() -> Any:
         return _dist().new_group(backend="gloo")
 
 
+def new_roll(dead_after: float, straggler_after: float) -> Roll | None:
+    """The beats of this job's ranks (``liveness.Roll``), for a Checkpointer's saves; None for a
+    world of one, or where torch hides the default group's store. Made by every rank at its first
+    save: rank 0 names the keys (fresh ones: another job or a restart on the same store never reads
+    them), every rank beats once, and a barrier: no rank looks at a beat not yet there."""
+    import uuid
+
+    from .compat import default_store
+
+    if not active() or world_size() == 1:
+        return None
+    store = default_store()
+    if store is None:
+        return None
+    key = broadcast(f"ckpttool/{uuid.uuid4().hex}" if rank() == 0 else None)
+    roll = liveness.Roll(store, rank(), world_size(), key, dead_after=dead_after, straggler_after=straggler_after)
+    barrier("ckpttool: every rank beats")
+    return roll
+
+
 def destroy_group(group: Any) -> None:
     """Let go of a group :func:`new_group` made (where the default one still exists)."""
     if group is not None and active():
@@ -158,10 +182,11 @@ def described(error: BaseException) -> tuple[str, str]:
     return type(error).__name__, error.message() if isinstance(error, CkptError) else str(error)
 
 
-def agreed(doing: str, fn: Any, *, rank0_only: bool = False, group: Any = None) -> Any:
+def agreed(doing: str, fn: Any, *, rank0_only: bool = False, group: Any = None, roll: Roll | None = None) -> Any:
     """Run ``fn`` (on rank 0 alone with ``rank0_only``) and agree on its outcome: a :class:`CkptError`
     on any rank is raised on every rank (:func:`agreed_failure`; ``doing`` names the step). Returns
-    ``fn``'s result (None where it did not run)."""
+    ``fn``'s result (None where it did not run). With ``roll``, through the job's store, watching
+    the ranks' beats (a save's agreements: a dead rank is named, not waited for)."""
     from .errors import CkptError
 
     error: BaseException | None = None
@@ -171,7 +196,7 @@ def agreed(doing: str, fn: Any, *, rank0_only: bool = False, group: Any = None) 
             result = fn()
         except CkptError as exc:
             error = exc
-    error = agreed_failure(doing, error, group)
+    error = agreed_failure(doing, error, group, roll=roll)
     if error is not None:
         raise error
     return result
@@ -228,7 +253,7 @@ def any_rank(flag: bool, group: Any = None) -> bool:
     return bool(tensor.item())
 
 
-def agreed_failure(doing: str, error: BaseException | None, group: Any = None) -> BaseException | None:
+def agreed_failure(doing: str, error: BaseException | None, group: Any = None, roll: Roll | None = None) -> BaseException | None:
     """Agree on the outcome of a step every rank takes (``doing``, as "writing its part of step 3"):
     None when every rank succeeded; else, on a failing rank its own ``error``, and on every other
     rank a :class:`~ckpttool.errors.RankFailedError` naming the failing ranks and the first one's
@@ -239,6 +264,9 @@ def agreed_failure(doing: str, error: BaseException | None, group: Any = None) -
     died with it would need the GIL there, which a process exiting right after the save cannot give
     (the interpreter finalizing, the thread is torn down inside a noexcept destructor).
     """
+    if roll is not None:
+        outcomes, _ = store_exchange(roll, doing, None if error is None else described(error), None)
+        return error if error is not None else _rank_failed(doing, outcomes)
     if not active():
         return error
     if not any_rank(error is not None, group):
@@ -258,12 +286,77 @@ def _rank_failed(doing: str, outcomes: list[Any]) -> BaseException | None:
     return RankFailedError(failed, doing, name, text)
 
 
-def rank0_value(doing: str, value: Any, error: BaseException | None, group: Any = None) -> tuple[Any, BaseException | None]:
+def rank0_value(doing: str, value: Any, error: BaseException | None, group: Any = None,
+                roll: Roll | None = None) -> tuple[Any, BaseException | None]:
     """Rank 0's ``value`` on every rank and the agreed failure of ``doing`` (None when every rank
-    succeeded: then the value), in one exchange."""
+    succeeded: then the value), in one exchange (with ``roll``, through the job's store)."""
+    if roll is not None:
+        failed, value0 = store_exchange(roll, doing, None if error is None else described(error), value)
+        failure = error if error is not None else _rank_failed(doing, failed)
+        return (value0 if failure is None else None), failure
     outcomes = all_gather((None if error is None else described(error), value), group)
     failure = error if error is not None else _rank_failed(doing, [failed for failed, _ in outcomes])
     return (outcomes[0][1] if failure is None else None), failure
+
+
+def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any) -> tuple[list[Any], Any]:
+    """Every rank's ``outcome`` (None where it succeeded; JSON) and rank 0's ``value``, on every
+    rank, through the job's store: each rank adds itself to a counter (and, failing, its outcome)
+    and polls the counter until every rank is in, watching the beats of those that are not (rank
+    0 all of them, the others rank 0): a dead rank ends the wait with a :class:`RankDeadError`
+    on every live rank, rank 0 telling the others whom it found dead. Keys of the exchange before
+    are deleted (every rank is past it once this one is complete)."""
+    from .errors import RankDeadError
+
+    roll.seq += 1
+    seq, me, world, store = roll.seq, roll.rank, roll.world_size, roll.store
+    base = f"{roll.key}/x/{seq}"
+    roll.mine.seq = seq
+
+    def call(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the store's host is gone
+            raise roll._store_gone(exc) from None
+
+    if outcome is not None:
+        call(store.set, f"{base}/f/{me}", json.dumps(outcome))
+        call(store.add, f"{base}/bad", 1)
+    if me == 0:
+        call(store.set, f"{base}/v", json.dumps(value))
+    call(store.add, f"{base}/n", 1)
+    roll.beat()
+    verdict = f"{base}/dead"
+
+    def done() -> bool:
+        return call(store.add, f"{base}/n", 0) >= world or (me != 0 and call(store.check, [verdict]))
+
+    def missing() -> list[int]:
+        if me != 0:
+            return [0]
+        return [r for r, b in roll.look(list(range(world))).items() if b.seq < seq]
+
+    try:
+        liveness.wait_until(done, roll.watch(doing), missing)
+    except RankDeadError as exc:
+        if me == 0:
+            with contextlib.suppress(Exception):
+                store.set(verdict, json.dumps([exc.ranks, exc.phases]))
+        raise
+    if me != 0 and call(store.check, [verdict]) and call(store.add, f"{base}/n", 0) < world:
+        ranks, phases = json.loads(call(store.get, verdict))
+        raise RankDeadError(ranks, phases, doing)
+    outcomes: list[Any] = [None] * world
+    if call(store.add, f"{base}/bad", 0):
+        for r in range(world):
+            if call(store.check, [f"{base}/f/{r}"]):
+                outcomes[r] = json.loads(call(store.get, f"{base}/f/{r}"))
+    value0 = json.loads(call(store.get, f"{base}/v"))
+    old = f"{roll.key}/x/{seq - 1}"
+    for key in [f"{old}/f/{me}"] + ([f"{old}/n", f"{old}/bad", f"{old}/v", f"{old}/dead"] if me == 0 else []):
+        with contextlib.suppress(Exception):
+            store.delete_key(key)
+    return outcomes, value0
 
 
 # Workers run the same sequence of collectives whatever fails where: every step that may fail on
@@ -328,31 +421,38 @@ def publish_part(step_dir: Location, rank: int, part: dict[str, Any]) -> None:
     step_dir.child(part_name(rank)).replace_bytes(json.dumps(part).encode())
 
 
-def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str) -> list[dict[str, Any]]:
+def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
+                roll: Roll | None = None) -> list[dict[str, Any]]:
     """Rank 0: every rank's part of the step, once all are in storage, in rank order. A part that
     says its rank failed ends the wait at once with a :class:`RankFailedError` naming it (``doing``:
-    what the ranks were doing); ranks whose part is not there after ``timeout`` seconds, with a
-    :class:`RendezvousError` naming them."""
+    what the ranks were doing); with ``roll``, a rank whose beat stopped ends it with a
+    :class:`RankDeadError`, and ranks that trail the rest are logged; ranks whose part is not there
+    after ``timeout`` seconds end it with a :class:`RendezvousError` naming them."""
     from .errors import RendezvousError
 
     names = [part_name(r) for r in range(world_size)]
     parts: dict[int, dict[str, Any]] = {}  # each part read once, when it appears (it is whole by then)
-    deadline = time.monotonic() + timeout
-    pause = 0.005
-    while True:
+
+    def done() -> bool:
         present = set(step_dir.listdir())
         for r, name in enumerate(names):
             if r not in parts and name in present:
                 parts[r] = _read_part(step_dir.child(name))
                 _raise_failed(r, parts[r], doing, step_dir.url)
-        if len(parts) == world_size:
-            return [parts[r] for r in range(world_size)]
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if r not in parts]
-            raise RendezvousError(f"no part from rank(s) {missing} after {timeout:.0f} s (while {doing})", where=step_dir.url,
-                                  hint="a rank died or its storage stalled; the step stays uncommitted")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.2)
+        return len(parts) == world_size
+
+    def missing() -> list[int]:
+        return [r for r in range(world_size) if r not in parts]
+
+    def too_late() -> BaseException:
+        return RendezvousError(f"no part from rank(s) {missing()} after {timeout:.0f} s (while {doing})", where=step_dir.url,
+                               hint="a rank died or its storage stalled; the step stays uncommitted")
+
+    watch = roll.watch(doing) if roll is not None else None
+    if watch is not None:
+        watch.where = step_dir.url
+    liveness.wait_until(done, watch, missing, timeout, too_late)
+    return [parts[r] for r in range(world_size)]
 
 
 def _read_part(loc: Location) -> dict[str, Any]:
@@ -376,40 +476,56 @@ def _raise_failed(rank_: int, part: dict[str, Any], doing: str, where: str) -> N
         raise RankFailedError([rank_], doing, str(part.get("error_type") or "Error"), str(part["error"]), where=where)
 
 
-def refuse_step(step_dir: Location, message: str) -> None:
-    """Rank 0: say in the step's (uncommitted) directory why it was not committed, so every other
-    rank's background save stops waiting for the commit and raises the same message. Best effort:
-    a storage that refuses it leaves the others to time out."""
-    import contextlib
+def refuse_step(step_dir: Location, error: BaseException) -> None:
+    """Rank 0: say in the step's (uncommitted) directory why it was not committed (``error``), so
+    every other rank's background save stops waiting for the commit and raises the same message
+    (a dead rank, as the same :class:`RankDeadError`). Best effort: a storage that refuses it
+    leaves the others to find rank 0's beat going on and time out."""
+    from .errors import CkptError, RankDeadError
 
+    said: dict[str, Any] = {"error": error.message() if isinstance(error, CkptError) else f"{type(error).__name__}: {error}"}
+    if isinstance(error, RankDeadError):
+        said["dead"] = [error.ranks, error.phases, error.doing]
     with contextlib.suppress(Exception):
-        step_dir.child(REFUSED_FILE).write_bytes(json.dumps({"error": message}).encode())
+        step_dir.child(REFUSED_FILE).write_bytes(json.dumps(said).encode())
 
 
-def await_commit(step_dir: Location, commit_record: Location, step: int | None, timeout: float) -> None:
+def await_commit(step_dir: Location, commit_record: Location, step: int | None, timeout: float,
+                 roll: Roll | None = None) -> None:
     """Ranks other than 0, after writing their part of an async save: wait until rank 0 committed
     the step (``commit_record`` exists) or refused it (:func:`refuse_step` in ``step_dir``), so
     that ``wait()`` and ``close()`` tell every rank whether the step counts. Raises
-    :class:`StepNotCommittedError` with rank 0's reason, or after ``timeout`` seconds."""
-    from .errors import CkptError, StepNotCommittedError
+    :class:`StepNotCommittedError` with rank 0's reason (a :class:`RankDeadError` where rank 0
+    found a rank dead, or with ``roll`` finds rank 0 dead), or after ``timeout`` seconds."""
+    from .errors import CkptError, RankDeadError, StepNotCommittedError
 
-    deadline = time.monotonic() + timeout
-    pause = 0.005
-    while True:
-        if commit_record.exists():
-            return
-        marker = step_dir.child(REFUSED_FILE)
-        if marker.exists():
-            try:
-                reason = json.loads(marker.read_bytes()[:1 << 16]).get("error", "no reason given")
-            except (ValueError, AttributeError, CkptError):
-                reason = "its reason could not be read"
-            raise StepNotCommittedError(f"step {step} was not committed: {reason}", where=commit_record.parent.url)
-        if time.monotonic() > deadline:
-            raise StepNotCommittedError(f"rank 0 did not commit step {step} within {timeout:.0f} s", where=commit_record.parent.url,
-                                        hint="rank 0 died or its storage stalled; the step stays uncommitted")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.2)
+    marker = step_dir.child(REFUSED_FILE)
+
+    def done() -> bool:  # (the commit record first: a rank 0 that committed and exited is no death)
+        return commit_record.exists() or marker.exists()
+
+    def too_late() -> BaseException:
+        return StepNotCommittedError(f"rank 0 did not commit step {step} within {timeout:.0f} s", where=commit_record.parent.url,
+                                     hint="rank 0 died or its storage stalled; the step stays uncommitted")
+
+    watch = roll.watch(f"waiting for rank 0 to commit step {step}") if roll is not None else None
+    try:
+        liveness.wait_until(done, watch, [0], timeout, too_late)
+    except RankDeadError:
+        if done():
+            return await_commit(step_dir, commit_record, step, 0)
+        raise
+    if commit_record.exists():
+        return
+    try:
+        said = json.loads(marker.read_bytes()[:1 << 16])
+        reason = said.get("error", "no reason given")
+    except (ValueError, AttributeError, CkptError):
+        said, reason = {}, "its reason could not be read"
+    if said.get("dead"):
+        ranks, phases, doing = said["dead"]
+        raise RankDeadError(ranks, {int(r): p for r, p in phases.items()}, doing, where=commit_record.parent.url)
+    raise StepNotCommittedError(f"step {step} was not committed: {reason}", where=commit_record.parent.url)
 
 
 def pause_point(name: str) -> None:

@@ -76,12 +76,34 @@ def describe_root(loc: Location) -> dict[str, Any]:
             said = problems(found)
             row["health"] = {"state": "unhealthy" if said else "healthy", "problems": said,
                              "nonfinite": nonfinite_keys(found), "unchanged": list(found.get("unchanged") or [])}
+        slowest = slowest_rank(record.get("phases"))
+        if slowest is not None:
+            row["slowest_rank"] = slowest
         for field in ("per_rank", "per_rank_buffers"):  # extra's keys and the model's buffers kept per rank
             if isinstance(record.get(field), list) and record[field]:
                 row[field] = [str(k) for k in record[field]]
         steps.append(row)
     damaged = [{"step": step, "path": loc.child(step_name(step)).url, "problem": what} for step, what in listing.damaged.items()]
     return {"path": loc.url, "kind": "training_root", "steps": steps, "damaged": damaged, "incomplete": listing.incomplete}
+
+
+def slowest_rank(phases: Any) -> dict[str, Any] | None:
+    """From a commit record's ``phases`` (rank -> seconds per phase of its save): the rank whose
+    phases took longest, its seconds and its phases; None where the record has none (older
+    steps) or they are not numbers."""
+    if not isinstance(phases, dict):
+        return None
+    totals = {}
+    for rank, spent in phases.items():
+        if not (isinstance(rank, str) and rank.isdigit() and isinstance(spent, dict)):
+            return None
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in spent.values()):
+            return None
+        totals[int(rank)] = (sum(spent.values()), {str(k): float(v) for k, v in spent.items()})
+    if not totals:
+        return None
+    rank = max(totals, key=lambda r: (totals[r][0], -r))
+    return {"rank": rank, "seconds": round(totals[rank][0], 3), "phases": {k: round(v, 3) for k, v in totals[rank][1].items()}}
 
 
 def inspect_path(path: str, storage_options: dict[str, Any] | None = None, optimizer_order: str | None = None) -> dict[str, Any]:
@@ -107,6 +129,10 @@ def render_text(report: dict[str, Any]) -> str:
                 if "bytes_written" in s:
                     wrote = f"  wrote {human_bytes(s['bytes_written'])}, shared {human_bytes(s.get('bytes_shared', 0))}"
                 lines.append(f"  step {s['step']:>8}  world size {s['world_size']}{wrote}  {s['health']['state']}  {s['path']}")
+                if s.get("slowest_rank"):
+                    slow = s["slowest_rank"]
+                    spent = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(slow["phases"].items(), key=lambda kv: -kv[1]))
+                    lines.append(f"      slowest rank {slow['rank']}: {slow['seconds']:.2f} s ({spent})")
                 lines.extend(f"      {p}" for p in s["health"]["problems"])
                 kept = [f"extra {', '.join(s['per_rank'])}"] if s.get("per_rank") else []
                 kept += [f"buffers {', '.join(s['per_rank_buffers'])}"] if s.get("per_rank_buffers") else []

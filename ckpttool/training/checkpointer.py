@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import rendezvous
+from .. import liveness, rendezvous
 from ..errors import NotFoundError, UsageError
 from ..formats.dcp import check_compress
 from .lease import Lease
@@ -72,6 +72,9 @@ class Checkpointer:
         incremental: bool = False,
         on_nonfinite: str = "warn",
         health: bool = True,
+        dead_after: float = liveness.DEAD_AFTER,
+        straggler_after: float = liveness.STRAGGLER_AFTER,
+        tolerate_failures: int = 0,
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
@@ -82,13 +85,20 @@ class Checkpointer:
         if writer_nice is not None and not (isinstance(writer_nice, int) and 0 <= writer_nice <= 19):
             raise UsageError(f"writer_nice must be a nice value from 0 to 19, got {writer_nice!r}",
                              hint="use None to leave the writer at the training thread's priority")
+        for name, value in (("dead_after", dead_after), ("straggler_after", straggler_after)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(tolerate_failures, int) or tolerate_failures < 0:
+            raise UsageError(f"tolerate_failures must be a non-negative int, got {tolerate_failures!r}",
+                             hint="0 raises the first failed save, as by default")
         check_compress(compress)
         self.root: Location = resolve(root, storage_options)
         self.storage_options = storage_options or {}
         self.async_save = async_save
         options = Options(keep_last=keep_last, keep_every=keep_every, storage_options=self.storage_options,
                           commit_timeout=commit_timeout, compress=compress, on_commit=on_commit, on_phase=on_phase,
-                          writer_nice=writer_nice, incremental=incremental, on_nonfinite=on_nonfinite, health=health)
+                          writer_nice=writer_nice, incremental=incremental, on_nonfinite=on_nonfinite, health=health,
+                          dead_after=dead_after, straggler_after=straggler_after, tolerate_failures=tolerate_failures)
         # the root's lease: taken by rank 0 at the first save
         self._saves = Saves(self.root, options, Lease(self.root, stale_after=lease_stale_after))
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import health, rendezvous
+from .. import health, liveness, rendezvous
 from . import fallback, step_writer
 from .background import Job, Worker
 from ..errors import CkptError, OutputExistsError, SnapshotError, UnhealthyStepError, UsageError
@@ -50,6 +50,9 @@ class Options:
     incremental: bool = False
     on_nonfinite: str = "warn"
     health: bool = True
+    dead_after: float = liveness.DEAD_AFTER
+    straggler_after: float = liveness.STRAGGLER_AFTER
+    tolerate_failures: int = 0
 
 
 class Saves:
@@ -71,6 +74,10 @@ class Saves:
         self._trainable: set[str] = set()  # the state keys of this save's trainable parameters
         self._last_digests: Any = None  # (step, its final place, this rank's record digests) of its last save
         self._written: Any = None  # what this rank put in its frozen file at its last save (step_writer.Written)
+        self._first_save = True
+        self.roll: liveness.Roll | None = None  # the ranks' beats (made at the first save of a job of several ranks)
+        self._step: int | None = None  # the step being saved, and the seconds of its phases on this rank so far
+        self._phases: dict[str, float] = {}
         # the copy into host memory, at the training thread's priority (the optimizer's next step
         # may wait for it), and the writer, at nice ``writer_nice`` (Linux: per thread)
         self.copier = Worker("ckpttool-stage")
@@ -84,6 +91,7 @@ class Saves:
         commit, here (``blocking``) or in the background after the state is staged. One switch
         picks the writer: ckpttool's own (no collective), or DCP's for placements it does not lay out."""
         self.stager.fence()  # the last save's copy ends first (and its write guard leaves this thread)
+        self._step, self._phases = step, {}
         final = self.root.child(step_name(step))
         with self.timing("prepare"):
             tmp = self._begin_save(step, final)
@@ -157,6 +165,8 @@ class Saves:
         finally:
             now = time.perf_counter()
             self.phase("done", now, now)  # the background save is over (rank 0: committed, or failed)
+            if self.roll is not None:
+                self.roll.at(step, "done")
 
     def _write_and_commit_own(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, rank: int,
                               world_size: int) -> None:
@@ -169,7 +179,7 @@ class Saves:
                     self._commit_own(step, tmp, final, world_size)
         except BaseException as exc:
             if rank == 0:  # the other ranks wait for the commit: tell them why it will not come
-                rendezvous.refuse_step(tmp, exc.message() if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}")
+                rendezvous.refuse_step(tmp, exc)
             elif isinstance(exc, SnapshotError):
                 with contextlib.suppress(Exception):  # rank 0 stops waiting for this rank's part
                     step_writer.publish_failure(tmp, rank, exc)
@@ -186,8 +196,8 @@ class Saves:
             with self.timing("commit"):
                 self._commit_own(step, tmp, final, rendezvous.world_size())
 
-        rendezvous.agreed(f"writing its part of step {step}", write)
-        rendezvous.agreed(f"committing step {step}", commit, rank0_only=True)
+        rendezvous.agreed(f"writing its part of step {step}", write, roll=self.roll)
+        rendezvous.agreed(f"committing step {step}", commit, rank0_only=True, roll=self.roll)
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location, step: int) -> None:
         previous = self._written
@@ -201,7 +211,9 @@ class Saves:
         self._last_digests = None
         try:
             written = step_writer.write_rank(tmp, rank, state, pause=rendezvous.pause_point, compress=self.o.compress,
-                                            frozen=self._frozen, previous=previous, health=check, buffers=self._buffers)
+                                            frozen=self._frozen, previous=previous, health=check, buffers=self._buffers,
+                                            progress=self.roll.wrote if self.roll is not None else None,
+                                            phases={k: round(v, 6) for k, v in self._phases.items()})
             if written is not None:
                 written.step_dir = final  # where its files are once the step is committed
         except CkptError:
@@ -215,9 +227,13 @@ class Saves:
     def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int) -> None:
         """Rank 0: wait for every rank's index in storage, write .metadata, then the commit record
         (last), publish the step and apply retention."""
-        indexes = step_writer.read_rank_indexes(tmp, world_size, self.o.commit_timeout)
+        started = time.perf_counter()
+        indexes = step_writer.read_rank_indexes(tmp, world_size, self.o.commit_timeout, step, self.roll)
         manifest = step_writer.commit_metadata(tmp, indexes)
         record = {"manifest": manifest, **step_writer.step_bytes(indexes)}  # bytes written, and shared with the step before
+        # each rank's seconds per phase (rank 0's commit up to here): inspect names the slowest rank
+        record["phases"] = {str(index.rank): dict(index.phases) for index in indexes}
+        record["phases"]["0"]["commit"] = round(time.perf_counter() - started, 6)
         per_rank = step_writer.per_rank_keys(indexes)
         if per_rank:
             record["per_rank"] = per_rank  # keys of extra whose values differ between ranks: each rank's own is kept
@@ -254,6 +270,7 @@ class Saves:
     def _publish(self, step: int, tmp: Location, final: Location, world_size: int, record: dict[str, Any]) -> None:
         """Rank 0: the commit record, written last, then the step renamed into place; ``on_commit``
         told (an error in it is logged: the step is committed whatever it does)."""
+        rendezvous.pause_point("before-commit")
         tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, record))
         rendezvous.pause_point("before-rename")
         self.root.commit_policy.publish(tmp, final)
@@ -300,6 +317,9 @@ class Saves:
         and agree on the outcome in one exchange: the directory's name, or the first rank's error
         raised on every rank (a failed background save fails every rank's next save)."""
         error = self.join_job()
+        if self.roll is None and self._first_save:
+            self._first_save = False
+            self.roll = rendezvous.new_roll(self.o.dead_after, self.o.straggler_after)
         name = None
         if error is None and rendezvous.rank() == 0:
             try:
@@ -307,7 +327,7 @@ class Saves:
                 name = self._make_step_dir(final)
             except CkptError as exc:
                 error = exc
-        agreed_name, failure = rendezvous.rank0_value(f"preparing step {step}", name, error)
+        agreed_name, failure = rendezvous.rank0_value(f"preparing step {step}", name, error, roll=self.roll)
         if failure is not None:
             if name is not None:  # made here, and no rank writes into it
                 with contextlib.suppress(CkptError):
@@ -351,7 +371,7 @@ class Saves:
         if outcome and error is None and pending is not None:
             try:
                 tmp, final = pending
-                rendezvous.await_commit(tmp, final.child(COMMIT_FILE), parse_step(final.name), self.o.commit_timeout)
+                rendezvous.await_commit(tmp, final.child(COMMIT_FILE), parse_step(final.name), self.o.commit_timeout, self.roll)
             except CkptError as exc:
                 error = exc
         return error
@@ -366,6 +386,9 @@ class Saves:
         self.lease.release()
         rendezvous.destroy_group(self._group)
         self._group = None
+        if self.roll is not None:
+            self.roll.close()
+            self.roll = None
 
     def not_from_the_writer(self, what: str) -> None:
         """``on_commit`` of an async save runs in the writer thread: a ``save``, ``wait`` or
@@ -383,13 +406,18 @@ class Saves:
 
     @contextlib.contextmanager
     def timing(self, name: str) -> Iterator[None]:
-        """What runs inside is reported to ``on_phase`` as phase ``name`` (when set)."""
+        """What runs inside is phase ``name`` of this save: said in this rank's beat, its seconds
+        kept for the step's commit record, and reported to ``on_phase`` (when set)."""
         start = time.perf_counter()
+        if self.roll is not None and name != "wait":  # (wait is this thread's; the beat says where the save is)
+            self.roll.at(self._step, name)
         try:
             yield
         finally:
+            end = time.perf_counter()
+            self._phases[name] = self._phases.get(name, 0.0) + end - start
             if self.o.on_phase is not None:
-                self.phase(name, start, time.perf_counter())
+                self.phase(name, start, end)
 
     def phase(self, name: str, start: float, end: float) -> None:
         if self.o.on_phase is not None:

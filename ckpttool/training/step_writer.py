@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -203,6 +204,7 @@ class RankIndex:
     # the same for the model's plain-tensor buffers: state key -> [[its per-rank key], the xxh3 of its record]
     per_rank_buffers: dict[str, list[Any]] = field(default_factory=dict)
     health: dict[str, Any] | None = None  # this rank's findings for the step's health (health.Check.findings)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds this rank spent in each phase of the save
 
 
 @dataclass
@@ -229,7 +231,8 @@ def frozen_file_name(rank: int) -> str:
 def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                pause: Callable[[str], None] | None = None, compress: str | None = None,
                frozen: frozenset[str] = frozenset(), previous: Written | None = None,
-               health: Check | None = None, buffers: frozenset[str] = frozenset()) -> Written | None:
+               health: Check | None = None, buffers: frozenset[str] = frozenset(),
+               progress: Callable[[int], None] | None = None, phases: dict[str, float] | None = None) -> Written | None:
     """Write this rank's part of the step into ``step_dir``: its data file, then its index (the
     index's appearance in storage tells rank 0 this rank is done). On failure the index carries
     the error instead, so rank 0 stops waiting, and the error is raised here too.
@@ -242,7 +245,10 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     With ``health``, every record's NaN and Inf are counted as it is written and its data digest
     kept; the index carries this rank's findings (``health.py``). ``buffers``: the state keys of
     the model's plain-tensor buffers (:func:`_write_own_buffers`). ``pause(name)`` is called at the
-    points crash tests stop a rank at (``dist.pause_point``)."""
+    points crash tests stop a rank at (``dist.pause_point``); ``progress(bytes)`` after each record
+    of the data file (the rank's beat says how far it is); ``phases``: the seconds of the save's
+    phases so far, carried in the index with the write's own."""
+    started = time.perf_counter()
     flat, paths = flatten(state, is_tensor=_is_staged_or_tensor)  # a list of staged tensors is traversed, as one of tensors
     index = RankIndex(rank, data_file_name(rank), compress=compress)
     tally = health.tally if health is not None else None
@@ -257,6 +263,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                     part = _declare_part(index, key, value)
                     if part is not None:
                         _write_local(out, index, key, *part, tally=tally)
+                        if progress is not None:
+                            progress(out.tell())
                         if pause is not None and out.tell() >= MID_WRITE:
                             pause("mid-write")  # (crash tests: a kill with the file's first buffers on disk)
                 elif rank == 0:
@@ -273,6 +281,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
             index.paths = {k: list(p) for k, p in paths.items()}
         if pause is not None:
             pause("after-write")
+        index.phases = {**(phases or {}), "write": time.perf_counter() - started}
     except BaseException as exc:
         index.error_type, index.error = rendezvous.described(exc)
         try:
@@ -280,6 +289,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         except Exception:  # noqa: BLE001 - the storage refuses writes; rank 0 times out instead
             pass
         raise
+    if pause is not None:
+        pause("before-index")
     publish_index(step_dir, index)
     return written
 
@@ -544,11 +555,13 @@ def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[i
         tally.digest(key, box[0], index.records[-1])
 
 
-def read_rank_indexes(step_dir: Location, world_size: int, timeout: float) -> list[RankIndex]:
+def read_rank_indexes(step_dir: Location, world_size: int, timeout: float, step: int | None = None,
+                      roll: Any = None) -> list[RankIndex]:
     """Rank 0: every rank's index, once all are in storage (``rendezvous.await_parts``: a rank whose
-    part failed ends the wait, named)."""
+    part failed ends the wait, named; with ``roll``, so does a dead one)."""
     indexes = []
-    for r, part in enumerate(rendezvous.await_parts(step_dir, world_size, timeout, "writing its part of the step")):
+    doing = "writing its part of the step" if step is None else f"writing its part of step {step}"
+    for r, part in enumerate(rendezvous.await_parts(step_dir, world_size, timeout, doing, roll)):
         try:
             indexes.append(RankIndex(**part))
         except TypeError as exc:

@@ -1,0 +1,226 @@
+"""Which ranks of a job are alive, and where each one is in its save.
+
+Every rank of a job with a process group beats in the job's key-value store (the default group's
+TCPStore or FileStore, reached without a collective) about once a second: a counter, the step it
+is saving, the phase it is in and the bytes of that step it has written. A rank that waits for
+others reads their beats between polls: a counter that has not moved for ``dead_after`` seconds
+is a dead rank (killed, or its process stopped), named with the phase it was last seen in; ranks
+still at work long after the rest are named as stragglers, in one log line repeated at growing
+intervals. A store that cannot be reached at all is rank 0's death: under a plain launch its
+process hosts the store (under torchrun, its node's agent).
+
+Why the store and not a collective: a collective with a dead rank waits in C++ until the process
+group's timeout (30 minutes by default), where nothing can look at anything; a poll of the store
+can. The store is the job's own: nothing is written to the checkpoint's storage to tell who lives.
+
+Rank 0 watches every rank it waits for; the others watch rank 0 (which names the dead to them,
+through the store at an agreement, through the step's directory at a commit), and every rank
+only after waiting ``2 * dead_after`` (rank 0 may be stuck where it cannot look).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger("ckpttool")
+
+#: seconds between two beats of a rank
+BEAT_S = 1.0
+#: how long a rank's beat may stand still before it is taken for dead (Checkpointer's default)
+DEAD_AFTER = 10.0
+#: how long ranks still at work may trail the rest before rank 0 names them (Checkpointer's default)
+STRAGGLER_AFTER = 10.0
+
+
+@dataclass
+class Beat:
+    """What a rank says of itself, once a second."""
+
+    rank: int
+    n: int = 0  # counts beats: a dead rank's stands still
+    step: int | None = None  # the step it saves (or last saved)
+    phase: str = "idle"  # where it is in that save (Checkpointer's phases, or "done")
+    written: int = 0  # bytes of this step it has written
+    seq: int = 0  # the agreements it has entered
+
+    def where(self) -> str:
+        at = self.phase if self.step is None else f"{self.phase} of step {self.step}"
+        return f"{at}, {_size(self.written)} written" if self.written else at
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+class Roll:
+    """One rank's beats, and its view of the others'. ``key``: a prefix that all ranks of this job
+    (and of this Checkpointer) share and no other job or restart does."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, key: str, *, dead_after: float = DEAD_AFTER,
+                 straggler_after: float = STRAGGLER_AFTER, beat_s: float = BEAT_S):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.key = key
+        self.dead_after = dead_after
+        self.straggler_after = straggler_after
+        self.beat_s = beat_s
+        self.mine = Beat(rank)
+        self.seq = 0
+        self._lock = threading.Lock()
+        self._seen: dict[int, tuple[int, float, Beat]] = {}  # rank -> (its counter, when it last moved here, its beat)
+        self._stop = threading.Event()
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="ckpttool-beat", daemon=True)
+        self._thread.start()
+
+    # --- this rank ---------------------------------------------------------------------------
+
+    def beat_key(self, rank: int) -> str:
+        return f"{self.key}/beat/{rank}"
+
+    def at(self, step: int | None, phase: str) -> None:
+        """This rank is now in ``phase`` of ``step`` (said at once, not at the next beat)."""
+        with self._lock:
+            if step != self.mine.step:
+                self.mine.written = 0
+            self.mine.step, self.mine.phase = step, phase
+        self.beat()
+
+    def wrote(self, nbytes: int) -> None:
+        """This rank has written ``nbytes`` of its step so far (sent with the next beat)."""
+        self.mine.written = nbytes
+
+    def beat(self) -> None:
+        with self._lock:
+            self.mine.n += 1
+            payload = json.dumps(asdict(self.mine))
+        try:
+            self.store.set(self.beat_key(self.rank), payload)
+        except Exception:  # noqa: BLE001 - a store that went away: the waits say so, with whom
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            self.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # --- the others --------------------------------------------------------------------------
+
+    def look(self, ranks: list[int]) -> dict[int, Beat]:
+        """The beats of ``ranks`` now (one read of the store), each counter's last move noted.
+        Raises :class:`RankDeadError` naming rank 0 when the store does not answer."""
+        if not ranks:
+            return {}
+        try:
+            raw = self.store.multi_get([self.beat_key(r) for r in ranks])
+        except Exception as exc:  # noqa: BLE001 - connection refused or reset: the store's host is gone
+            raise self._store_gone(exc) from None
+        now = time.monotonic()
+        beats = {}
+        for r, value in zip(ranks, raw):
+            beat = Beat(**json.loads(value))
+            last = self._seen.get(r)
+            if last is None or last[0] != beat.n:
+                self._seen[r] = (beat.n, now, beat)
+            else:
+                self._seen[r] = (last[0], last[1], beat)
+            beats[r] = beat
+        return beats
+
+    def dead(self, ranks: list[int]) -> list[int]:
+        """Of ``ranks`` (looked at just now), those whose beat has stood still for ``dead_after``."""
+        now = time.monotonic()
+        return [r for r in ranks if r in self._seen and now - self._seen[r][1] >= self.dead_after]
+
+    def last_seen(self, rank: int) -> str:
+        seen = self._seen.get(rank)
+        if seen is None:
+            return "nowhere yet"
+        return f"{time.monotonic() - seen[1]:.0f} s ago, {seen[2].where()}"
+
+    def _store_gone(self, exc: BaseException) -> BaseException:
+        from .errors import RankDeadError
+
+        return RankDeadError([0], {0: f"{self.last_seen(0)} (the job's store, which rank 0 or its node hosts, "
+                                      f"does not answer: {str(exc).splitlines()[0][:200]})"}, "waiting for it")
+
+    def dead_error(self, ranks: list[int], doing: str, where: str | None = None) -> BaseException:
+        from .errors import RankDeadError
+
+        return RankDeadError(ranks, {r: self.last_seen(r) for r in ranks}, doing, where=where)
+
+    # --- waiting -----------------------------------------------------------------------------
+
+    def watch(self, doing: str, step: int | None = None) -> Watch:
+        return Watch(self, doing, step)
+
+
+class Watch:
+    """One wait of this rank for others: call :meth:`check` between polls with the ranks still
+    awaited; it looks at beats at most every ``beat_s / 2`` seconds, raises :class:`RankDeadError`
+    for the dead, and (rank 0) logs the ranks that trail the rest by ``straggler_after`` seconds."""
+
+    def __init__(self, roll: Roll, doing: str, step: int | None):
+        self.roll = roll
+        self.doing = doing
+        self.step = step
+        self.start = time.monotonic()
+        self._looked = 0.0
+        self._missing: set[int] | None = None
+        self._rest_done = self.start  # when the last awaited rank that is done got done
+        self._next_say = roll.straggler_after
+        self.where: str | None = None
+
+    def check(self, missing: Callable[[], list[int]] | list[int], behind_only: bool = False) -> None:
+        """``missing``: the ranks not done yet (rank 0's view), or [0] for a rank that waits for rank 0."""
+        now = time.monotonic()
+        if now - self._looked < self.roll.beat_s / 2:
+            return
+        self._looked = now
+        waiting = list(missing() if callable(missing) else missing)
+        if self._missing is not None and set(waiting) < self._missing:
+            self._rest_done = now
+        self._missing = set(waiting)
+        roll = self.roll
+        if roll.rank != 0 and now - self.start > 2 * roll.dead_after:
+            waiting = list(range(roll.world_size))  # rank 0 may be stuck where it cannot look: every rank looks
+        waiting = [r for r in waiting if r != roll.rank]
+        beats = roll.look(waiting)
+        dead = roll.dead(waiting)
+        if dead:
+            raise roll.dead_error(dead, self.doing, self.where)
+        behind = now - self._rest_done
+        if roll.rank == 0 and not behind_only and self._missing and behind >= self._next_say:
+            self._next_say *= 2
+            at = "; ".join(f"rank {r}: {beats[r].where()}" for r in sorted(self._missing) if r in beats)
+            log.warning("ckpttool: %s: rank(s) %s still at work %.0f s after the rest (%s)", self.doing,
+                        ", ".join(map(str, sorted(self._missing))), behind, at)
+
+
+def wait_until(done: Callable[[], bool], watch: Watch | None, missing: Callable[[], list[int]] | list[int],
+               timeout: float | None = None, on_timeout: Callable[[], BaseException] | None = None) -> None:
+    """Poll ``done()`` (5 ms, growing to 200 ms) until it holds, with ``watch`` checking on
+    ``missing`` between polls; after ``timeout`` seconds, ``on_timeout()`` is raised."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 0.005
+    while not done():
+        if watch is not None:
+            watch.check(missing)
+        if deadline is not None and time.monotonic() > deadline:
+            assert on_timeout is not None
+            raise on_timeout()
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
