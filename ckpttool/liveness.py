@@ -48,6 +48,7 @@ class Beat:
     phase: str = "idle"  # where it is in that save (Checkpointer's phases, or "done")
     written: int = 0  # bytes of this step it has written
     seq: int = 0  # the agreements it has entered
+    error: list[str] | None = None  # [type, text] when its part of this step failed
 
     def where(self) -> str:
         at = self.phase if self.step is None else f"{self.phase} of step {self.step}"
@@ -94,7 +95,14 @@ class Roll:
         with self._lock:
             if step != self.mine.step:
                 self.mine.written = 0
-            self.mine.step, self.mine.phase = step, phase
+            self.mine.step, self.mine.phase, self.mine.error = step, phase, None
+        self.beat()
+
+    def failed(self, step: int | None, error_type: str, text: str) -> None:
+        """This rank's part of ``step`` failed: whoever waits for it learns so from the beat (said
+        at once), even where the checkpoint's storage cannot take the rank's word."""
+        with self._lock:
+            self.mine.step, self.mine.phase, self.mine.error = step, "failed", [error_type, text[:2000]]
         self.beat()
 
     def wrote(self, nbytes: int) -> None:
@@ -202,6 +210,11 @@ class Watch:
         dead = roll.dead(waiting)
         if dead:
             raise roll.dead_error(dead, self.doing, self.where)
+        failed = [r for r in waiting if beats[r].error and self.step is not None and beats[r].step == self.step]
+        if failed:
+            from .errors import RankFailedError
+
+            raise RankFailedError(failed, self.doing, *beats[failed[0]].error, where=self.where)
         behind = now - self._rest_done
         if roll.rank == 0 and not behind_only and self._missing and behind >= self._next_say:
             self._next_say *= 2
@@ -211,11 +224,12 @@ class Watch:
 
 
 def wait_until(done: Callable[[], bool], watch: Watch | None, missing: Callable[[], list[int]] | list[int],
-               timeout: float | None = None, on_timeout: Callable[[], BaseException] | None = None) -> None:
-    """Poll ``done()`` (5 ms, growing to 200 ms) until it holds, with ``watch`` checking on
+               timeout: float | None = None, on_timeout: Callable[[], BaseException] | None = None,
+               longest: float = 0.2) -> None:
+    """Poll ``done()`` (1 ms, growing to ``longest``) until it holds, with ``watch`` checking on
     ``missing`` between polls; after ``timeout`` seconds, ``on_timeout()`` is raised."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    pause = 0.005
+    pause = 0.001
     while not done():
         if watch is not None:
             watch.check(missing)
@@ -223,4 +237,4 @@ def wait_until(done: Callable[[], bool], watch: Watch | None, missing: Callable[
             assert on_timeout is not None
             raise on_timeout()
         time.sleep(pause)
-        pause = min(pause * 2, 0.2)
+        pause = min(pause * 2, longest)

@@ -282,6 +282,8 @@ def _rank_failed(doing: str, outcomes: list[Any]) -> BaseException | None:
     failed = [r for r, outcome in enumerate(outcomes) if outcome is not None]
     if not failed:
         return None
+    # a rank that failed for another's failure (rank 0 refusing a step) comes after the one that caused it
+    failed.sort(key=lambda r: outcomes[r][0] in ("RankFailedError", "StepNotCommittedError"))
     name, text = outcomes[failed[0]]
     return RankFailedError(failed, doing, name, text)
 
@@ -337,7 +339,8 @@ def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any) -> tuple[li
         return [r for r, b in roll.look(list(range(world))).items() if b.seq < seq]
 
     try:
-        liveness.wait_until(done, roll.watch(doing), missing)
+        # polls of one counter in the store: at most every 20 ms in a small job, 200 ms at 16k ranks
+        liveness.wait_until(done, roll.watch(doing), missing, longest=min(0.2, 0.02 + world / 80000))
     except RankDeadError as exc:
         if me == 0:
             with contextlib.suppress(Exception):
@@ -422,7 +425,7 @@ def publish_part(step_dir: Location, rank: int, part: dict[str, Any]) -> None:
 
 
 def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
-                roll: Roll | None = None) -> list[dict[str, Any]]:
+                roll: Roll | None = None, step: int | None = None) -> list[dict[str, Any]]:
     """Rank 0: every rank's part of the step, once all are in storage, in rank order. A part that
     says its rank failed ends the wait at once with a :class:`RankFailedError` naming it (``doing``:
     what the ranks were doing); with ``roll``, a rank whose beat stopped ends it with a
@@ -448,7 +451,7 @@ def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
         return RendezvousError(f"no part from rank(s) {missing()} after {timeout:.0f} s (while {doing})", where=step_dir.url,
                                hint="a rank died or its storage stalled; the step stays uncommitted")
 
-    watch = roll.watch(doing) if roll is not None else None
+    watch = roll.watch(doing, step) if roll is not None else None
     if watch is not None:
         watch.where = step_dir.url
     liveness.wait_until(done, watch, missing, timeout, too_late)
@@ -476,16 +479,32 @@ def _raise_failed(rank_: int, part: dict[str, Any], doing: str, where: str) -> N
         raise RankFailedError([rank_], doing, str(part.get("error_type") or "Error"), str(part["error"]), where=where)
 
 
-def refuse_step(step_dir: Location, error: BaseException) -> None:
-    """Rank 0: say in the step's (uncommitted) directory why it was not committed (``error``), so
-    every other rank's background save stops waiting for the commit and raises the same message
-    (a dead rank, as the same :class:`RankDeadError`). Best effort: a storage that refuses it
-    leaves the others to find rank 0's beat going on and time out."""
+def outcome_key(roll: Roll, step_dir: Location) -> str:
+    return f"{roll.key}/outcome/{step_dir.name}"
+
+
+def announce_commit(roll: Roll | None, step_dir: Location) -> None:
+    """Rank 0, once the step in ``step_dir`` is committed: the others waiting for it learn so from
+    the job's store at once (the commit record in storage says it too, for a process with none)."""
+    if roll is not None:
+        with contextlib.suppress(Exception):
+            roll.store.set(outcome_key(roll, step_dir), json.dumps({"committed": True}))
+
+
+def refuse_step(step_dir: Location, error: BaseException, roll: Roll | None = None) -> None:
+    """Rank 0: say why the step in ``step_dir`` was not committed (``error``), in the job's store
+    (with ``roll``) and in the step's uncommitted directory, so every other rank's background save
+    stops waiting for the commit and raises the same message (a dead rank, as the same
+    :class:`RankDeadError`). Best effort: where both refuse it, the others see rank 0's beat say
+    that its save failed."""
     from .errors import CkptError, RankDeadError
 
     said: dict[str, Any] = {"error": error.message() if isinstance(error, CkptError) else f"{type(error).__name__}: {error}"}
     if isinstance(error, RankDeadError):
         said["dead"] = [error.ranks, error.phases, error.doing]
+    if roll is not None:
+        with contextlib.suppress(Exception):
+            roll.store.set(outcome_key(roll, step_dir), json.dumps(said))
     with contextlib.suppress(Exception):
         step_dir.child(REFUSED_FILE).write_bytes(json.dumps(said).encode())
 
@@ -500,25 +519,31 @@ def await_commit(step_dir: Location, commit_record: Location, step: int | None, 
     from .errors import CkptError, RankDeadError, StepNotCommittedError
 
     marker = step_dir.child(REFUSED_FILE)
+    told: dict[str, Any] = {}
 
-    def done() -> bool:  # (the commit record first: a rank 0 that committed and exited is no death)
-        return commit_record.exists() or marker.exists()
+    def done() -> bool:  # (the job's store first; then storage: a rank 0 that committed and exited is no death)
+        if roll is not None and not told:
+            with contextlib.suppress(Exception):
+                key = outcome_key(roll, step_dir)
+                if roll.store.check([key]):
+                    told.update(json.loads(roll.store.get(key)))
+        return bool(told) or commit_record.exists() or marker.exists()
 
     def too_late() -> BaseException:
         return StepNotCommittedError(f"rank 0 did not commit step {step} within {timeout:.0f} s", where=commit_record.parent.url,
                                      hint="rank 0 died or its storage stalled; the step stays uncommitted")
 
-    watch = roll.watch(f"waiting for rank 0 to commit step {step}") if roll is not None else None
+    watch = roll.watch(f"waiting for rank 0 to commit step {step}", step) if roll is not None else None
     try:
         liveness.wait_until(done, watch, [0], timeout, too_late)
     except RankDeadError:
         if done():
             return await_commit(step_dir, commit_record, step, 0)
         raise
-    if commit_record.exists():
+    if told.get("committed") or (not told and commit_record.exists()):
         return
     try:
-        said = json.loads(marker.read_bytes()[:1 << 16])
+        said = told or json.loads(marker.read_bytes()[:1 << 16])
         reason = said.get("error", "no reason given")
     except (ValueError, AttributeError, CkptError):
         said, reason = {}, "its reason could not be read"
@@ -528,14 +553,29 @@ def await_commit(step_dir: Location, commit_record: Location, step: int | None, 
     raise StepNotCommittedError(f"step {step} was not committed: {reason}", where=commit_record.parent.url)
 
 
+_FAILS: dict[str, int] = {}
+_HITS: dict[str, int] = {}
+
+
 def pause_point(name: str) -> None:
-    """Crash tests stop a rank (or an offline command's worker) here (CKPTTOOL_PAUSE_AT=name) to
-    kill it at a known moment, or slow it down (CKPTTOOL_DELAY_AT=name:seconds) to make a save
-    still pending at a known moment."""
+    """Crash tests stop a rank (or an offline command's worker) here (CKPTTOOL_PAUSE_AT=name, or
+    name:N the Nth time it gets here) to kill it at a known moment, or slow it down (CKPTTOOL_DELAY_AT=name:seconds) to make a save
+    still pending at a known moment; failure tests make the storage fail here as a full disk
+    does (CKPTTOOL_FAIL_AT=name, or name:N for the first N times)."""
     delay = os.environ.get("CKPTTOOL_DELAY_AT", "")
     if delay.partition(":")[0] == name:
         time.sleep(float(delay.partition(":")[2] or 1))
-    if os.environ.get("CKPTTOOL_PAUSE_AT") != name:
+    fail = os.environ.get("CKPTTOOL_FAIL_AT", "")
+    if fail.partition(":")[0] == name and _FAILS.get(name, 0) < int(fail.partition(":")[2] or 1 << 30):
+        _FAILS[name] = _FAILS.get(name, 0) + 1
+        import errno
+
+        raise OSError(errno.ENOSPC, f"No space left on device (CKPTTOOL_FAIL_AT={fail})")
+    at, _, nth = os.environ.get("CKPTTOOL_PAUSE_AT", "").partition(":")
+    if at != name:
+        return
+    _HITS[name] = _HITS.get(name, 0) + 1
+    if nth and _HITS[name] < int(nth):
         return
     marker = os.environ.get("CKPTTOOL_PAUSE_FILE", "/tmp/ckpttool-paused")
     with open(f"{marker}.{rank()}", "w") as f:

@@ -54,6 +54,12 @@ class Checkpointer:
     parameters that do not train go to a file of their own, hard-linked from the last committed
     step when unchanged; ``health``: NaN/Inf and stale tensors counted into the commit record,
     ``on_nonfinite="refuse"`` to refuse a step holding non-finite values.
+
+    Ranks that die or trail (``liveness.py``): every rank beats in the job's store from its first
+    save; a rank whose beat stands still for ``dead_after`` seconds while others wait for it is
+    named on every live rank (:class:`RankDeadError`), ranks that trail the rest by
+    ``straggler_after`` seconds are logged by rank 0. ``tolerate_failures=K``: a failed save is
+    logged on every rank and training goes on, up to K failed saves in a row (:meth:`save`).
     """
 
     def __init__(
@@ -164,7 +170,7 @@ class Checkpointer:
     # --- save ----------------------------------------------------------------------------------
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Optimizers = None, extra: dict | None = None,
-             blocking: bool | None = None) -> str:
+             blocking: bool | None = None) -> str | None:
         """Write ``{"model", "optim", "extra"}`` of this step as DCP and commit it; returns its path.
 
         ``optimizer``: one optimizer or a list of them (as torch's ``get_state_dict`` takes them;
@@ -182,7 +188,12 @@ class Checkpointer:
         (:class:`SnapshotError`): nothing is committed. The next ``save``, ``wait`` or ``close``
         raises a background save's error on every rank. Raises :class:`OutputExistsError` if the
         step exists, :class:`StorageError` when the storage refuses the write (earlier steps stay
-        intact).
+        intact), :class:`RankDeadError` naming a rank that stopped answering.
+
+        With ``tolerate_failures=K``, a failed save (any rank's storage or writer error, a refused
+        snapshot; never a dead rank) is logged on every rank instead, naming the failing rank, and
+        training goes on: a sync save returns None, an async save's failure is judged by the next
+        ``save``, ``wait`` or ``close``; the (K+1)th failed save in a row raises on every rank.
         """
         self._saves.not_from_the_writer("save")
         if not isinstance(step, int) or step < 0:
@@ -192,13 +203,10 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until this rank's pending background save is done (on rank 0: committed); raise
-        its error if it failed."""
+        its error if it failed (with ``tolerate_failures``, as :meth:`save` says)."""
         self._saves.not_from_the_writer("wait")
         self._saves.stager.fence()  # the copy's rest runs here if the copy thread has not done it (and the write guard goes)
-        with self._saves.timing("wait"):
-            error = self._saves.join_job(True)
-        if error is not None:
-            raise error
+        self._saves.wait()
 
     def close(self) -> None:
         """Drain the pending save and release what the Checkpointer holds (its process group, the

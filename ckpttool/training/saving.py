@@ -24,7 +24,8 @@ import torch
 from .. import health, liveness, rendezvous
 from . import fallback, step_writer
 from .background import Job, Worker
-from ..errors import CkptError, OutputExistsError, SnapshotError, UnhealthyStepError, UsageError
+from ..errors import (CkptError, LeaseError, OutputExistsError, RankDeadError, RankFailedError, SnapshotError,
+                      StepNotCommittedError, UnhealthyStepError, UsageError)
 from .lease import Lease
 from .state import extra_state
 from .staging import Stager
@@ -76,6 +77,8 @@ class Saves:
         self._written: Any = None  # what this rank put in its frozen file at its last save (step_writer.Written)
         self._first_save = True
         self.roll: liveness.Roll | None = None  # the ranks' beats (made at the first save of a job of several ranks)
+        self._pending_step: int | None = None  # the async save whose outcome this rank has not judged yet
+        self._failures = 0  # failed saves in a row (tolerate_failures)
         self._step: int | None = None  # the step being saved, and the seconds of its phases on this rank so far
         self._phases: dict[str, float] = {}
         # the copy into host memory, at the training thread's priority (the optimizer's next step
@@ -86,7 +89,7 @@ class Saves:
     # --- one save -------------------------------------------------------------------------------
 
     def save(self, step: int, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], extra: dict | None,
-             blocking: bool) -> str:
+             blocking: bool) -> str | None:
         """One save: prepare (the step's directory, agreed), the state, then the write and the
         commit, here (``blocking``) or in the background after the state is staged. One switch
         picks the writer: ckpttool's own (no collective), or DCP's for placements it does not lay out."""
@@ -95,15 +98,22 @@ class Saves:
         final = self.root.child(step_name(step))
         with self.timing("prepare"):
             tmp = self._begin_save(step, final)
+        if tmp is None:
+            return None  # (a failure tolerate_failures let pass: logged on every rank)
         with self.timing("state"):
             state, buffers = self._training_state(model, optimizers, extra)
         self._note_keys(model, state, buffers)
         if blocking:
-            if step_writer.supports(state):
-                with self.timing("sync save"):
-                    self._save_own_sync(state, step, tmp, final)
-            else:
-                self._save_through_dcp(state, step, tmp, final, group=None)
+            try:
+                if step_writer.supports(state):
+                    with self.timing("sync save"):
+                        self._save_own_sync(state, step, tmp, final)
+                else:
+                    self._save_through_dcp(state, step, tmp, final, group=None)
+            except CkptError as exc:  # (every rank has it: the write and the commit are agreed)
+                self.judge(step, exc)
+                return None
+            self.judge(step, None)
             return final.url
         staged, own = self._stage(state, buffers)
         rendezvous.pause_point("after-stage")
@@ -112,6 +122,7 @@ class Saves:
         rank, world_size = rendezvous.rank(), rendezvous.world_size()
         self.job = self.writer.submit(lambda: self._background(staged, step, tmp, final, own, rank, world_size),
                                       name=f"ckpttool-save-{step}")
+        self._pending_step = step
         return final.url
 
     def _note_keys(self, model: torch.nn.Module, state: dict[str, Any], buffers: set[int]) -> None:
@@ -160,13 +171,16 @@ class Saves:
                 self._save_through_dcp(staged, step, tmp, final, group=self._group)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
             self._job_error = exc
+            if self.roll is not None:  # rank 0 stops waiting for this rank's part even where storage is down
+                self.roll.failed(step, *rendezvous.described(exc))
             # also said now: a process whose last save fails and that never calls save/wait/close again
-            log.error("ckpttool: the background save of step %d failed: %s", step, exc)
+            log.error("ckpttool: rank %d: the background save of step %d failed: %s", rank, step, exc)
+        else:
+            if self.roll is not None:
+                self.roll.at(step, "done")
         finally:
             now = time.perf_counter()
             self.phase("done", now, now)  # the background save is over (rank 0: committed, or failed)
-            if self.roll is not None:
-                self.roll.at(step, "done")
 
     def _write_and_commit_own(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, rank: int,
                               world_size: int) -> None:
@@ -179,7 +193,7 @@ class Saves:
                     self._commit_own(step, tmp, final, world_size)
         except BaseException as exc:
             if rank == 0:  # the other ranks wait for the commit: tell them why it will not come
-                rendezvous.refuse_step(tmp, exc)
+                rendezvous.refuse_step(tmp, exc, self.roll)
             elif isinstance(exc, SnapshotError):
                 with contextlib.suppress(Exception):  # rank 0 stops waiting for this rank's part
                     step_writer.publish_failure(tmp, rank, exc)
@@ -227,8 +241,8 @@ class Saves:
     def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int) -> None:
         """Rank 0: wait for every rank's index in storage, write .metadata, then the commit record
         (last), publish the step and apply retention."""
-        started = time.perf_counter()
         indexes = step_writer.read_rank_indexes(tmp, world_size, self.o.commit_timeout, step, self.roll)
+        started = time.perf_counter()  # (the commit's own time: the wait for the others is theirs)
         manifest = step_writer.commit_metadata(tmp, indexes)
         record = {"manifest": manifest, **step_writer.step_bytes(indexes)}  # bytes written, and shared with the step before
         # each rank's seconds per phase (rank 0's commit up to here): inspect names the slowest rank
@@ -274,6 +288,7 @@ class Saves:
         tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, record))
         rendezvous.pause_point("before-rename")
         self.root.commit_policy.publish(tmp, final)
+        rendezvous.announce_commit(self.roll, tmp)
         if self.o.on_commit is not None:
             try:
                 self.o.on_commit(step, final.url)
@@ -312,14 +327,20 @@ class Saves:
 
     # --- the step's directory and the lease -------------------------------------------------------
 
-    def _begin_save(self, step: int, final: Location) -> Location:
+    def _begin_save(self, step: int, final: Location) -> Location | None:
         """Join the pending save, hold the lease and make the step's temporary directory (rank 0),
         and agree on the outcome in one exchange: the directory's name, or the first rank's error
-        raised on every rank (a failed background save fails every rank's next save)."""
+        raised on every rank. The async save before it, if its outcome is not known yet, is judged
+        first, on every rank alike (:meth:`judge`: a failure there fails this save, unless
+        ``tolerate_failures`` lets this one start fresh)."""
+        pending = self._pending_step
         error = self.join_job()
         if self.roll is None and self._first_save:
             self._first_save = False
             self.roll = rendezvous.new_roll(self.o.dead_after, self.o.straggler_after)
+        if pending is not None:
+            self.judge(pending, rendezvous.agreed_failure(f"saving step {pending}", error, roll=self.roll))
+            error = None
         name = None
         if error is None and rendezvous.rank() == 0:
             try:
@@ -332,7 +353,8 @@ class Saves:
             if name is not None:  # made here, and no rank writes into it
                 with contextlib.suppress(CkptError):
                     self.root.child(name).remove()
-            raise failure
+            self.judge(step, failure)
+            return None
         return self.root.child(agreed_name)
 
     def _make_step_dir(self, final: Location) -> str:
@@ -368,6 +390,7 @@ class Saves:
             self.job = None
         error, self._job_error = self._job_error, None
         pending, self._outcome = self._outcome, None
+        self._pending_step = None
         if outcome and error is None and pending is not None:
             try:
                 tmp, final = pending
@@ -375,6 +398,34 @@ class Saves:
             except CkptError as exc:
                 error = exc
         return error
+
+    def wait(self) -> None:
+        """This rank's pending background save done, and judged (:meth:`judge`) as every rank judges it."""
+        pending = self._pending_step
+        with self.timing("wait"):
+            error = self.join_job(True)
+        if pending is not None:
+            self.judge(pending, error)
+        elif error is not None:
+            raise error
+
+    def judge(self, step: int, failure: BaseException | None) -> None:
+        """The outcome of the save of ``step``, the same on every rank (an agreed failure, or rank
+        0's commit or refusal): a failure is raised, unless it is one ``tolerate_failures`` lets
+        pass and fewer than that many saves failed in a row before it: then it is logged here,
+        naming the failing rank, and training goes on (the step stays uncommitted)."""
+        if failure is None:
+            self._failures = 0
+            return
+        self._failures += 1
+        if self._failures > self.o.tolerate_failures or not tolerable(failure):
+            raise failure
+        me = rendezvous.rank()
+        named = isinstance(failure, (RankFailedError, RankDeadError, StepNotCommittedError))
+        text = failure.message() if isinstance(failure, CkptError) else str(failure)
+        said = text if named else f"rank {me} failed: {type(failure).__name__}: {text}"
+        log.error("ckpttool: rank %d: step %d was not saved: %s; %d failed save(s) in a row, %d tolerated: training goes on",
+                  me, step, said, self._failures, self.o.tolerate_failures)
 
     def close(self) -> None:
         """After the last wait: threads joined, buffers and the process group let go."""
@@ -436,6 +487,22 @@ def plain_buffers(model_state: dict[str, Any], buffers: set[int]) -> frozenset[s
 
     return frozenset(f"model.{k}" for k, v in model_state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
                      and v.numel() and v.data_ptr() in buffers)
+
+
+#: what a failed save can never be let pass with (tolerate_failures): a dead rank (the job cannot go
+#: on), a caller's mistake, another job's lease, a step refused for its non-finite values on purpose
+NEVER_TOLERATED = (RankDeadError, UsageError, OutputExistsError, LeaseError, UnhealthyStepError)
+
+
+def tolerable(error: BaseException) -> bool:
+    """Whether ``tolerate_failures`` may let this failed save pass: ckpttool's errors (a storage
+    error, a full disk, a rank's writer error, a store that is down, a refused snapshot, another
+    rank's such failure), never a bug's exception nor one of :data:`NEVER_TOLERATED`."""
+    if isinstance(error, NEVER_TOLERATED) or not isinstance(error, CkptError):
+        return False
+    if isinstance(error, RankFailedError):
+        return error.error_type not in {c.__name__ for c in NEVER_TOLERATED}
+    return True
 
 
 def check_root(root: Location) -> None:

@@ -561,7 +561,7 @@ def read_rank_indexes(step_dir: Location, world_size: int, timeout: float, step:
     part failed ends the wait, named; with ``roll``, so does a dead one)."""
     indexes = []
     doing = "writing its part of the step" if step is None else f"writing its part of step {step}"
-    for r, part in enumerate(rendezvous.await_parts(step_dir, world_size, timeout, doing, roll)):
+    for r, part in enumerate(rendezvous.await_parts(step_dir, world_size, timeout, doing, roll, step)):
         try:
             indexes.append(RankIndex(**part))
         except TypeError as exc:

@@ -1,0 +1,65 @@
+"""A failed save costs one save, where the user allows it (``tolerate_failures``): every rank logs
+it, naming the failing rank, nothing is committed, training goes on, and K+1 failures in a row
+raise on every rank alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpttool import Checkpointer
+
+from .failure_workloads import failing_saves
+from .harness import run_ranks
+from .test_async_and_crash import _full_state_on_a_laptop
+from .workloads import assert_same
+
+
+@pytest.mark.parametrize("async_save,point", [
+    (False, "after-write"),
+    (True, "after-write"),   # its index says it failed
+    (True, "before-index"),  # no index at all (as where storage refuses it): its beat says it failed
+])
+def test_two_failed_saves_cost_two_saves_and_training_goes_on(tmp_path, async_save, point):
+    root = str(tmp_path / "run")
+    results = run_ranks(failing_saves, 2, root, async_save, 2, 2, 1, point)
+    for rank, res in enumerate(results):
+        assert res["raised"] is None, (rank, res["raised"])
+        if not async_save:  # a sync save says at once that it failed
+            assert res["returned"][4] is None and res["returned"][6] is None and res["returned"][8], (rank, res["returned"])
+        assert len(res["logged"]) == 2, (rank, res["logged"])
+        for line in res["logged"]:
+            assert "rank 1 failed" in line and "no space left on device" in line.lower(), line
+            assert line.startswith(f"ckpttool: rank {rank}: step "), line
+        assert "step 4 was not saved" in res["logged"][0] and "step 6 was not saved" in res["logged"][1], res["logged"]
+        assert res["steps"] == [2, 8], res["steps"]
+    ckpt = Checkpointer(root)
+    assert ckpt.steps() == [2, 8]
+    assert len(ckpt.incomplete()) == 2  # the failed saves' directories: never committed, clean removes them
+    step, state = _full_state_on_a_laptop(root)
+    assert step == 8
+    expected = results[0]["states"][8]
+    assert_same({k: v for k, v in expected.items() if k in state}, state, "step 8 after two failed saves")
+    assert sorted(ckpt.clean()) and ckpt.incomplete() == [] and ckpt.steps() == [2, 8]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_one_failure_more_than_tolerated_raises_on_every_rank(tmp_path, async_save):
+    root = str(tmp_path / "run")
+    results = run_ranks(failing_saves, 2, root, async_save, 1, 2, 1)
+    # sync: step 6's save raises; async: its failure is judged when step 8 is saved
+    at = 6 if not async_save else 8
+    for rank, res in enumerate(results):
+        assert res["raised"] is not None and res["raised"][2] == at, (rank, res["raised"])
+        kind, text, _ = res["raised"]
+        assert "no space left on device" in text.lower(), text
+        assert kind == ("StorageError" if rank == 1 else "RankFailedError"), (rank, kind)
+        assert len(res["logged"]) == 1 and "step 4 was not saved" in res["logged"][0], res["logged"]
+        assert res["steps"] == [2], res["steps"]
+
+
+def test_by_default_the_first_failed_save_raises_on_every_rank(tmp_path):
+    root = str(tmp_path / "run")
+    results = run_ranks(failing_saves, 2, root, True, 0, 1, 1)
+    for rank, res in enumerate(results):
+        assert res["raised"] is not None and res["raised"][2] == 6, (rank, res["raised"])
+        assert res["logged"] == [], res["logged"]
