@@ -144,8 +144,7 @@ class Checkpointer:
     @property
     def saving(self) -> bool:
         """Whether this rank's async save is still being written (its background thread runs)."""
-        job = self._saves.job
-        return job is not None and not job.done.is_set()
+        return self._saves.writing()
 
     @property
     def staging(self) -> Stager:

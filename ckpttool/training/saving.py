@@ -409,6 +409,10 @@ class Saves:
         elif error is not None:
             raise error
 
+    def writing(self) -> bool:
+        """Whether this rank's background save is still being written."""
+        return self.job is not None and not self.job.done.is_set()
+
     def judge(self, step: int, failure: BaseException | None) -> None:
         """The outcome of the save of ``step``, the same on every rank (an agreed failure, or rank
         0's commit or refusal): a failure is raised, unless it is one ``tolerate_failures`` lets
@@ -460,8 +464,8 @@ class Saves:
         """What runs inside is phase ``name`` of this save: said in this rank's beat, its seconds
         kept for the step's commit record, and reported to ``on_phase`` (when set)."""
         start = time.perf_counter()
-        if self.roll is not None and name != "wait":  # (wait is this thread's; the beat says where the save is)
-            self.roll.at(self._step, name)
+        if self.roll is not None and name != "wait" and (self.writer.running_here() or not self.writing()):
+            self.roll.at(self._step, name)  # (the beat says where the save is: a background write's phase first)
         try:
             yield
         finally:
