@@ -123,7 +123,26 @@ class Roll:
             self.beat()
 
     def close(self) -> None:
+        """This rank's Checkpointer is closed: its last beat says so (a rank that closed and exited
+        is no dead rank to anyone who looks later), and the beats stop."""
         self._stop.set()
+        self.at(self.mine.step, "closed")
+
+    def linger(self, timeout: float = 5.0) -> None:
+        """Rank 0 at exit: the job's store may live in this process (a plain launch), and the other
+        ranks may be between two polls of the last agreement; wait (at most ``timeout`` seconds)
+        until each has seen it complete, so that none takes this rank's exit for its death."""
+        if self.rank != 0 or self.seq == 0:
+            return
+        deadline = time.monotonic() + timeout
+        key = f"{self.key}/x/{self.seq}/seen"
+        while time.monotonic() < deadline:
+            try:
+                if self.store.add(key, 0) >= self.world_size:
+                    return
+            except Exception:  # noqa: BLE001 - the store is gone already: nothing to wait for
+                return
+            time.sleep(0.002)
 
     # --- the others --------------------------------------------------------------------------
 
@@ -151,7 +170,8 @@ class Roll:
     def dead(self, ranks: list[int]) -> list[int]:
         """Of ``ranks`` (looked at just now), those whose beat has stood still for ``dead_after``."""
         now = time.monotonic()
-        return [r for r in ranks if r in self._seen and now - self._seen[r][1] >= self.dead_after]
+        return [r for r in ranks if r in self._seen and now - self._seen[r][1] >= self.dead_after
+                and self._seen[r][2].phase != "closed"]
 
     def last_seen(self, rank: int) -> str:
         seen = self._seen.get(rank)

@@ -147,8 +147,20 @@ def new_roll(dead_after: float, straggler_after: float) -> Roll | None:
     if store is None:
         return None
     key = broadcast(f"ckpttool/{uuid.uuid4().hex}" if rank() == 0 else None)
+    try:
+        store.multi_get([])  # a store without what the beats need: saves go on without them, as before
+    except Exception as exc:  # noqa: BLE001
+        import logging
+
+        logging.getLogger("ckpttool").warning("ckpttool: the job's store (%s) cannot serve the ranks' beats (%s): a dead "
+                                              "rank is not named", type(store).__name__, exc)
+        return None
     roll = liveness.Roll(store, rank(), world_size(), key, dead_after=dead_after, straggler_after=straggler_after)
     barrier("ckpttool: every rank beats")
+    if roll.rank == 0:
+        import atexit
+
+        atexit.register(roll.linger)
     return roll
 
 
@@ -355,8 +367,9 @@ def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any) -> tuple[li
             if call(store.check, [f"{base}/f/{r}"]):
                 outcomes[r] = json.loads(call(store.get, f"{base}/f/{r}"))
     value0 = json.loads(call(store.get, f"{base}/v"))
+    call(store.add, f"{base}/seen", 1)  # (rank 0 leaves the job's store up until every rank got here: Roll.linger)
     old = f"{roll.key}/x/{seq - 1}"
-    for key in [f"{old}/f/{me}"] + ([f"{old}/n", f"{old}/bad", f"{old}/v", f"{old}/dead"] if me == 0 else []):
+    for key in [f"{old}/f/{me}"] + ([f"{old}/n", f"{old}/bad", f"{old}/v", f"{old}/dead", f"{old}/seen"] if me == 0 else []):
         with contextlib.suppress(Exception):
             store.delete_key(key)
     return outcomes, value0
