@@ -1,0 +1,107 @@
+"""The ranks' beats (ckpttool/liveness.py) on a real store, in one process: two Rolls stand for
+two ranks. What the multi-process tests show end to end (tests/dist/test_dead_ranks.py), here
+with short times and each rule on its own."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ckpttool.errors import RankDeadError, RankFailedError
+from ckpttool.liveness import Roll, wait_until
+
+
+@pytest.fixture
+def rolls(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    made = [Roll(store, r, 2, "job", dead_after=0.4, straggler_after=0.2, beat_s=0.05) for r in range(2)]
+    yield made
+    for roll in made:
+        roll._stop.set()
+
+
+def _stop_beating(roll: Roll) -> None:
+    """A rank killed: its beat thread stops and nothing else is said."""
+    roll._stop.set()
+    roll._thread.join()
+
+
+def test_a_rank_whose_beat_stands_still_is_named_with_its_phase(rolls):
+    zero, one = rolls
+    one.at(4, "write")
+    one.wrote(3 << 20)
+    time.sleep(0.1)
+    watch = zero.watch("writing its part of step 4", 4)
+    watch.check([1])  # alive
+    _stop_beating(one)
+    start = time.monotonic()
+    with pytest.raises(RankDeadError) as got:
+        wait_until(lambda: False, watch, [1])
+    assert 0.3 < time.monotonic() - start < 2.0
+    assert got.value.ranks == [1]
+    assert "write of step 4, 3.0 MiB written" in got.value.phases[1]
+    assert "rank 1 stopped answering" in str(got.value) and "while writing its part of step 4" in str(got.value)
+
+
+def test_a_live_rank_is_never_named_dead_however_long_it_takes(rolls):
+    zero, one = rolls
+    one.at(4, "write")
+    watch = zero.watch("writing its part of step 4", 4)
+    end = time.monotonic() + 1.5  # almost 4x dead_after
+    wait_until(lambda: time.monotonic() > end, watch, [1])
+
+
+def test_a_rank_that_closed_is_not_taken_for_dead(rolls):
+    zero, one = rolls
+    one.close()
+    watch = zero.watch("waiting", None)
+    end = time.monotonic() + 1.0
+    wait_until(lambda: time.monotonic() > end, watch, [1])
+
+
+def test_a_rank_whose_beat_says_its_part_failed_ends_the_wait_at_once(rolls):
+    zero, one = rolls
+    one.failed(4, "StorageError", "disk full")
+    with pytest.raises(RankFailedError, match="rank 1 failed: StorageError: disk full"):
+        wait_until(lambda: False, zero.watch("writing its part of step 4", 4), [1])
+    # an old step's failure does not fail the wait for another step
+    end = time.monotonic() + 0.6
+    wait_until(lambda: time.monotonic() > end, zero.watch("writing its part of step 6", 6), [1])
+
+
+def test_stragglers_are_logged_by_rank_0_at_growing_intervals(rolls, caplog):
+    zero, one = rolls
+    one.at(4, "write")
+    one.wrote(1 << 20)
+    caplog.set_level(logging.WARNING, logger="ckpttool")
+    end = time.monotonic() + 1.0
+    wait_until(lambda: time.monotonic() > end, zero.watch("writing its part of step 4", 4), [1])
+    said = [r.getMessage() for r in caplog.records if "still at work" in r.getMessage()]
+    assert len(said) == 3, said  # after 0.2, 0.4 and 0.8 s
+    assert all("rank 1: write of step 4, 1.0 MiB written" in line for line in said), said
+    caplog.clear()
+    end = time.monotonic() + 0.5
+    wait_until(lambda: time.monotonic() > end, one.watch("waiting for rank 0", 4), [0])
+    assert not [r for r in caplog.records if "still at work" in r.getMessage()]  # only rank 0 says it
+
+
+def test_a_store_that_does_not_answer_is_rank_0s_death():
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=2))
+    zero = Roll(server, 0, 2, "job", dead_after=5, beat_s=0.05)
+    one = Roll(client, 1, 2, "job", dead_after=5, beat_s=0.05)
+    zero.at(4, "commit")
+    one.watch("waiting for rank 0 to commit step 4", 4).check([0])
+    zero._stop.set()
+    del zero, server  # the store's host is gone
+    import gc
+
+    gc.collect()
+    with pytest.raises(RankDeadError) as got:
+        wait_until(lambda: False, one.watch("waiting for rank 0 to commit step 4", 4), [0])
+    assert got.value.ranks == [0] and "commit of step 4" in got.value.phases[0] and "does not answer" in got.value.phases[0]
+    one._stop.set()
