@@ -140,4 +140,16 @@ class UnhealthyStepError(CkptError):
 
 
 class StepNotCommittedError(CkptError):
-    """Another rank's part of a step failed (or rank 0 could not commit it): the step was not committed."""
+    """Another rank's part of a step failed (or rank 0 could not commit it): the step was not
+    committed. ``error_type``: the type of the error that caused it, where rank 0 said."""
+
+    def __init__(self, what: str, *, error_type: str | None = None, where: str | None = None, hint: str | None = None):
+        self.error_type = error_type
+        super().__init__(what, where=where, hint=hint)
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_not_committed, (self.what, self.error_type, self.where, self.hint)
+
+
+def _rebuild_not_committed(what: str, error_type: str | None, where: str | None, hint: str | None) -> StepNotCommittedError:
+    return StepNotCommittedError(what, error_type=error_type, where=where, hint=hint)

@@ -13,9 +13,11 @@ Why the store and not a collective: a collective with a dead rank waits in C++ u
 group's timeout (30 minutes by default), where nothing can look at anything; a poll of the store
 can. The store is the job's own: nothing is written to the checkpoint's storage to tell who lives.
 
-Rank 0 watches every rank it waits for; the others watch rank 0 (which names the dead to them,
-through the store at an agreement, through the step's directory at a commit), and every rank
-only after waiting ``2 * dead_after`` (rank 0 may be stuck where it cannot look).
+Rank 0 watches every rank it waits for; the others watch rank 0 alone, which names the dead or
+failed to them (through the store at an agreement, through the store and the step's directory at
+a commit): the load on the store grows with the ranks, not their square. A rank that stays alive
+but never comes (hung in a collective of its own) is waited for until the wait's timeout
+(``commit_timeout``), with rank 0 naming it as a straggler at growing intervals meanwhile.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Beat:
     phase: str = "idle"  # where it is in that save (Checkpointer's phases, or "done")
     written: int = 0  # bytes of this step it has written
     seq: int = 0  # the agreements it has entered
-    error: list[str] | None = None  # [type, text] when its part of this step failed
+    failed: list[Any] | None = None  # [step, error type, text] of its last save that failed (kept as it moves on)
 
     def where(self) -> str:
         at = self.phase if self.step is None else f"{self.phase} of step {self.step}"
@@ -79,6 +81,7 @@ class Roll:
         self.mine = Beat(rank)
         self.seq = 0
         self._lock = threading.Lock()
+        self._send = threading.Lock()
         self._seen: dict[int, tuple[int, float, Beat]] = {}  # rank -> (its counter, when it last moved here, its beat)
         self._stop = threading.Event()
         self.beat()
@@ -95,14 +98,15 @@ class Roll:
         with self._lock:
             if step != self.mine.step:
                 self.mine.written = 0
-            self.mine.step, self.mine.phase, self.mine.error = step, phase, None
+            self.mine.step, self.mine.phase = step, phase
         self.beat()
 
     def failed(self, step: int | None, error_type: str, text: str) -> None:
         """This rank's part of ``step`` failed: whoever waits for it learns so from the beat (said
-        at once), even where the checkpoint's storage cannot take the rank's word."""
+        at once, and kept while the rank moves on or closes), even where the checkpoint's storage
+        cannot take the rank's word."""
         with self._lock:
-            self.mine.step, self.mine.phase, self.mine.error = step, "failed", [error_type, text[:2000]]
+            self.mine.step, self.mine.phase, self.mine.failed = step, "failed", [step, error_type, text[:2000]]
         self.beat()
 
     def wrote(self, nbytes: int) -> None:
@@ -110,13 +114,14 @@ class Roll:
         self.mine.written = nbytes
 
     def beat(self) -> None:
-        with self._lock:
-            self.mine.n += 1
-            payload = json.dumps(asdict(self.mine))
-        try:
-            self.store.set(self.beat_key(self.rank), payload)
-        except Exception:  # noqa: BLE001 - a store that went away: the waits say so, with whom
-            pass
+        with self._send:  # (one beat at a time: a later one never lands before an earlier one)
+            with self._lock:
+                self.mine.n += 1
+                payload = json.dumps(asdict(self.mine))
+            try:
+                self.store.set(self.beat_key(self.rank), payload)
+            except Exception:  # noqa: BLE001 - a store that went away: the waits say so, with whom
+                pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):
@@ -126,6 +131,7 @@ class Roll:
         """This rank's Checkpointer is closed: its last beat says so (a rank that closed and exited
         is no dead rank to anyone who looks later), and the beats stop."""
         self._stop.set()
+        self._thread.join(timeout=5)
         self.at(self.mine.step, "closed")
 
     def linger(self, timeout: float = 5.0) -> None:
@@ -168,10 +174,11 @@ class Roll:
         return beats
 
     def dead(self, ranks: list[int]) -> list[int]:
-        """Of ``ranks`` (looked at just now), those whose beat has stood still for ``dead_after``."""
+        """Of ``ranks`` (looked at just now, each awaited), those whose beat has stood still for
+        ``dead_after``, and those that closed their Checkpointer: neither will come."""
         now = time.monotonic()
-        return [r for r in ranks if r in self._seen and now - self._seen[r][1] >= self.dead_after
-                and self._seen[r][2].phase != "closed"]
+        return [r for r in ranks if r in self._seen and (now - self._seen[r][1] >= self.dead_after
+                                                          or self._seen[r][2].phase == "closed")]
 
     def last_seen(self, rank: int) -> str:
         seen = self._seen.get(rank)
@@ -198,8 +205,11 @@ class Roll:
 
 class Watch:
     """One wait of this rank for others: call :meth:`check` between polls with the ranks still
-    awaited; it looks at beats at most every ``beat_s / 2`` seconds, raises :class:`RankDeadError`
-    for the dead, and (rank 0) logs the ranks that trail the rest by ``straggler_after`` seconds."""
+    awaited; it looks at their beats at most every ``beat_s / 2`` seconds, raises
+    :class:`RankDeadError` for the dead (and those that closed), :class:`RankFailedError` for those
+    whose part of ``step`` failed, and (rank 0) logs the ranks that trail the rest by
+    ``straggler_after`` seconds. A rank other than 0 watches rank 0 alone, which watches the others
+    and tells it."""
 
     def __init__(self, roll: Roll, doing: str, step: int | None):
         self.roll = roll
@@ -223,18 +233,16 @@ class Watch:
             self._rest_done = now
         self._missing = set(waiting)
         roll = self.roll
-        if roll.rank != 0 and now - self.start > 2 * roll.dead_after:
-            waiting = list(range(roll.world_size))  # rank 0 may be stuck where it cannot look: every rank looks
         waiting = [r for r in waiting if r != roll.rank]
         beats = roll.look(waiting)
+        failed = [r for r in waiting if beats[r].failed and self.step is not None and beats[r].failed[0] == self.step]
+        if failed:  # (before the dead: a rank whose part failed may have closed and gone since)
+            from .errors import RankFailedError
+
+            raise RankFailedError(failed, self.doing, *beats[failed[0]].failed[1:], where=self.where)
         dead = roll.dead(waiting)
         if dead:
             raise roll.dead_error(dead, self.doing, self.where)
-        failed = [r for r in waiting if beats[r].error and self.step is not None and beats[r].step == self.step]
-        if failed:
-            from .errors import RankFailedError
-
-            raise RankFailedError(failed, self.doing, *beats[failed[0]].error, where=self.where)
         behind = now - self._rest_done
         if roll.rank == 0 and not behind_only and self._missing and behind >= self._next_say:
             self._next_say *= 2

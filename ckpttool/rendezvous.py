@@ -146,14 +146,18 @@ def new_roll(dead_after: float, straggler_after: float) -> Roll | None:
     store = default_store()
     if store is None:
         return None
-    key = broadcast(f"ckpttool/{uuid.uuid4().hex}" if rank() == 0 else None)
-    try:
-        store.multi_get([])  # a store without what the beats need: saves go on without them, as before
-    except Exception as exc:  # noqa: BLE001
-        import logging
+    key = None
+    if rank() == 0:  # rank 0 decides for every rank (a store without what the beats need: saves go on without them)
+        try:
+            store.multi_get([])
+            key = f"ckpttool/{uuid.uuid4().hex}"
+        except Exception as exc:  # noqa: BLE001
+            import logging
 
-        logging.getLogger("ckpttool").warning("ckpttool: the job's store (%s) cannot serve the ranks' beats (%s): a dead "
-                                              "rank is not named", type(store).__name__, exc)
+            logging.getLogger("ckpttool").warning("ckpttool: the job's store (%s) cannot serve the ranks' beats (%s): a "
+                                                  "dead rank is not named", type(store).__name__, exc)
+    key = broadcast(key)
+    if key is None:
         return None
     roll = liveness.Roll(store, rank(), world_size(), key, dead_after=dead_after, straggler_after=straggler_after)
     barrier("ckpttool: every rank beats")
@@ -194,7 +198,8 @@ def described(error: BaseException) -> tuple[str, str]:
     return type(error).__name__, error.message() if isinstance(error, CkptError) else str(error)
 
 
-def agreed(doing: str, fn: Any, *, rank0_only: bool = False, group: Any = None, roll: Roll | None = None) -> Any:
+def agreed(doing: str, fn: Any, *, rank0_only: bool = False, group: Any = None, roll: Roll | None = None,
+           step: int | None = None, timeout: float | None = None) -> Any:
     """Run ``fn`` (on rank 0 alone with ``rank0_only``) and agree on its outcome: a :class:`CkptError`
     on any rank is raised on every rank (:func:`agreed_failure`; ``doing`` names the step). Returns
     ``fn``'s result (None where it did not run). With ``roll``, through the job's store, watching
@@ -208,7 +213,7 @@ def agreed(doing: str, fn: Any, *, rank0_only: bool = False, group: Any = None, 
             result = fn()
         except CkptError as exc:
             error = exc
-    error = agreed_failure(doing, error, group, roll=roll)
+    error = agreed_failure(doing, error, group, roll=roll, step=step, timeout=timeout)
     if error is not None:
         raise error
     return result
@@ -265,7 +270,8 @@ def any_rank(flag: bool, group: Any = None) -> bool:
     return bool(tensor.item())
 
 
-def agreed_failure(doing: str, error: BaseException | None, group: Any = None, roll: Roll | None = None) -> BaseException | None:
+def agreed_failure(doing: str, error: BaseException | None, group: Any = None, roll: Roll | None = None,
+                   step: int | None = None, timeout: float | None = None) -> BaseException | None:
     """Agree on the outcome of a step every rank takes (``doing``, as "writing its part of step 3"):
     None when every rank succeeded; else, on a failing rank its own ``error``, and on every other
     rank a :class:`~ckpttool.errors.RankFailedError` naming the failing ranks and the first one's
@@ -277,7 +283,7 @@ def agreed_failure(doing: str, error: BaseException | None, group: Any = None, r
     (the interpreter finalizing, the thread is torn down inside a noexcept destructor).
     """
     if roll is not None:
-        outcomes, _ = store_exchange(roll, doing, None if error is None else described(error), None)
+        outcomes, _ = store_exchange(roll, doing, None if error is None else described(error), None, step, timeout)
         return error if error is not None else _rank_failed(doing, outcomes)
     if not active():
         return error
@@ -301,11 +307,11 @@ def _rank_failed(doing: str, outcomes: list[Any]) -> BaseException | None:
 
 
 def rank0_value(doing: str, value: Any, error: BaseException | None, group: Any = None,
-                roll: Roll | None = None) -> tuple[Any, BaseException | None]:
+                roll: Roll | None = None, step: int | None = None, timeout: float | None = None) -> tuple[Any, BaseException | None]:
     """Rank 0's ``value`` on every rank and the agreed failure of ``doing`` (None when every rank
     succeeded: then the value), in one exchange (with ``roll``, through the job's store)."""
     if roll is not None:
-        failed, value0 = store_exchange(roll, doing, None if error is None else described(error), value)
+        failed, value0 = store_exchange(roll, doing, None if error is None else described(error), value, step, timeout)
         failure = error if error is not None else _rank_failed(doing, failed)
         return (value0 if failure is None else None), failure
     outcomes = all_gather((None if error is None else described(error), value), group)
@@ -313,14 +319,17 @@ def rank0_value(doing: str, value: Any, error: BaseException | None, group: Any 
     return (outcomes[0][1] if failure is None else None), failure
 
 
-def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any) -> tuple[list[Any], Any]:
+def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any, step: int | None = None,
+                   timeout: float | None = None) -> tuple[list[Any], Any]:
     """Every rank's ``outcome`` (None where it succeeded; JSON) and rank 0's ``value``, on every
     rank, through the job's store: each rank adds itself to a counter (and, failing, its outcome)
     and polls the counter until every rank is in, watching the beats of those that are not (rank
-    0 all of them, the others rank 0): a dead rank ends the wait with a :class:`RankDeadError`
-    on every live rank, rank 0 telling the others whom it found dead. Keys of the exchange before
-    are deleted (every rank is past it once this one is complete)."""
-    from .errors import RankDeadError
+    0 all of them, the others rank 0): a dead rank, or one whose beat says its part of ``step``
+    failed before it could come, ends the wait on every live rank (:class:`RankDeadError`,
+    :class:`RankFailedError`), rank 0 telling the others; after ``timeout`` seconds a
+    :class:`RendezvousError` names the ranks still missing. Keys of the exchange before are deleted
+    (every rank is past it once this one is complete)."""
+    from .errors import RankDeadError, RankFailedError, RendezvousError
 
     roll.seq += 1
     seq, me, world, store = roll.seq, roll.rank, roll.world_size, roll.store
@@ -345,22 +354,34 @@ def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any) -> tuple[li
     def done() -> bool:
         return call(store.add, f"{base}/n", 0) >= world or (me != 0 and call(store.check, [verdict]))
 
+    late: list[int] = []
+
     def missing() -> list[int]:
         if me != 0:
             return [0]
-        return [r for r, b in roll.look(list(range(world))).items() if b.seq < seq]
+        late[:] = [r for r, b in roll.look(list(range(world))).items() if b.seq < seq]
+        return late
+
+    def too_late() -> BaseException:
+        who = f"rank(s) {late}" if me == 0 else "some rank (rank 0 names it)"
+        return RendezvousError(f"{who} did not come after {timeout:.0f} s (while {doing})",
+                               hint="a rank is alive but stuck elsewhere (a collective of its own?); the step is not committed")
 
     try:
         # polls of one counter in the store: at most every 20 ms in a small job, 200 ms at 16k ranks
-        liveness.wait_until(done, roll.watch(doing), missing, longest=min(0.2, 0.02 + world / 80000))
-    except RankDeadError as exc:
+        liveness.wait_until(done, roll.watch(doing, step), missing, timeout, too_late, longest=min(0.2, 0.02 + world / 80000))
+    except (RankDeadError, RankFailedError) as exc:
         if me == 0:
+            said = {"dead": [exc.ranks, exc.phases]} if isinstance(exc, RankDeadError) else \
+                {"failed": [exc.ranks, exc.error_type, exc.text]}
             with contextlib.suppress(Exception):
-                store.set(verdict, json.dumps([exc.ranks, exc.phases]))
+                store.set(verdict, json.dumps(said))
         raise
     if me != 0 and call(store.check, [verdict]) and call(store.add, f"{base}/n", 0) < world:
-        ranks, phases = json.loads(call(store.get, verdict))
-        raise RankDeadError(ranks, phases, doing)
+        said = json.loads(call(store.get, verdict))
+        if "dead" in said:
+            raise RankDeadError(*said["dead"], doing)
+        raise RankFailedError(said["failed"][0], doing, *said["failed"][1:])
     outcomes: list[Any] = [None] * world
     if call(store.add, f"{base}/bad", 0):
         for r in range(world):
@@ -504,6 +525,18 @@ def announce_commit(roll: Roll | None, step_dir: Location) -> None:
             roll.store.set(outcome_key(roll, step_dir), json.dumps({"committed": True}))
 
 
+def cause_type(error: BaseException) -> str:
+    """The type's name of the error behind ``error``: another rank's, where it says whose."""
+    return getattr(error, "error_type", None) or type(error).__name__
+
+
+def forget_outcome(roll: Roll | None, step_dir: Location) -> None:
+    """Rank 0: a step's outcome leaves the job's store once every rank has judged it."""
+    if roll is not None:
+        with contextlib.suppress(Exception):
+            roll.store.delete_key(outcome_key(roll, step_dir))
+
+
 def refuse_step(step_dir: Location, error: BaseException, roll: Roll | None = None) -> None:
     """Rank 0: say why the step in ``step_dir`` was not committed (``error``), in the job's store
     (with ``roll``) and in the step's uncommitted directory, so every other rank's background save
@@ -512,7 +545,8 @@ def refuse_step(step_dir: Location, error: BaseException, roll: Roll | None = No
     that its save failed."""
     from .errors import CkptError, RankDeadError
 
-    said: dict[str, Any] = {"error": error.message() if isinstance(error, CkptError) else f"{type(error).__name__}: {error}"}
+    said: dict[str, Any] = {"error": error.message() if isinstance(error, CkptError) else f"{type(error).__name__}: {error}",
+                            "error_type": cause_type(error)}
     if isinstance(error, RankDeadError):
         said["dead"] = [error.ranks, error.phases, error.doing]
     if roll is not None:
@@ -550,9 +584,8 @@ def await_commit(step_dir: Location, commit_record: Location, step: int | None, 
     try:
         liveness.wait_until(done, watch, [0], timeout, too_late)
     except RankDeadError:
-        if done():
-            return await_commit(step_dir, commit_record, step, 0)
-        raise
+        if not done():  # (rank 0 said the outcome, then died or exited: the outcome stands)
+            raise
     if told.get("committed") or (not told and commit_record.exists()):
         return
     try:
@@ -563,7 +596,8 @@ def await_commit(step_dir: Location, commit_record: Location, step: int | None, 
     if said.get("dead"):
         ranks, phases, doing = said["dead"]
         raise RankDeadError(ranks, {int(r): p for r, p in phases.items()}, doing, where=commit_record.parent.url)
-    raise StepNotCommittedError(f"step {step} was not committed: {reason}", where=commit_record.parent.url)
+    raise StepNotCommittedError(f"step {step} was not committed: {reason}", where=commit_record.parent.url,
+                                error_type=said.get("error_type") if isinstance(said.get("error_type"), str) else None)
 
 
 _FAILS: dict[str, int] = {}

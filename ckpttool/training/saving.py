@@ -78,6 +78,8 @@ class Saves:
         self._first_save = True
         self.roll: liveness.Roll | None = None  # the ranks' beats (made at the first save of a job of several ranks)
         self._pending_step: int | None = None  # the async save whose outcome this rank has not judged yet
+        self._last_async: int | None = None  # the step of the last async save
+        self._announced: Location | None = None  # (rank 0) the last async step whose outcome is in the job's store
         self._failures = 0  # failed saves in a row (tolerate_failures)
         self._step: int | None = None  # the step being saved, and the seconds of its phases on this rank so far
         self._phases: dict[str, float] = {}
@@ -100,14 +102,35 @@ class Saves:
             tmp = self._begin_save(step, final)
         if tmp is None:
             return None  # (a failure tolerate_failures let pass: logged on every rank)
-        with self.timing("state"):
-            state, buffers = self._training_state(model, optimizers, extra)
-        self._note_keys(model, state, buffers)
+        try:
+            return self._save_state(step, model, optimizers, extra, blocking, tmp, final)
+        except BaseException as exc:
+            if self.roll is not None:  # a failure of this rank alone: whoever waits for it learns so from its beat
+                self.roll.failed(step, *rendezvous.described(exc))
+            raise
+
+    def _save_state(self, step: int, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
+                    extra: dict | None, blocking: bool, tmp: Location, final: Location) -> str | None:
+        """The state, then the write and the commit (here, or staged for the background). A
+        ckpttool error on this rank before the write is this rank's failure of the save: agreed
+        with the others in the sync write's agreement, or judged with theirs after an async one."""
+        front: CkptError | None = None
+        state: dict[str, Any] = {}
+        try:
+            with self.timing("state"):
+                state, buffers = self._training_state(model, optimizers, extra)
+            self._note_keys(model, state, buffers)
+            if not blocking:
+                staged, own = self._stage(state, buffers)
+        except CkptError as exc:
+            if self.roll is None:
+                raise
+            front = exc
         if blocking:
             try:
-                if step_writer.supports(state):
+                if front is not None or step_writer.supports(state):
                     with self.timing("sync save"):
-                        self._save_own_sync(state, step, tmp, final)
+                        self._save_own_sync(state, step, tmp, final, front)
                 else:
                     self._save_through_dcp(state, step, tmp, final, group=None)
             except CkptError as exc:  # (every rank has it: the write and the commit are agreed)
@@ -115,14 +138,21 @@ class Saves:
                 return None
             self.judge(step, None)
             return final.url
-        staged, own = self._stage(state, buffers)
+        self._pending_step = self._last_async = step
+        if front is not None:  # (rank 0's wait for this rank's part ends at its beat; judged at the next call)
+            self._job_error = front
+            with contextlib.suppress(Exception):
+                step_writer.publish_failure(tmp, rendezvous.rank(), front)
+            if rendezvous.rank() == 0:
+                rendezvous.refuse_step(tmp, front, self.roll)
+                self._announced = tmp
+            return final.url
         rendezvous.pause_point("after-stage")
         if own and self.stager.copying:
             self.copier.submit(self.stager.copy, name="ckpttool-stage")
-        rank, world_size = rendezvous.rank(), rendezvous.world_size()
-        self.job = self.writer.submit(lambda: self._background(staged, step, tmp, final, own, rank, world_size),
+        rank, world_size, phases = rendezvous.rank(), rendezvous.world_size(), self._phases
+        self.job = self.writer.submit(lambda: self._background(staged, step, tmp, final, own, rank, world_size, phases),
                                       name=f"ckpttool-save-{step}")
-        self._pending_step = step
         return final.url
 
     def _note_keys(self, model: torch.nn.Module, state: dict[str, Any], buffers: set[int]) -> None:
@@ -163,10 +193,10 @@ class Saves:
             self._group = rendezvous.new_group()  # DCP's collectives, in the background thread alone
 
     def _background(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, own: bool, rank: int,
-                    world_size: int) -> None:
+                    world_size: int, phases: dict[str, float]) -> None:
         try:
             if own:
-                self._write_and_commit_own(staged, step, tmp, final, rank, world_size)
+                self._write_and_commit_own(staged, step, tmp, final, rank, world_size, phases)
             else:
                 self._save_through_dcp(staged, step, tmp, final, group=self._group)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next save/wait/close
@@ -183,37 +213,49 @@ class Saves:
             self.phase("done", now, now)  # the background save is over (rank 0: committed, or failed)
 
     def _write_and_commit_own(self, staged: dict[str, Any], step: int, tmp: Location, final: Location, rank: int,
-                              world_size: int) -> None:
+                              world_size: int, phases: dict[str, float]) -> None:
+        """The background part of an async save (its own step and phases: the training thread's
+        next save() may have begun)."""
         try:
             self.stager.wait(run=False)  # the copies are in host memory (CUDA: issued on a side stream)
-            with self.timing("write"):
-                self._write_own(staged, tmp, rank, final, step)
+            with self.timing("write", step, phases):
+                self._write_own(staged, tmp, rank, final, step, phases)
             if rank == 0:
-                with self.timing("commit"):
+                with self.timing("commit", step, phases):
                     self._commit_own(step, tmp, final, world_size)
         except BaseException as exc:
             if rank == 0:  # the other ranks wait for the commit: tell them why it will not come
                 rendezvous.refuse_step(tmp, exc, self.roll)
+                self._announced = tmp
             elif isinstance(exc, SnapshotError):
                 with contextlib.suppress(Exception):  # rank 0 stops waiting for this rank's part
                     step_writer.publish_failure(tmp, rank, exc)
             raise
+        if rank == 0:
+            self._after_commit()
         if rank != 0:
             self._outcome = (tmp, final)  # wait() and close() learn from storage whether rank 0 committed it
 
-    def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location) -> None:
+    def _save_own_sync(self, state: dict[str, Any], step: int, tmp: Location, final: Location,
+                       front: CkptError | None = None) -> None:
+        """``front``: this rank's failure before its write (its part of the write's agreement)."""
         def write() -> None:
+            if front is not None:
+                raise front
             with self.timing("write"):
-                self._write_own(state, tmp, rendezvous.rank(), final, step)
+                self._write_own(state, tmp, rendezvous.rank(), final, step, self._phases)
 
         def commit() -> None:
             with self.timing("commit"):
                 self._commit_own(step, tmp, final, rendezvous.world_size())
 
-        rendezvous.agreed(f"writing its part of step {step}", write, roll=self.roll)
-        rendezvous.agreed(f"committing step {step}", commit, rank0_only=True, roll=self.roll)
+        timeout = self.o.commit_timeout
+        rendezvous.agreed(f"writing its part of step {step}", write, roll=self.roll, step=step, timeout=timeout)
+        rendezvous.agreed(f"committing step {step}", commit, rank0_only=True, roll=self.roll, step=step, timeout=timeout)
+        self._after_commit()
 
-    def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location, step: int) -> None:
+    def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location, step: int,
+                   phases: dict[str, float]) -> None:
         previous = self._written
         if previous is not None and not previous.step_dir.child(COMMIT_FILE).exists():
             previous = None  # its step never committed, or retention removed it: nothing to share
@@ -227,7 +269,7 @@ class Saves:
             written = step_writer.write_rank(tmp, rank, state, pause=rendezvous.pause_point, compress=self.o.compress,
                                             frozen=self._frozen, previous=previous, health=check, buffers=self._buffers,
                                             progress=self.roll.wrote if self.roll is not None else None,
-                                            phases={k: round(v, 6) for k, v in self._phases.items()})
+                                            phases={k: round(v, 6) for k, v in phases.items() if k in OWN_WORK})
             if written is not None:
                 written.step_dir = final  # where its files are once the step is committed
         except CkptError:
@@ -259,7 +301,13 @@ class Saves:
             record["health"] = found
             self._judge_health(step, found)
         self._publish(step, tmp, final, world_size, record)
-        self._apply_retention()
+
+    def _after_commit(self) -> None:
+        """Rank 0, the step committed: retention (its failures are logged: the step stands)."""
+        try:
+            self._apply_retention()
+        except CkptError as exc:
+            log.warning("ckpttool: retention after the commit failed (the step stands): %s", exc)
 
     def _save_through_dcp(self, state: dict[str, Any], step: int, tmp: Location, final: Location, group: Any) -> None:
         """DCP's writer (``fallback.py``), then the commit, agreed over ``group``."""
@@ -279,7 +327,7 @@ class Saves:
             self._publish(step, tmp, final, rendezvous.world_size(), record)
 
         rendezvous.agreed(f"committing step {step}", commit, rank0_only=True, group=group)
-        self._apply_retention()
+        self._after_commit()
 
     def _publish(self, step: int, tmp: Location, final: Location, world_size: int, record: dict[str, Any]) -> None:
         """Rank 0: the commit record, written last, then the step renamed into place; ``on_commit``
@@ -288,7 +336,9 @@ class Saves:
         tmp.child(COMMIT_FILE).write_bytes(commit_record(step, world_size, record))
         rendezvous.pause_point("before-rename")
         self.root.commit_policy.publish(tmp, final)
-        rendezvous.announce_commit(self.roll, tmp)
+        if self.writer.running_here():  # (an async save: the others wait for word of it)
+            rendezvous.announce_commit(self.roll, tmp)
+            self._announced = tmp
         if self.o.on_commit is not None:
             try:
                 self.o.on_commit(step, final.url)
@@ -338,9 +388,18 @@ class Saves:
         if self.roll is None and self._first_save:
             self._first_save = False
             self.roll = rendezvous.new_roll(self.o.dead_after, self.o.straggler_after)
-        if pending is not None:
-            self.judge(pending, rendezvous.agreed_failure(f"saving step {pending}", error, roll=self.roll))
+        if pending is not None or self.roll is not None:
+            # (with beats, on every rank at every save: a rank that judged its last save at wait()
+            # and one that did not still make the same exchanges)
+            last = self._last_async
+            # (no step to watch for: a rank whose beat says that save failed brings its failure here)
+            failure = rendezvous.agreed_failure(f"saving step {last}", error, roll=self.roll, timeout=self.o.commit_timeout)
+            if pending is not None or failure is not None:
+                self.judge(last if last is not None else step, failure)
             error = None
+            if self._announced is not None and rendezvous.rank() == 0:  # every rank is past its outcome now
+                rendezvous.forget_outcome(self.roll, self._announced)
+                self._announced = None
         name = None
         if error is None and rendezvous.rank() == 0:
             try:
@@ -348,7 +407,8 @@ class Saves:
                 name = self._make_step_dir(final)
             except CkptError as exc:
                 error = exc
-        agreed_name, failure = rendezvous.rank0_value(f"preparing step {step}", name, error, roll=self.roll)
+        agreed_name, failure = rendezvous.rank0_value(f"preparing step {step}", name, error, roll=self.roll, step=step,
+                                                      timeout=self.o.commit_timeout)
         if failure is not None:
             if name is not None:  # made here, and no rank writes into it
                 with contextlib.suppress(CkptError):
@@ -460,17 +520,19 @@ class Saves:
         return Stager(lambda: rendezvous.pause_point("stage-copy"), on_fence=lambda start, end: self.phase("fence", start, end))
 
     @contextlib.contextmanager
-    def timing(self, name: str) -> Iterator[None]:
+    def timing(self, name: str, step: int | None = None, phases: dict[str, float] | None = None) -> Iterator[None]:
         """What runs inside is phase ``name`` of this save: said in this rank's beat, its seconds
         kept for the step's commit record, and reported to ``on_phase`` (when set)."""
         start = time.perf_counter()
+        step = self._step if step is None else step
+        phases = self._phases if phases is None else phases
         if self.roll is not None and name != "wait" and (self.writer.running_here() or not self.writing()):
-            self.roll.at(self._step, name)  # (the beat says where the save is: a background write's phase first)
+            self.roll.at(step, name)  # (the beat says where the save is: a background write's phase first)
         try:
             yield
         finally:
             end = time.perf_counter()
-            self._phases[name] = self._phases.get(name, 0.0) + end - start
+            phases[name] = phases.get(name, 0.0) + end - start
             if self.o.on_phase is not None:
                 self.phase(name, start, end)
 
@@ -493,6 +555,10 @@ def plain_buffers(model_state: dict[str, Any], buffers: set[int]) -> frozenset[s
                      and v.numel() and v.data_ptr() in buffers)
 
 
+#: the phases a rank's index records for its step's commit record: its own work (not "prepare",
+#: which holds the wait for the other ranks' agreement, nor "sync save", which holds the others)
+OWN_WORK = ("state", "stage", "write")
+
 #: what a failed save can never be let pass with (tolerate_failures): a dead rank (the job cannot go
 #: on), a caller's mistake, another job's lease, a step refused for its non-finite values on purpose
 NEVER_TOLERATED = (RankDeadError, UsageError, OutputExistsError, LeaseError, UnhealthyStepError)
@@ -504,8 +570,12 @@ def tolerable(error: BaseException) -> bool:
     rank's such failure), never a bug's exception nor one of :data:`NEVER_TOLERATED`."""
     if isinstance(error, NEVER_TOLERATED) or not isinstance(error, CkptError):
         return False
-    if isinstance(error, RankFailedError):
-        return error.error_type not in {c.__name__ for c in NEVER_TOLERATED}
+    if isinstance(error, (RankFailedError, StepNotCommittedError)) and error.error_type is not None:
+        # another rank's error, by its type's name: judged as that rank judges it
+        from .. import errors
+
+        cause = getattr(errors, error.error_type, None)
+        return isinstance(cause, type) and issubclass(cause, CkptError) and not issubclass(cause, NEVER_TOLERATED)
     return True
 
 

@@ -33,7 +33,7 @@ from ..formats.dcp.transforms import transform_names
 from ..health import Check, Tally
 from ..index import dtype_size, flatten
 from ..layout import Box, relative, slabs, tiles_exactly
-from ..storage import Location
+from ..storage import Location, save_error
 
 log = logging.getLogger("ckpttool")
 _HEAD_MAX = 64 << 10  # bytes of a record kept until its tensor data begins (a zip entry's header: ~100)
@@ -283,7 +283,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
             pause("after-write")
         index.phases = {**(phases or {}), "write": time.perf_counter() - started}
     except BaseException as exc:
-        index.error_type, index.error = rendezvous.described(exc)
+        # as this rank's save reports it (a storage error, whatever the writer raised): every rank judges the same error
+        index.error_type, index.error = rendezvous.described(save_error(exc, step_dir) if isinstance(exc, Exception) else exc)
         try:
             publish_index(step_dir, index)
         except Exception:  # noqa: BLE001 - the storage refuses writes; rank 0 times out instead

@@ -36,7 +36,7 @@ def test_a_straggler_is_named_at_growing_intervals_and_inspect_shows_the_slowest
     phases = record["phases"]
     assert sorted(phases) == ["0", "1"], phases
     assert phases["1"]["write"] >= 6.5 > phases["0"]["write"], phases
-    assert "commit" in phases["0"] and "prepare" in phases["1"], phases
+    assert "commit" in phases["0"] and "state" in phases["1"] and "prepare" not in phases["1"], phases  # each rank's own work
     if async_save:
         assert "stage" in phases["1"], phases
     out = CliRunner().invoke(main, ["inspect", str(root), "--json"])

@@ -55,17 +55,21 @@ def test_a_live_rank_is_never_named_dead_however_long_it_takes(rolls):
     wait_until(lambda: time.monotonic() > end, watch, [1])
 
 
-def test_a_rank_that_closed_is_not_taken_for_dead(rolls):
+def test_a_rank_that_closed_while_awaited_is_named_at_once(rolls):
+    """(One that closed and is not awaited is no one's concern: only awaited ranks are looked at.)"""
     zero, one = rolls
+    one.at(4, "write")
     one.close()
-    watch = zero.watch("waiting", None)
-    end = time.monotonic() + 1.0
-    wait_until(lambda: time.monotonic() > end, watch, [1])
+    start = time.monotonic()
+    with pytest.raises(RankDeadError) as got:
+        wait_until(lambda: False, zero.watch("writing its part of step 4", 4), [1])
+    assert time.monotonic() - start < 0.3 and "closed of step 4" in got.value.phases[1]
 
 
 def test_a_rank_whose_beat_says_its_part_failed_ends_the_wait_at_once(rolls):
     zero, one = rolls
     one.failed(4, "StorageError", "disk full")
+    one.at(6, "prepare")  # it moves on (or closes): its failure of step 4 stays in its beat
     with pytest.raises(RankFailedError, match="rank 1 failed: StorageError: disk full"):
         wait_until(lambda: False, zero.watch("writing its part of step 4", 4), [1])
     # an old step's failure does not fail the wait for another step
