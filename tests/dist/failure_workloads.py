@@ -74,3 +74,27 @@ def straggling_save(root: str, async_save: bool, delay: float, straggler_after: 
     ckpt.close()
     logging_off(handler)
     return [line for line in lines if "still at work" in line]
+
+
+def one_rank_fails_before_its_write(root: str, async_save: bool) -> dict:
+    """Save step 2; at step 4 rank 1 alone passes ``extra`` that is no dict (its save fails before
+    it writes anything, a caller's mistake: never tolerated); train and save step 6. Returns what
+    was raised on this rank and at which call."""
+    from ckpttool import Checkpointer
+
+    model, optimizer = fresh_model(seed=0)
+    ckpt = Checkpointer(root, async_save=async_save, tolerate_failures=2)
+    _train_steps(model, optimizer, 0, 1)
+    ckpt.save(2, model, optimizer, extra={"step": 2})
+    ckpt.wait()
+    at = None
+    try:
+        for step in (4, 6):
+            at = step
+            extra = ["not", "a", "dict"] if step == 4 and dist.get_rank() == 1 else {"step": step}
+            ckpt.save(step, model, optimizer, extra=extra)
+        at = "wait"
+        ckpt.wait()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"raised": (type(exc).__name__, str(exc), at), "steps": ckpt.steps()}
+    return {"raised": None, "steps": ckpt.steps()}

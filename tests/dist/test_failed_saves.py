@@ -63,3 +63,18 @@ def test_by_default_the_first_failed_save_raises_on_every_rank(tmp_path):
     for rank, res in enumerate(results):
         assert res["raised"] is not None and res["raised"][2] == 6, (rank, res["raised"])
         assert res["logged"] == [], res["logged"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_one_rank_failing_before_its_write_fails_the_save_on_every_rank_and_nobody_waits(tmp_path, async_save):
+    """Rank 1's save fails before it writes a byte (a caller's mistake on that rank alone): every
+    rank raises it at the same call (sync: step 4's; async: the next save's, which judges step 4),
+    naming rank 1, with tolerate_failures=2 (a caller's mistake is never let pass)."""
+    from .failure_workloads import one_rank_fails_before_its_write
+
+    results = run_ranks(one_rank_fails_before_its_write, 2, str(tmp_path / "run"), async_save, timeout=120)
+    at = 4 if not async_save else 6
+    assert results[1]["raised"][:1] == ("UsageError",) and results[1]["raised"][2] == at, results[1]
+    assert results[0]["raised"][0] == "RankFailedError" and results[0]["raised"][2] == at, results[0]
+    assert "rank 1 failed: UsageError: extra must be a dict" in results[0]["raised"][1], results[0]
+    assert results[0]["steps"] == [2]
