@@ -262,7 +262,10 @@ def wait_until(done: Callable[[], bool], watch: Watch | None, missing: Callable[
         if watch is not None:
             watch.check(missing)
         if deadline is not None and time.monotonic() > deadline:
-            assert on_timeout is not None
+            if on_timeout is None:
+                from .errors import RendezvousError
+
+                raise RendezvousError(f"still waiting after {timeout:.0f} s")
             raise on_timeout()
         time.sleep(pause)
         pause = min(pause * 2, longest)

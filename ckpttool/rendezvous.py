@@ -342,13 +342,7 @@ def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any, step: int |
         except Exception as exc:  # noqa: BLE001 - the store's host is gone
             raise roll._store_gone(exc) from None
 
-    if outcome is not None:
-        call(store.set, f"{base}/f/{me}", json.dumps(outcome))
-        call(store.add, f"{base}/bad", 1)
-    if me == 0:
-        call(store.set, f"{base}/v", json.dumps(value))
-    call(store.add, f"{base}/n", 1)
-    roll.beat()
+    call(_enter_exchange, roll, base, outcome, value)
     verdict = f"{base}/dead"
 
     def done() -> bool:
@@ -378,10 +372,7 @@ def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any, step: int |
                 store.set(verdict, json.dumps(said))
         raise
     if me != 0 and call(store.check, [verdict]) and call(store.add, f"{base}/n", 0) < world:
-        said = json.loads(call(store.get, verdict))
-        if "dead" in said:
-            raise RankDeadError(*said["dead"], doing)
-        raise RankFailedError(said["failed"][0], doing, *said["failed"][1:])
+        raise _verdict_error(json.loads(call(store.get, verdict)), doing)
     outcomes: list[Any] = [None] * world
     if call(store.add, f"{base}/bad", 0):
         for r in range(world):
@@ -389,11 +380,38 @@ def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any, step: int |
                 outcomes[r] = json.loads(call(store.get, f"{base}/f/{r}"))
     value0 = json.loads(call(store.get, f"{base}/v"))
     call(store.add, f"{base}/seen", 1)  # (rank 0 leaves the job's store up until every rank got here: Roll.linger)
-    old = f"{roll.key}/x/{seq - 1}"
-    for key in [f"{old}/f/{me}"] + ([f"{old}/n", f"{old}/bad", f"{old}/v", f"{old}/dead", f"{old}/seen"] if me == 0 else []):
-        with contextlib.suppress(Exception):
-            store.delete_key(key)
+    _forget_exchange(roll, seq - 1)
     return outcomes, value0
+
+
+def _enter_exchange(roll: Roll, base: str, outcome: Any, value: Any) -> None:
+    """This rank's outcome (a failure's) and rank 0's value in the store, then this rank counted in."""
+    if outcome is not None:
+        roll.store.set(f"{base}/f/{roll.rank}", json.dumps(outcome))
+        roll.store.add(f"{base}/bad", 1)
+    if roll.rank == 0:
+        roll.store.set(f"{base}/v", json.dumps(value))
+    roll.store.add(f"{base}/n", 1)
+    roll.beat()
+
+
+def _verdict_error(said: dict[str, Any], doing: str) -> BaseException:
+    """The error rank 0's verdict on an exchange names (a dead rank, or one whose part failed)."""
+    from .errors import RankDeadError, RankFailedError
+
+    if "dead" in said:
+        return RankDeadError(*said["dead"], doing)
+    return RankFailedError(said["failed"][0], doing, *said["failed"][1:])
+
+
+def _forget_exchange(roll: Roll, seq: int) -> None:
+    """This rank's keys of exchange ``seq`` (rank 0: all of its keys) leave the store: every rank
+    is past it once the next one is complete."""
+    old = f"{roll.key}/x/{seq}"
+    for key in [f"{old}/f/{roll.rank}"] + ([f"{old}/n", f"{old}/bad", f"{old}/v", f"{old}/dead", f"{old}/seen"]
+                                           if roll.rank == 0 else []):
+        with contextlib.suppress(Exception):
+            roll.store.delete_key(key)
 
 
 # Workers run the same sequence of collectives whatever fails where: every step that may fail on

@@ -256,19 +256,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     try:
         with step_dir.child(index.file).open_write() as raw:
             out = _HashingWriter(raw)
-            for key, value in flat.items():
-                if _is_staged_or_tensor(value):
-                    if key in frozen:
-                        continue  # declared and stored below
-                    part = _declare_part(index, key, value)
-                    if part is not None:
-                        _write_local(out, index, key, *part, tally=tally)
-                        if progress is not None:
-                            progress(out.tell())
-                        if pause is not None and out.tell() >= MID_WRITE:
-                            pause("mid-write")  # (crash tests: a kill with the file's first buffers on disk)
-                elif rank == 0:
-                    _write_object(out, index, key, value, tally)
+            _write_records(out, index, flat, frozen, tally, pause, progress)
             _write_per_rank(out, index, flat, paths, tally)
             _write_own_buffers(out, index, flat, paths, buffers, tally)
             index.written += out.tell()
@@ -294,6 +282,25 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         pause("before-index")
     publish_index(step_dir, index)
     return written
+
+
+def _write_records(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], frozen: frozenset[str],
+                   tally: Tally | None, pause: Callable[[str], None] | None, progress: Callable[[int], None] | None) -> None:
+    """The data file's records of the tensors this rank stores (but the frozen ones) and, on rank
+    0, of the objects; ``progress(bytes)`` after each tensor record."""
+    for key, value in flat.items():
+        if _is_staged_or_tensor(value):
+            if key in frozen:
+                continue  # declared and stored by _write_frozen
+            part = _declare_part(index, key, value)
+            if part is not None:
+                _write_local(out, index, key, *part, tally=tally)
+                if progress is not None:
+                    progress(out.tell())
+                if pause is not None and out.tell() >= MID_WRITE:
+                    pause("mid-write")  # (crash tests: a kill with the file's first buffers on disk)
+        elif index.rank == 0:
+            _write_object(out, index, key, value, tally)
 
 
 def _write_per_rank(out: _HashingWriter, index: RankIndex, flat: dict[str, Any], paths: dict[str, Any],
