@@ -955,7 +955,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if "load_s" in ld:
             lp = f"{ld['load_s']:.2f}"
             if ld.get("refused"):
-                lp = f"refused after {ld['refused_after_s']:.2f} s ({ld['refused'][:90]}); {ld['load_s']:.2f} with the limit lifted"
+                why = ld["refused"].split(": ", 2)[-1].split(" (")[0]  # (the message, without the error's type and path)
+                lp = f"refused after {ld['refused_after_s']:.2f} s ({why}); {ld['load_s']:.2f} with the limit lifted"
         else:
             lp = ld.get("error", "–")
         print(f"| {r['n']} | {chunks} | {r['parts_bytes'] / MB:.0f} | {commit} | {peak} | {md} | {rec} | {tp} | {lp} | "
@@ -990,6 +991,7 @@ def main() -> int:
     p.add_argument("--force", action="store_true", help="run a case even where the prediction says it will not fit")
     p.add_argument("--workers", type=int, default=2, help="processes writing the parts")
     p.add_argument("--keep", action="store_true", help="keep each case's files")
+    p.add_argument("--from-json", help="print the table (and profiles) of an earlier run's --json file, run nothing")
     p.add_argument("--_child", help=argparse.SUPPRESS)
     p.add_argument("--_n", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_result", help=argparse.SUPPRESS)
@@ -1010,6 +1012,13 @@ def main() -> int:
         return 0
     if a.check:
         return 0 if run_check(a) else 1
+    if a.from_json:
+        with open(a.from_json) as f:
+            rows = json.load(f)["rows"]
+        verdicts(rows)
+        print_table(rows)
+        print_profiles(rows)
+        return 0
     a.mem_limit_gb = a.mem_limit_gb or round(mem_available_gib() * 0.85, 1)
     a.profile = {int(x) for x in a.profile.split(",") if x}
     a.stages = set(a.stages.split(","))
@@ -1034,6 +1043,15 @@ def main() -> int:
                           f, indent=1, default=str)
     verdicts(rows)
     print_table(rows)
+    print_profiles(rows)
+    print(f"total {time.perf_counter() - started:.0f} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "args": {k: v for k, v in vars(a).items() if not k.startswith("_")}}, f, indent=1, default=str)
+    return 0
+
+
+def print_profiles(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if r.get("profile"):
             print(f"\ncProfile of rank 0's commit at N={r['n']} ({fmt_s(r.get('profile_commit_s'))} s under the profiler):")
@@ -1043,11 +1061,6 @@ def main() -> int:
             print(f"\ncProfile of rank {r['n'] // 2}'s load plan at N={r['n']} ({fmt_s(lp.get('load_s'))} s under the profiler"
                   f"{', limits lifted' if lp.get('lifted') else ''}):")
             print(lp["profile"])
-    print(f"total {time.perf_counter() - started:.0f} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1, default=str)
-    return 0
 
 
 if __name__ == "__main__":
