@@ -222,7 +222,7 @@ class Watch:
         self._next_say = roll.straggler_after
         self.where: str | None = None
 
-    def check(self, missing: Callable[[], list[int]] | list[int], behind_only: bool = False) -> None:
+    def check(self, missing: Callable[[], list[int]] | list[int]) -> None:
         """``missing``: the ranks not done yet (rank 0's view), or [0] for a rank that waits for rank 0."""
         now = time.monotonic()
         if now - self._looked < self.roll.beat_s / 2:
@@ -244,7 +244,7 @@ class Watch:
         if dead:
             raise roll.dead_error(dead, self.doing, self.where)
         behind = now - self._rest_done
-        if roll.rank == 0 and not behind_only and self._missing and behind >= self._next_say:
+        if roll.rank == 0 and self._missing and behind >= self._next_say:
             self._next_say *= 2
             at = "; ".join(f"rank {r}: {beats[r].where()}" for r in sorted(self._missing) if r in beats)
             log.warning("ckpttool: %s: rank(s) %s still at work %.0f s after the rest (%s)", self.doing,

@@ -611,9 +611,12 @@ def await_commit(step_dir: Location, commit_record: Location, step: int | None, 
         reason = said.get("error", "no reason given")
     except (ValueError, AttributeError, CkptError):
         said, reason = {}, "its reason could not be read"
-    if said.get("dead"):
-        ranks, phases, doing = said["dead"]
-        raise RankDeadError(ranks, {int(r): p for r, p in phases.items()}, doing, where=commit_record.parent.url)
+    dead = said.get("dead") if isinstance(said, dict) else None
+    # (the refusal file is in storage: its shape is checked before it names anyone)
+    if (isinstance(dead, list) and len(dead) == 3 and isinstance(dead[0], list) and all(isinstance(r, int) for r in dead[0])
+            and isinstance(dead[1], dict) and all(str(r).isdigit() and isinstance(p, str) for r, p in dead[1].items())
+            and isinstance(dead[2], str)):
+        raise RankDeadError(dead[0], {int(r): p for r, p in dead[1].items()}, dead[2], where=commit_record.parent.url)
     raise StepNotCommittedError(f"step {step} was not committed: {reason}", where=commit_record.parent.url,
                                 error_type=said.get("error_type") if isinstance(said.get("error_type"), str) else None)
 
