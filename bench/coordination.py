@@ -251,6 +251,23 @@ def synth_index(sp: Spec, n: int, rank: int, rng: random.Random, health: str = "
     return index
 
 
+def published(index: dict[str, Any], step: str) -> dict[str, Any]:
+    """What ``write_rank`` does with the index at its end: the rank's manifest file (its records'
+    rows) written into ``step``, and the part it publishes, the rows left out."""
+    from ckpttool.checksums import hash_bytes
+    from ckpttool.steps import manifest_file_bytes, manifest_file_name
+
+    name = manifest_file_name(index["rank"])
+    records = {index["file"]: index["records"], **index["files"]}
+    raw = manifest_file_bytes(records, name)
+    with open(os.path.join(step, name), "wb") as f:
+        f.write(raw)
+    part = dict(index)
+    part["records"], part["files"] = [], {n: [] for n in index["files"]}
+    part["manifest"] = [name, len(raw), hash_bytes(raw), sorted(records)]
+    return part
+
+
 def count_chunks(sp: Spec, n: int, empty: str = "record") -> dict[str, int]:
     total = nonempty = 0
     for _, kind, what in sp.entries:
@@ -329,7 +346,7 @@ def child_gen(a: argparse.Namespace) -> dict[str, Any]:
     phases = {"prepare": 0.012345, "state": 0.000812, "stage": 0.412345}
     t = time.perf_counter()
     for rank in range(a.shard, a.n, a.workers):
-        index = synth_index(sp, a.n, rank, rng, a.health, a.empty, phases)
+        index = published(synth_index(sp, a.n, rank, rng, a.health, a.empty, phases), step)
         data = json.dumps(index).encode()
         with open(os.path.join(parts, rendezvous.part_name(rank)), "wb") as f:
             f.write(data)
@@ -469,7 +486,7 @@ def _plan_load(sp: Spec, n: int, rank: int, step: str) -> dict[str, Any]:
             continue  # (load_into: nothing to read into an empty shard)
         for chunk, part in entry.chunks_in(box):
             info = chunk.location
-            row = manifest.rows.get((info.relative_path, info.offset)) if manifest is not None else None
+            row = manifest.rows_of(info.relative_path)[0].get(info.offset) if manifest is not None else None
             if row is None or row[2] is None:
                 ranges.append((info.relative_path, info.offset, info.length))  # the whole record
                 continue
@@ -674,6 +691,9 @@ def run_child(stage: str, a: argparse.Namespace, n: int, timeout: float, extra: 
 def _normalize(index: dict[str, Any]) -> dict[str, Any]:
     """The index with digest values and phase timings replaced (lengths kept)."""
     out = json.loads(json.dumps(index))
+    if out.get("manifest"):
+        out["manifest"][2] = "d" * len(out["manifest"][2])
+        out["manifest"][1] = 0  # (its length follows the digests' values' JSON: checked through the rows)
     for row in out["records"]:
         row[2] = "d" * len(row[2])
         if len(row) > 3:
@@ -744,11 +764,16 @@ def run_check(a: argparse.Namespace) -> bool:
                     with open(os.path.join(tmp, "b", rendezvous.part_name(rank)), "rb") as f:
                         raw = f.read()
                     real = json.loads(raw)
+                    (real_manifest,) = json.load(open(os.path.join(tmp, "b", real["manifest"][0])))["records"].values()
                     size_on_disk = os.path.getsize(os.path.join(tmp, "b", real["file"]))
             finally:
                 dist.destroy_process_group()
-            synth = synth_index(sp, n, rank, random.Random(rank), health_mode, "record", phases)
-            same = json.dumps(_normalize(real)) == json.dumps(_normalize(synth))
+            with tempfile.TemporaryDirectory() as tmp:
+                synth = synth_index(sp, n, rank, random.Random(rank), health_mode, "record", phases)
+                synth_manifest = synth["records"]
+                synth = published(synth, tmp)
+            same = (json.dumps(_normalize(real)) == json.dumps(_normalize(synth))
+                    and json.dumps(_normalize({"records": real_manifest, "phases": {}})) == json.dumps(_normalize({"records": synth_manifest, "phases": {}})))
             same_file = size_on_disk == synth["written"]
             print(f"  health={health_mode:6s} N={n:3d} rank={rank:2d}: index {'same' if same else 'DIFFERS'}"
                   f" ({len(raw)} vs {len(json.dumps(synth))} JSON bytes, phase timings aside), data file "

@@ -139,6 +139,11 @@ class UnhealthyStepError(CkptError):
     """A step holds non-finite values and its Checkpointer was told to refuse such steps; not committed."""
 
 
+class StepTooLargeError(CkptError):
+    """A step's commit record, ``.metadata`` or a rank's manifest file would pass the size ckpttool's
+    own readers refuse: the writer refuses it first, so no committed step is one that cannot be loaded."""
+
+
 class StepNotCommittedError(CkptError):
     """Another rank's part of a step failed (or rank 0 could not commit it): the step was not
     committed. ``error_type``: the type of the error that caused it, where rank 0 said."""

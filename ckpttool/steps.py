@@ -14,13 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checksums import ALGORITHM, DIGEST_CHARS, block_count, new_hasher
-from .errors import CkptError, CorruptCheckpointError
+from .errors import CkptError, CorruptCheckpointError, StepTooLargeError
 from .storage import Location
 
 COMMIT_FILE = ".ckpttool-commit.json"
 COMMIT_FORMAT = "ckpttool-commit"
 COMMIT_VERSION = 2  # 2: the record carries a checksum of its own content (1 had none)
-MAX_COMMIT_BYTES = 256 << 20  # a manifest row per record: far below this for any real step
+MAX_COMMIT_BYTES = 256 << 20  # what a reader parses; the writer refuses to commit a larger record
+# A rank's manifest file (its records' rows, block digests included: 16 hex digits per 64 KiB, so
+# 256 MiB covers about 1 TB of one rank's data); the writer fails the rank's save beyond it.
+MAX_MANIFEST_BYTES = 256 << 20
+_MANIFEST_RE = re.compile(r"^__(\d+)\.manifest$")
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^\.step-(\d+)\.tmp-[0-9a-f]+$")
@@ -101,7 +105,11 @@ def commit_record(step: int, world_size: int, extra: dict | None = None) -> byte
     }
     record.update(extra or {})
     record["checksum"] = {"algorithm": ALGORITHM, "digest": _digest(record)}
-    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    raw = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    if len(raw) > MAX_COMMIT_BYTES:  # (read_commit_record refuses it: never commit what cannot be loaded)
+        raise StepTooLargeError(f"the commit record of step {step} would hold {len(raw)} bytes, more than the "
+                                f"{MAX_COMMIT_BYTES >> 20} MiB ckpttool reads", hint="the step is not committed")
+    return raw
 
 
 def read_commit_record(step_dir: Location) -> dict | None:
@@ -135,15 +143,39 @@ def read_commit_record(step_dir: Location) -> dict | None:
     return record
 
 
-def _manifest_ok(manifest: Any) -> bool:
-    """The manifest's shape: rows ``[offset, length, digest]``, a tensor record's with a fourth
+def manifest_file_name(rank: int) -> str:
+    """The file of one rank's manifest rows in a step written by ckpttool's own writer (DCP's
+    readers pass over it: ``.metadata`` does not name it)."""
+    return f"__{rank}.manifest"
+
+
+def manifest_file_bytes(records: dict[str, list[list[Any]]], where: str) -> bytes:
+    """A rank's manifest file: the rows of the records of its data files, by file
+    (:class:`StepTooLargeError` beyond the size its readers take)."""
+    raw = json.dumps({"records": records}, separators=(",", ":")).encode()
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise StepTooLargeError(f"this rank's manifest would hold {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES >> 20} "
+                                "MiB ckpttool reads", where=where, hint="the step is not committed; save fewer or larger records a rank")
+    return raw
+
+
+def parse_manifest_file(raw: bytes, block: int | None, files: list[str]) -> dict[str, list[list[Any]]] | None:
+    """The rows of ``files`` in a rank's manifest file (its size and digest already checked
+    against the commit record); None when it is not what the writer writes."""
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    records = parsed.get("records") if isinstance(parsed, dict) else None
+    if not isinstance(records, dict) or set(records) != set(files) or not _rows_ok(records, block):
+        return None
+    return records
+
+
+def _rows_ok(records: Any, block: int | None) -> bool:
+    """Manifest rows by file: ``[offset, length, digest]``, a tensor record's with a fourth
     element ``{"data": [start, bytes], "rest": digest, "blocks": digests}`` whose data lies inside
     the record and whose block digests are as many as ``block`` bytes of data make."""
-    if not isinstance(manifest, dict):
-        return False
-    block = manifest.get("block")
-    if block is not None and not (isinstance(block, int) and block > 0):
-        return False
 
     def counts(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and x >= 0
@@ -161,10 +193,32 @@ def _manifest_ok(manifest: Any) -> bool:
         return (isinstance(row, list) and len(row) in (3, 4) and all(map(counts, row[:2])) and isinstance(row[2], str)
                 and (len(row) == 3 or blocks_ok(row)))
 
-    records = manifest.get("records", {})
-    files = manifest.get("files", {})
-    return (isinstance(records, dict) and all(isinstance(rows, list) and all(map(row_ok, rows)) for rows in records.values())
-            and isinstance(files, dict) and all(isinstance(v, list) and len(v) == 2 and row_ok([0, *v]) for v in files.values()))
+    return isinstance(records, dict) and all(isinstance(rows, list) and all(map(row_ok, rows)) for rows in records.values())
+
+
+def _manifest_ok(manifest: Any) -> bool:
+    """The manifest's shape: its rows (:func:`_rows_ok`) in ``records``, whole files' ``[bytes,
+    digest]`` in ``files``, and in ``manifests`` the ranks' manifest files (:func:`manifest_file_name`)
+    as ``[bytes, digest, [the data files whose rows it holds]]``, no data file in two places."""
+    if not isinstance(manifest, dict):
+        return False
+    block = manifest.get("block")
+    if block is not None and not (isinstance(block, int) and not isinstance(block, bool) and block > 0):
+        return False
+    records, files, split = manifest.get("records", {}), manifest.get("files", {}), manifest.get("manifests", {})
+    if not (_rows_ok(records, block) and isinstance(files, dict)
+            and all(isinstance(v, list) and len(v) == 2 and _rows_ok({"": [[0, *v]]}, block) for v in files.values())
+            and isinstance(split, dict)):
+        return False
+    seen = set(records)
+    for name, entry in split.items():
+        if not (_MANIFEST_RE.match(name) and isinstance(entry, list) and len(entry) == 3
+                and _rows_ok({"": [[0, *entry[:2]]]}, block) and isinstance(entry[2], list)
+                and all(isinstance(f, str) for f in entry[2]) and not seen.intersection(entry[2])
+                and entry[0] <= MAX_MANIFEST_BYTES):
+            return False
+        seen.update(entry[2])
+    return True
 
 
 def step_health(step_dir: Location) -> dict[str, Any] | None:

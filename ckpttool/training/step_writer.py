@@ -25,14 +25,15 @@ from .. import rendezvous
 from ..buffers import tensor_buffer
 from ..checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
 from ..compat import local_shard_box
-from ..errors import CkptError, CorruptCheckpointError
+from ..errors import CkptError, CorruptCheckpointError, StepTooLargeError
 from ..formats.dcp import metadata_pickle as mp
-from ..formats.dcp.metadata import METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
+from ..formats.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
 from ..formats.dcp.records import write_object, write_tensor
 from ..formats.dcp.transforms import transform_names
 from ..health import Check, Tally
 from ..index import dtype_size, flatten
 from ..layout import Box, relative, slabs, tiles_exactly
+from ..steps import manifest_file_bytes, manifest_file_name
 from ..storage import Location, save_error
 
 log = logging.getLogger("ckpttool")
@@ -205,6 +206,9 @@ class RankIndex:
     per_rank_buffers: dict[str, list[Any]] = field(default_factory=dict)
     health: dict[str, Any] | None = None  # this rank's findings for the step's health (health.Check.findings)
     phases: dict[str, float] = field(default_factory=dict)  # seconds this rank spent in each phase of the save
+    # the rank's manifest file, which holds ``records`` and ``files``' rows (published without them):
+    # [its name, bytes, digest, the data files whose rows it holds]
+    manifest: list[Any] | None = None
 
 
 @dataclass
@@ -263,6 +267,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         frozen_parts = _frozen_parts(index, flat, frozen)
         if frozen_parts:
             written = _write_frozen(step_dir, index, frozen_parts, previous, tally)
+        index.manifest = _write_manifest(step_dir, index)
         if health is not None:
             index.health = health.findings(flat, rank)
         if rank == 0:
@@ -509,9 +514,23 @@ def publish_failure(step_dir: Location, rank: int, error: BaseException) -> None
     publish_index(step_dir, RankIndex(rank, data_file_name(rank), error=text, error_type=error_type))
 
 
+def _write_manifest(step_dir: Location, index: RankIndex) -> list[Any]:
+    """This rank's manifest file (the rows of its records, block digests and all): rank 0 never
+    reads or merges the rows, and a reader loads those of the files it reads only."""
+    name = manifest_file_name(index.rank)
+    records = {index.file: index.records, **index.files}
+    raw = manifest_file_bytes(records, step_dir.child(name).url)
+    step_dir.child(name).write_bytes(raw)
+    return [name, len(raw), hash_bytes(raw), sorted(records)]
+
+
 def publish_index(step_dir: Location, index: RankIndex) -> None:
-    """Put a rank's index in storage, whole, where rank 0 waits for it (``rendezvous.publish_part``)."""
-    rendezvous.publish_part(step_dir, index.rank, index.__dict__)
+    """Put a rank's index in storage, whole, where rank 0 waits for it (``rendezvous.publish_part``):
+    the rows its manifest file holds are left out."""
+    part = dict(index.__dict__)
+    if index.manifest is not None:
+        part["records"], part["files"] = [], {name: [] for name in index.files}
+    rendezvous.publish_part(step_dir, index.rank, part)
 
 
 def _declare(index: RankIndex, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
@@ -653,12 +672,27 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
             raise CorruptCheckpointError(f"the ranks' chunks of {key!r} do not tile it: {problem}", where=step_dir.url)
         described.tensors[key] = (shape, dtype, [(box[0], box[1], (file, off, n, transform_names(compress_of[file])))
                                                  for box, file, off, n in boxes])
+    manifests = _manifest_files(step_dir, indexes)
     raw = mp.metadata_bytes(described, str(uuid.uuid4()))
+    if len(raw) > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
+        raise StepTooLargeError(f".metadata would hold {len(raw)} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
+                                "reads", where=step_dir.url, hint="the step is not committed")
     step_dir.child(METADATA_FILE).write_bytes(raw)
     for index in indexes:
         step_dir.child(rendezvous.part_name(index.rank)).remove()
-    records = {i.file: i.records for i in indexes}
-    for index in indexes:
-        records.update(index.files)
-    return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "records": records,
+    return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "manifests": manifests,
             "files": {METADATA_FILE: [len(raw), hash_bytes(raw)]}}
+
+
+def _manifest_files(step_dir: Location, indexes: list[RankIndex]) -> dict[str, list[Any]]:
+    """The commit record's entry of every rank's manifest file: ``[bytes, digest, data files]``."""
+    manifests = {}
+    for index in indexes:
+        entry = index.manifest
+        own = sorted({index.file, *index.files})
+        if not (isinstance(entry, list) and len(entry) == 4 and entry[0] == manifest_file_name(index.rank)
+                and isinstance(entry[1], int) and isinstance(entry[2], str) and entry[3] == own):
+            raise CorruptCheckpointError(f"rank {index.rank}'s index does not name its manifest file",
+                                         where=step_dir.child(rendezvous.part_name(index.rank)).url)
+        manifests[entry[0]] = [entry[1], entry[2], own]
+    return manifests

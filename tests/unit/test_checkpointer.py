@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import fsspec
@@ -342,3 +343,35 @@ def test_another_ranks_failure_is_typed_names_the_ranks_and_survives_pickling():
                           "(while writing its part of step 7; rank 3 failed too)")
     again = pickle.loads(pickle.dumps(error))
     assert str(again) == str(error) and again.ranks == [1, 3] and again.doing == error.doing
+
+
+@pytest.mark.parametrize("limit", ["commit record", ".metadata", "manifest"])
+def test_a_step_its_own_readers_would_refuse_is_never_committed(tmp_path, monkeypatch, limit):
+    """The writer holds every size limit ckpttool's readers hold: a step whose commit record,
+    .metadata or manifest file would pass one is refused loudly, never committed, and the step
+    before it still loads (a committed step is always one ckpttool can load)."""
+    from ckpttool import steps
+    from ckpttool.errors import StepTooLargeError
+    from ckpttool.training import step_writer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    ckpt = Checkpointer(str(tmp_path / "run"))
+    ckpt.save(1, model)
+    before = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1)
+    if limit == "commit record":
+        monkeypatch.setattr(steps, "MAX_COMMIT_BYTES", 100)
+    elif limit == ".metadata":
+        monkeypatch.setattr(step_writer, "MAX_METADATA_BYTES", 100)
+    else:
+        monkeypatch.setattr(steps, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(StepTooLargeError) as caught:
+        ckpt.save(2, model)
+    assert "more than" in caught.value.what
+    monkeypatch.undo()
+    assert not os.path.exists(tmp_path / "run" / "step-2") and ckpt.steps() == [1]
+    fresh = torch.nn.Linear(64, 32)
+    assert Checkpointer(str(tmp_path / "run")).load(fresh).step == 1
+    assert torch.equal(fresh.weight, before)

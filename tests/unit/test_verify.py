@@ -313,3 +313,28 @@ def test_the_one_checker_tells_a_read_and_verify_the_same(tmp_path, damage):
     plain = error.what.removesuffix(" on rank 0").replace(f"record of {key!r}", "record")
     plain = plain.replace(f"of {key!r} (chunk at [0, 0])", "of the chunk at [0, 0]")
     assert plain == found.what, (error.what, found.what)
+
+
+@pytest.mark.parametrize("damage", ["flip", "missing", "rows"])
+def test_a_damaged_manifest_file_is_named_by_a_load_and_by_verify(tmp_path, damage):
+    """The rows of a step's records live in each rank's manifest file, its size and digest in the
+    commit record: a manifest file changed or lost is named by the read that needs it and by
+    verify (never a record passed unchecked); an intact one is part of the step, not a stray file."""
+    step = _step_with_manifest(tmp_path)
+    report = verify_path(step)
+    assert report.ok and not any("not part of the checkpoint" in n for n in report.notes), report.notes
+    path = os.path.join(step, "__0.manifest")
+    if damage == "flip":
+        flip_bit(path, os.path.getsize(path) // 2)
+    elif damage == "missing":
+        os.remove(path)
+    else:  # well-formed JSON, same length, other rows: only the commit record's digest of it tells
+        data = open(path, "rb").read()
+        i = data.index(b'[0,')
+        open(path, "wb").write(data[:i] + b'[1,' + data[i + 3:])
+    error = _read_error(step)
+    assert "__0.manifest" in error.what and "cannot be checked" in error.what, error.what
+    problems = verify_path(step).problems
+    assert problems and all("__0.manifest" in p.what for p in problems), problems
+    result = CliRunner().invoke(main, ["verify", step])
+    assert result.exit_code == 1 and "__0.manifest" in result.output

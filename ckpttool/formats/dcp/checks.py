@@ -77,7 +77,7 @@ class RecordChecks:
         self._block: memoryview | None = None
         self.block = HASH_BLOCK
         self._rest_ok: set[tuple[str, int]] = set()  # records whose bytes around the data were checked
-        self.manifest = Manifest.of(manifest)[0]
+        self.manifest = Manifest.of(manifest, source.location)[0]
         if self.manifest is not None:
             self.block = self.manifest.block
             finding = self.manifest.check_metadata(source.metadata_size, source.metadata_digest,
@@ -210,7 +210,12 @@ class RecordChecks:
         import torch
 
         source, info = self.source, chunk.location
-        row = self.manifest.rows.get((info.relative_path, info.offset)) if self.manifest is not None else None
+        row = None
+        if self.manifest is not None:
+            rows, finding = self.manifest.rows_of(info.relative_path)
+            if finding is not None:
+                raise finding.error(key, self.on)
+            row = rows.get(info.offset)
         if row is None or row[2] is None or source.transformed(info) or not chunk.sizes:
             return False
         ref, storage = source.tensor_record(key, entry, chunk)

@@ -114,7 +114,7 @@ def _load_manifest(source: DcpSource, report: Report) -> Manifest | None:
     except CkptError as exc:
         report.add(exc.what, exc.where, hint=exc.hint)
         return None
-    manifest, note = Manifest.of((record or {}).get("manifest"))
+    manifest, note = Manifest.of((record or {}).get("manifest"), source.location)
     if note:
         report.note(note)
     if manifest is not None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...checksums import ALGORITHM, HASH_BLOCK
-from ...errors import ChecksumError
+from ...checksums import ALGORITHM, HASH_BLOCK, hash_bytes
+from ...errors import ChecksumError, CkptError
+from ...steps import MAX_MANIFEST_BYTES, parse_manifest_file
+from ...storage import Location
 from .metadata import METADATA_FILE
 
 _CHANGED = "the bytes changed after the save committed; restore the file or use another step"
@@ -42,25 +44,72 @@ def _record(offset: int, text: str, where: str, hint: str = _CHANGED) -> Finding
 
 class Manifest:
     """A step's manifest, parsed: per record (file, offset) its length, digest and block digests
-    (or None), the block size, and ``.metadata``'s size and digest."""
+    (or None), the block size, and ``.metadata``'s size and digest. The rows of a file that a
+    rank's manifest file holds (ckpttool's own writer) are read from it, and checked against the
+    commit record's size and digest of it, the first time a record of that file is looked up."""
 
-    def __init__(self, manifest: dict[str, Any]):
+    def __init__(self, manifest: dict[str, Any], step_dir: Location | None = None):
         self.algorithm = manifest.get("algorithm")
         self.block = manifest.get("block") or HASH_BLOCK
-        self.rows: dict[tuple[str, int], tuple[int, str, Any]] = {
-            (name, off): (length, digest, extra[0] if extra else None)
-            for name, rows in manifest.get("records", {}).items() for off, length, digest, *extra in rows}
+        self._rows: dict[str, dict[int, tuple[int, str, Any]]] = {
+            name: _by_offset(rows) for name, rows in manifest.get("records", {}).items()}
+        self._split: dict[str, tuple[str, int, str, list[str]]] = {
+            file: (name, length, digest, files)
+            for name, (length, digest, files) in manifest.get("manifests", {}).items() for file in files}
+        self._damaged: dict[str, Finding] = {}
+        self._step_dir = step_dir
         self.metadata = manifest.get("files", {}).get(METADATA_FILE)
 
+    def rows_of(self, name: str) -> tuple[dict[int, tuple[int, str, Any]], Finding | None]:
+        """The rows of data file ``name`` by record offset (none for a file the manifest does not
+        know), or what is wrong with the manifest file that holds them."""
+        rows = self._rows.get(name)
+        if rows is not None:
+            return rows, None
+        if name in self._damaged:
+            return {}, self._damaged[name]
+        split = self._split.get(name)
+        if split is None or self._step_dir is None:
+            return {}, None
+        mname, length, digest, files = split
+        loc = self._step_dir.child(mname)
+        problem = None
+        try:
+            size = loc.size() if loc.exists() else None
+            if size is None:
+                problem = "is missing"
+            elif size != length or size > MAX_MANIFEST_BYTES:
+                problem = f"holds {size} bytes, the commit record says {length}"
+            else:
+                raw = loc.read_bytes()
+                if hash_bytes(raw) != digest:
+                    problem = "does not match the commit record's checksum of it"
+                else:
+                    parsed = parse_manifest_file(raw, self.block, files)
+                    if parsed is None:
+                        problem = "is not a manifest ckpttool writes"
+                    else:
+                        for file, file_rows in parsed.items():
+                            self._rows[file] = _by_offset(file_rows)
+                        return self._rows[name], None
+        except (CkptError, OSError) as exc:
+            problem = f"cannot be read ({exc})"
+        finding = Finding("{subject} cannot be checked: " + f"the manifest file {mname} {problem}",
+                          f"record of {{key}} in {name}", f"records of {name}", loc.url,
+                          "the step's manifest changed or was lost after the save committed; use another step")
+        for file in files:
+            self._damaged[file] = finding
+        return {}, finding
+
     @classmethod
-    def of(cls, manifest: dict[str, Any] | None) -> tuple[Manifest | None, str | None]:
+    def of(cls, manifest: dict[str, Any] | None, step_dir: Location | None = None) -> tuple[Manifest | None, str | None]:
         """The manifest to check against (None when there is none, or it was hashed with another
         algorithm than this install's), and a note saying which."""
         if not manifest:
             return None, None
         if manifest.get("algorithm", ALGORITHM) != ALGORITHM:
             return None, f"manifest uses {manifest.get('algorithm')}, this install hashes with {ALGORITHM}: not checked"
-        return cls(manifest), f"checked against the manifest ({ALGORITHM}) of the commit record"
+        return cls(manifest, step_dir), f"checked against the manifest ({ALGORITHM}) of the commit record"
 
     def check_metadata(self, size: int, digest: str, url: str) -> Finding | None:
         if self.metadata is not None and list(self.metadata) != [size, digest]:
@@ -71,7 +120,10 @@ class Manifest:
     def row(self, info: Any, url: str) -> tuple[tuple[int, str, Any] | None, Finding | None]:
         """The manifest's row of the record at ``info`` (relative_path, offset, length), or what is
         wrong: a record the manifest does not know."""
-        row = self.rows.get((info.relative_path, info.offset))
+        rows, finding = self.rows_of(info.relative_path)
+        if finding is not None:
+            return None, finding
+        row = rows.get(info.offset)
         if row is None or row[0] != info.length:
             return None, _record(info.offset, "is not in the manifest written at commit", url,
                                  "the .metadata changed after the save")
@@ -83,6 +135,10 @@ class Manifest:
         if finding is None and digest != row[1]:
             finding = _record(info.offset, "does not match the manifest's checksum", url)
         return finding
+
+
+def _by_offset(rows: list[list[Any]]) -> dict[int, tuple[int, str, Any]]:
+    return {off: (length, digest, extra[0] if extra else None) for off, length, digest, *extra in rows}
 
 
 def check_crc(offsets: Any, crc: int, stored: int, url: str) -> Finding | None:

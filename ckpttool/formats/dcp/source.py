@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from ...checksums import hash_bytes
-from ...errors import CorruptCheckpointError, FormatError, NotFoundError
+from ...errors import CkptError, CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ...layout import Box, relative
 from ...storage import Location, RangeReader
@@ -123,7 +123,13 @@ class DcpSource(Source):
         return entry.chunks[chunk_index].location.relative_path
 
     def aux_files(self) -> list[str]:
-        return [METADATA_FILE, COMMIT_FILE]
+        """``.metadata``, the commit record and the ranks' manifest files it names (a damaged record
+        names none: its own error says so where the step is read)."""
+        try:
+            manifest = (self.commit_record() or {}).get("manifest") or {}
+        except CkptError:
+            manifest = {}
+        return [METADATA_FILE, COMMIT_FILE, *manifest.get("manifests", {})]
 
     def reader(self, relative_path: str) -> RangeReader:
         """The open reader of one data file (kept open: a file holds many records)."""
