@@ -285,6 +285,26 @@ MAX_GRID_CELLS = 1 << 22
 _COVER_ONCE_MORE = bytes([1, 2, *([2] * 254)])
 
 
+def _rows_end_to_end(shape: tuple[int, ...], boxes: Sequence[Box]) -> bool:
+    """Whether ``boxes`` are the layout FSDP2 and every row-sharded writer make: each spans every
+    dim but the first, and the non-empty ones lie end to end along it from 0 to its size (a
+    check in one pass, no grid; False sends the layout to the general check, which names what is
+    wrong)."""
+    zeros, rest = (0,) * (len(shape) - 1), tuple(shape[1:])
+    rows = []
+    for off, size in boxes:
+        if tuple(off[1:]) != zeros or tuple(size[1:]) != rest:
+            return False
+        if size[0]:
+            rows.append((off[0], size[0]))
+    end = 0
+    for off, size in sorted(rows):
+        if off != end:
+            return False
+        end += size
+    return end == shape[0]
+
+
 def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     """None if ``boxes`` cover ``shape`` with no gap and no overlap, else what is wrong (naming the
     first element in no chunk, or two chunks that overlap).
@@ -304,6 +324,8 @@ def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
                 return f"chunk at {box[0]} of size {box[1]} lies outside the shape {shape}"
     if not shape:
         return None if boxes else "the scalar has no chunk (a gap)"
+    if _rows_end_to_end(shape, boxes):
+        return None
     nonempty = [b for b in boxes if box_numel(b) > 0]
     if math.prod(shape) == 0:
         return None

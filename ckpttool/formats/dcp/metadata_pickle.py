@@ -186,9 +186,17 @@ def metadata_bytes(described: Described, save_id: str) -> bytes:
     for key, (shape, dtype, chunks) in described.tensors.items():
         key = own.get(key, key)
         md_chunks = []
+        # one Size object per distinct value in a tensor (a chunk's offsets in its MetadataIndex and
+        # its chunk entry; the chunks' common sizes): pickle writes a value it has seen as a
+        # back-reference of a few bytes, and the merge builds a fraction of the objects
+        sizes_of: dict[tuple, Size] = {}
         for i, (offsets, sizes, (file, offset, length, transforms)) in enumerate(chunks):
-            storage[metadata_index(key, Size(offsets), i)] = storage_info(file, offset, length, transforms)
-            md_chunks.append(ChunkStorageMetadata(offsets=Size(offsets), sizes=Size(sizes)))
+            at = Size(offsets)
+            size = sizes_of.get(sizes)
+            if size is None:
+                size = sizes_of[sizes] = Size(sizes)
+            storage[metadata_index(key, at, i)] = storage_info(file, offset, length, transforms)
+            md_chunks.append(ChunkStorageMetadata(offsets=at, sizes=size))
         dtypes[key] = dtype
         state_md[key] = TensorStorageMetadata(properties=TensorProperties(dtype), size=Size(shape), chunks=md_chunks)
     planner = {own[k]: described.paths[k] for k in described.order if k in described.paths}

@@ -11,6 +11,7 @@ import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from ...bulk import no_gc
 from ...checksums import hash_bytes
 from ...errors import CkptError, CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
@@ -46,10 +47,11 @@ class DcpSource(Source):
     def __init__(self, location: Location, verify: bool = True, rank: int | None = None):
         super().__init__(location)
         raw = read_metadata_bytes(location)
-        self.metadata = parse_metadata(raw, location, plain=True)
+        with no_gc():  # (a chunk per rank and tensor: millions of objects at scale)
+            self.metadata = parse_metadata(raw, location, plain=True)
+            self._storage = storage_index(self.metadata, location)
         self.metadata_size = len(raw)
         self.metadata_digest = hash_bytes(raw)  # the manifest of a ckpttool step covers .metadata too
-        self._storage = storage_index(self.metadata, location)
         self._readers: dict[str, RangeReader] = {}
         self._files: dict[str, Location] = {}  # data file name -> its Location (one a file, not one a read)
         self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
@@ -71,8 +73,12 @@ class DcpSource(Source):
         return self._record[0]
 
     def index(self) -> Index:
-        if self._index is not None:
-            return self._index
+        if self._index is None:
+            with no_gc():
+                self._index = self._read_index()
+        return self._index
+
+    def _read_index(self) -> Index:
         paths = self.metadata.planner_data if isinstance(self.metadata.planner_data, dict) else {}
         md_url = self.location.child(METADATA_FILE).url
         idx = Index()
@@ -109,7 +115,6 @@ class DcpSource(Source):
                 idx.add(ObjectEntry(key, info), path)
             else:
                 raise FormatError(f"unknown entry type {type(md).__name__} for {key!r}", where=self.location.url)
-        self._index = idx
         return idx
 
     @property
