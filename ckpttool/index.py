@@ -134,14 +134,16 @@ class Index:
         for entry in entries or []:
             self.add(entry, (paths or {}).get(entry.key))
 
-    def add(self, entry: Entry, path: ObjPath | None = None) -> None:
+    def add(self, entry: Entry, path: ObjPath | None = None, where: str | None = None) -> None:
+        """Add ``entry`` under its nesting ``path``; ``where``: the file that recorded both (named
+        in the error when they do not agree)."""
         if entry.key in self._entries:
-            raise CorruptCheckpointError(f"key {entry.key!r} appears twice")
+            raise CorruptCheckpointError(f"key {entry.key!r} appears twice", where=where)
         path = tuple(path) if path else (entry.key,)
         if not all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and p >= 0) for p in path) \
                 or key_of(path) != entry.key:
             raise CorruptCheckpointError(f"the nesting recorded for key {entry.key!r} does not spell it: {path!r}",
-                                         hint="the checkpoint's metadata is damaged")
+                                         where=where, hint="the checkpoint's metadata is damaged")
         self._entries[entry.key] = entry
         self._paths[entry.key] = path
 

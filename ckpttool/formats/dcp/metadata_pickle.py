@@ -171,8 +171,18 @@ class Described:
 
 
 def metadata_bytes(described: Described, save_id: str) -> bytes:
-    """The ``.metadata`` pickle of ``described``: from the stand-ins (no import of
-    torch.distributed.checkpoint), or torch's own classes where :func:`dumps` declines."""
+    """The ``.metadata`` pickle of ``described``: written opcode by opcode (``metadata_emit.py``),
+    else pickled from the stand-ins (no import of torch.distributed.checkpoint), or from torch's
+    own classes where :func:`dumps` declines."""
+    from ...compat import DCP_VERSION
+    from .metadata_emit import metadata_stream
+
+    data = metadata_stream(described, save_id, DCP_VERSION)
+    return data if data is not None else pickled_metadata(described, save_id)
+
+
+def pickled_metadata(described: Described, save_id: str) -> bytes:
+    """:func:`metadata_bytes` by way of the object graph (the stand-ins' pickle, or torch's)."""
     # one string object per key: pickle writes a string it has seen as a back-reference, so the
     # bytes do not depend on which copy of a key (a worker's, another rank's index) came where
     own = {k: k for k in described.order}

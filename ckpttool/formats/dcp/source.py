@@ -105,14 +105,14 @@ class DcpSource(Source):
                             f"tensor {key!r}: chunk at {offs} of {list(sizes)} needs more bytes than its record's "
                             f"{info.length}", where=md_url, hint="the .metadata is damaged; restore it")
                     chunks.append(Chunk(offs, sizes, info))
-                idx.add(TensorEntry(key, tuple(md.size), md.properties.dtype, tuple(chunks)), path)
+                idx.add(TensorEntry(key, tuple(md.size), md.properties.dtype, tuple(chunks)), path, md_url)
             elif isinstance(md, BytesStorageMetadata):
                 info = self._storage.get((key, None))
                 if info is None:
                     raise CorruptCheckpointError(f"object {key!r} has no storage entry in .metadata", where=self.location.url)
                 if getattr(info, "transform_descriptors", None):
                     check_descriptors(info.transform_descriptors, self.file(info.relative_path).url)
-                idx.add(ObjectEntry(key, info), path)
+                idx.add(ObjectEntry(key, info), path, md_url)
             else:
                 raise FormatError(f"unknown entry type {type(md).__name__} for {key!r}", where=self.location.url)
         return idx

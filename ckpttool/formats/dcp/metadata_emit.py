@@ -1,0 +1,206 @@
+"""DCP's ``.metadata`` written opcode by opcode, straight from what a step describes.
+
+A step of thousands of ranks has millions of chunks. Building a ``Metadata`` object graph (four
+objects and two ``Size`` tuples a chunk) and pickling it cost rank 0 most of its commit, in object
+construction, the pickler's memo of every object and the garbage collector walking them all. This
+writer emits the same pickle stream a chunk at a time from precomputed pieces, and memoizes only
+what is referred to again (torch's classes, field names, keys, file names, a tensor's common
+chunk size): a chunk costs a handful of byte joins and no objects, and the file is smaller.
+
+What torch unpickles from it equals, field for field, what :func:`metadata_pickle.metadata_bytes`
+pickles from the stand-ins (the same globals: torch's own classes and values, protocol 3, which
+every torch release in the range reads); tests hold the two to that.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from ...dtypes import PLAIN
+
+_METADATA = b"torch.distributed.checkpoint.metadata"
+_FILESYSTEM = b"torch.distributed.checkpoint.filesystem"
+_BATCH = 1000  # items between a MARK and its APPENDS/SETITEMS, as the pickler batches them
+
+_pack_i, _pack_I, _pack_H = struct.Struct("<i").pack, struct.Struct("<I").pack, struct.Struct("<H").pack
+
+
+def _int(value: int) -> bytes:
+    """An int as the pickler writes it at protocol 3 (the shortest of BININT1/2, BININT, LONG1)."""
+    if 0 <= value <= 0xFF:
+        return b"K" + bytes((value,))
+    if 0 <= value <= 0xFFFF:
+        return b"M" + _pack_H(value)
+    if -0x80000000 <= value <= 0x7FFFFFFF:
+        return b"J" + _pack_i(value)
+    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    if len(raw) > 255:
+        raise ValueError("an integer too large for .metadata")
+    return b"\x8a" + bytes((len(raw),)) + raw
+
+
+def _str(text: str) -> bytes:
+    raw = text.encode("utf-8", "surrogatepass")
+    return b"X" + _pack_I(len(raw)) + raw
+
+
+_TUPLE = {0: b")", 1: b"\x85", 2: b"\x86", 3: b"\x87"}
+
+
+def _tuple(items: list[bytes]) -> bytes:
+    if len(items) in _TUPLE:
+        return b"".join(items) + _TUPLE[len(items)]
+    return b"(" + b"".join(items) + b"t"
+
+
+class _Memo:
+    """The memo: each value put once (its first use), a back-reference after."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.got: dict[Any, bytes] = {}
+
+    def put(self, key: Any, first: bytes) -> bytes:
+        """``first`` (the opcodes that push the value) and a PUT, the first time; a GET after."""
+        got = self.got.get(key)
+        if got is not None:
+            return got
+        i = self.n
+        self.n += 1
+        self.got[key] = b"h" + bytes((i,)) if i < 256 else b"j" + _pack_I(i)
+        return first + (b"q" + bytes((i,)) if i < 256 else b"r" + _pack_I(i))
+
+    def glob(self, module: bytes, name: str) -> bytes:
+        return self.put(("global", module, name), b"c" + module + b"\n" + name.encode() + b"\n")
+
+    def string(self, text: str) -> bytes:
+        got = self.got.get(("str", text))
+        return got if got is not None else self.put(("str", text), _str(text))
+
+
+def metadata_stream(described: Any, save_id: str, dcp_version: str) -> bytes | None:
+    """The ``.metadata`` pickle of ``described`` (a ``metadata_pickle.Described``), or None when it
+    holds something this writer does not spell (a dtype without a name in torch's namespace, a
+    planner path component neither str nor int); the caller then pickles the object graph."""
+    if any(str(dtype).removeprefix("torch.") not in PLAIN for _, dtype, _ in described.tensors.values()):
+        return None
+    paths = {k: described.paths[k] for k in described.order if k in described.paths}
+    if any(type(p) not in (str, int) for path in paths.values() for p in path):
+        return None
+    memo = _Memo()
+    out: list[bytes] = []
+    # the classes and field names first: the most used, so their back-references are two bytes
+    new = {name: memo.glob(_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
+                                                       "BytesStorageMetadata", "MetadataIndex", "TensorProperties",
+                                                       "StorageMeta")}
+    new["_StorageInfo"] = memo.glob(_FILESYSTEM, "_StorageInfo")
+    size_cls = memo.glob(b"torch", "Size")
+    fields = {name: memo.string(name) for name in ("offsets", "sizes", "fqn", "index", "offset", "relative_path",
+                                                   "length", "properties", "size", "chunks")}
+    # (each first use above pushed and memoized a value: pop them; later uses are back-references)
+    out.append(b"\x80\x03" + b"".join(v + b"0" for v in (*new.values(), size_cls, *fields.values())))
+    new = {name: memo.got[("global", _FILESYSTEM if name == "_StorageInfo" else _METADATA, name)] for name in new}
+    size_cls = memo.got[("global", b"torch", "Size")]
+    fields = {name: memo.got[("str", name)] for name in fields}
+
+    def obj(cls: str) -> bytes:  # an instance made as copyreg.__newobj__ makes it
+        return new[cls] + b")\x81"
+
+    ints: dict[int, bytes] = {}  # the ints of sizes and offsets in a tensor (a few per rank), encoded once
+
+    def small(value: int) -> bytes:
+        got = ints.get(value)
+        if got is None:
+            got = ints[value] = _int(value)
+        return got
+
+    def size(values: Any) -> bytes:
+        if len(values) == 2:  # (the common case, spelled out)
+            return size_cls + small(values[0]) + small(values[1]) + b"\x86\x85R"
+        return size_cls + _tuple([small(v) for v in values]) + b"\x85R"
+
+    out.append(obj("Metadata") + b"}(" + memo.string("state_dict_metadata") + b"}")
+    items = [(k, described.tensors.get(k)) for k in described.order if k in described.tensors or k in described.objects]
+    for batch in range(0, len(items), _BATCH):
+        out.append(b"(")
+        for key, tensor in items[batch:batch + _BATCH]:
+            out.append(memo.string(key))
+            if tensor is None:
+                out.append(obj("BytesStorageMetadata"))
+                continue
+            shape, dtype, chunks = tensor
+            out.append(obj("TensorStorageMetadata") + b"}(" + fields["properties"]
+                       + _properties(memo, obj, str(dtype).removeprefix("torch."))
+                       + fields["size"] + size(shape) + fields["chunks"] + b"]")
+            _chunk_list(out, memo, obj, size, fields, key, chunks)
+            out.append(b"ub")
+        out.append(b"u")
+    out.append(memo.string("planner_data") + b"}")
+    for batch in range(0, len(paths), _BATCH):
+        out.append(b"(")
+        for key, path in list(paths.items())[batch:batch + _BATCH]:
+            out.append(memo.string(key) + _tuple([memo.string(p) if type(p) is str else _int(p) for p in path]))
+        out.append(b"u")
+    out.append(memo.string("storage_data") + b"}")
+    _storage(out, memo, obj, size, fields, described)
+    out.append(memo.string("storage_meta") + obj("StorageMeta") + b"}(" + memo.string("checkpoint_id") + b"N"
+               + memo.string("save_id") + _str(save_id) + memo.string("load_id") + b"N" + memo.string("modules") + b"]ub"
+               + memo.string("version") + _str(dcp_version) + b"ub.")
+    return b"".join(out)
+
+
+def _properties(memo: _Memo, obj: Any, dtype: str) -> bytes:
+    """TensorProperties as torch pickles it: its five-field state (dtype, layout, requires_grad,
+    memory format encoding, pin_memory)."""
+    layout = memo.put("layout", memo.glob(b"torch.serialization", "_get_layout") + _str("torch.strided") + b"\x85R")
+    contiguous = memo.put("contiguous", memo.glob(_METADATA, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R")
+    return (obj("TensorProperties") + b"(" + memo.glob(b"torch", dtype) + layout + b"\x89" + contiguous + b"\x89tb")
+
+
+def _chunk_list(out: list[bytes], memo: _Memo, obj: Any, size: Any, fields: dict[str, bytes], key: str,
+                chunks: list[tuple[tuple, tuple, tuple]]) -> None:
+    """A tensor's chunks: ChunkStorageMetadata(offsets, sizes), the chunks' common sizes memoized."""
+    head = obj("ChunkStorageMetadata") + b"}(" + fields["offsets"]
+    sizes_key = fields["sizes"]
+    for batch in range(0, len(chunks), _BATCH):
+        out.append(b"(")
+        for offsets, sizes, _record in chunks[batch:batch + _BATCH]:
+            out.append(head + size(offsets) + sizes_key + memo.put(("size", key, tuple(sizes)), size(sizes)) + b"ub")
+        out.append(b"e")
+
+
+def _storage(out: list[bytes], memo: _Memo, obj: Any, size: Any, fields: dict[str, bytes], described: Any) -> None:
+    """storage_data: {MetadataIndex(fqn, offset, index): _StorageInfo(file, offset, length[, transforms])},
+    objects first, then every tensor's chunks in order (as metadata_pickle.metadata_bytes builds it)."""
+    index_head = obj("MetadataIndex") + b"}(" + fields["fqn"]
+    info_head = obj("_StorageInfo") + b"}(" + fields["relative_path"]
+    at, length_key, index_key = fields["offset"], fields["length"], fields["index"]
+    pending = 0
+    out.append(b"(")
+
+    def info(file: str, offset: int, length: int, transforms: Any) -> bytes:
+        tail = b"ub"
+        if transforms:
+            tail = memo.string("transform_descriptors") + b"](" + b"".join(_str(t) for t in transforms) + b"eub"
+        return info_head + memo.string(file) + at + _int(offset) + length_key + _int(length) + tail
+
+    for key, (file, offset, length, transforms) in described.objects.items():
+        out.append(index_head + memo.string(key) + index_key + b"Nub" + info(file, offset, length, transforms))
+        pending += 1
+        if pending == _BATCH:
+            out.append(b"u(")
+            pending = 0
+    for key, (_shape, _dtype, chunks) in described.tensors.items():
+        head = index_head + memo.string(key) + index_key
+        for i, (offsets, _sizes, (file, offset, length, transforms)) in enumerate(chunks):
+            if transforms:
+                value = info(file, offset, length, transforms)
+            else:
+                value = info_head + memo.string(file) + at + _int(offset) + length_key + _int(length) + b"ub"
+            out.append(head + _int(i) + at + size(offsets) + b"ub" + value)
+            pending += 1
+            if pending == _BATCH:
+                out.append(b"u(")
+                pending = 0
+    out.append(b"u")
