@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import liveness
+from .bulk import no_gc
 
 if TYPE_CHECKING:
     import torch
@@ -515,8 +516,10 @@ def _read_part(loc: Location) -> dict[str, Any]:
 
     if loc.size() > MAX_PART_BYTES:
         raise CorruptCheckpointError("a rank's index is too large", where=loc.url)
+    raw = loc.read_bytes()
     try:
-        part = json.loads(loc.read_bytes())
+        with no_gc():  # (a rank's index: thousands of small objects, none in a cycle)
+            part = json.loads(raw)
     except ValueError as exc:
         raise CorruptCheckpointError(f"a rank's index is damaged ({exc})", where=loc.url) from None
     if not isinstance(part, dict):

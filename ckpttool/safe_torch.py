@@ -38,6 +38,9 @@ class Size(tuple):
     __slots__ = ()
 
     def __new__(cls, items: Any = ()) -> Size:
+        if type(items) is tuple and all(type(v) is int for v in items) and (
+                not items or (_INT64[0] <= min(items) and max(items) <= _INT64[1])):
+            return super().__new__(cls, items)  # (what a pickle holds: a tuple of plain ints, checked at C speed)
         values = []
         for i, item in enumerate(items):
             try:

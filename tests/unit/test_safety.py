@@ -140,3 +140,25 @@ def test_the_new_value_types_give_a_hostile_pickle_nothing_to_expand_or_call():
     for name, data in cases.items():
         with pytest.raises((UnsafePickleError, CorruptCheckpointError), match=expect[name]):
             load_torch_pickle(data, f"{name}.pt")
+
+
+@pytest.mark.parametrize("items", [(1, 1 << 63), (-(1 << 63) - 1,), (1, 2.0), (1, "2"), (1, None), (1 << 64,), (True, 2),
+                                   (), (0, (1 << 63) - 1), (-(1 << 63), 5)])
+def test_a_size_in_a_pickle_is_checked_the_same_on_its_fast_path(items):
+    """safe_torch.Size is what a .metadata's torch.Size unpickles to: a tuple of plain ints takes a
+    C-speed path; it accepts and refuses exactly what the item-by-item check does (ints of int64's
+    range; a bool as the int it is; anything else a TypeError or ValueError, as torch raises)."""
+    from ckpttool.safe_torch import Size
+
+    def made(x):
+        try:
+            got = Size(x)
+            assert type(got) is Size and all(type(v) is int for v in got)
+            return tuple(got)
+        except (TypeError, ValueError) as exc:
+            return type(exc)
+
+    fast, slow = made(tuple(items)), made(iter(items))  # (an iterator: never the fast path)
+    assert fast == slow, (items, fast, slow)
+    if any(type(v) is int and not -(1 << 63) <= v < (1 << 63) for v in items):
+        assert fast is ValueError
