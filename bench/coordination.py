@@ -195,12 +195,13 @@ def _digest(rng: random.Random) -> str:
     return "%016x" % rng.getrandbits(64)
 
 
-def synth_index(sp: Spec, n: int, rank: int, rng: random.Random, health: str = "steady", empty: str = "skip",
+def synth_index(sp: Spec, n: int, rank: int, rng: random.Random, health: str = "steady", empty: str = "record",
                 phases: dict[str, float] | None = None, digests: bool = True) -> dict[str, Any]:
     """What ``write_rank`` publishes for rank ``rank`` of ``n`` (``index.__dict__``), digests random.
 
-    ``empty="skip"``: what ckpttool does (a rank with no rows of a tensor declares it and writes no
-    record of it); ``"record"``: an empty record for it, as ckpttool did before and torch does."""
+    ``empty="skip"`` is a what-if only (a rank with no rows of a tensor writing no record for it);
+    ckpttool writes an empty record for it (every rank's DTensor shard is stored, ``stores()``: an
+    offline reshard tells FSDP2's shards of a one-row tensor from a replicated one by them)."""
     from ckpttool.checksums import block_count
 
     tensors: dict[str, Any] = {}
@@ -268,7 +269,7 @@ def published(index: dict[str, Any], step: str) -> dict[str, Any]:
     return part
 
 
-def count_chunks(sp: Spec, n: int, empty: str = "skip") -> dict[str, int]:
+def count_chunks(sp: Spec, n: int, empty: str = "record") -> dict[str, int]:
     total = nonempty = 0
     for _, kind, what in sp.entries:
         if kind == "dtensor":
@@ -769,7 +770,7 @@ def run_check(a: argparse.Namespace) -> bool:
             finally:
                 dist.destroy_process_group()
             with tempfile.TemporaryDirectory() as tmp:
-                synth = synth_index(sp, n, rank, random.Random(rank), health_mode, "skip", phases)
+                synth = synth_index(sp, n, rank, random.Random(rank), health_mode, "record", phases)
                 synth_manifest = synth["records"]
                 synth = published(synth, tmp)
             same = (json.dumps(_normalize(real)) == json.dumps(_normalize(synth))
@@ -998,9 +999,9 @@ def main() -> int:
     p.add_argument("--health", choices=("steady", "first", "off"), default="steady",
                    help="the health findings each rank publishes: a save compared with the previous one (every save but "
                         "the first of a run; the default), the first save after a start, or health=False")
-    p.add_argument("--empty-shards", dest="empty", choices=("record", "skip"), default="skip",
-                   help="skip: what ckpttool does (a rank with no rows of a tensor writes no record of it); "
-                        "record: as ckpttool did before (and torch does), an empty record of it")
+    p.add_argument("--empty-shards", dest="empty", choices=("record", "skip"), default="record",
+                   help="record: what ckpttool does (a rank with no rows of a tensor still writes an empty record of it); "
+                        "skip: a what-if, no record for an empty shard")
     p.add_argument("--profile", default="4096", help="cProfile rank 0's commit at these N (an extra, separate run; '' for none)")
     p.add_argument("--profile-load", action="store_true", help="also cProfile the load plan at those N")
     p.add_argument("--stages", default="commit,load,torch",

@@ -5,6 +5,10 @@ Each object such work makes is kept until the work ends, and none is part of a r
 yet every 700 allocations the collector walks the young objects and, ever more often, all the
 old ones: it took 29% of rank 0's commit of a 4,096-rank step. Reference counting still frees
 everything as usual; the collector resumes as soon as the last such block ends, on any thread.
+
+The collector's switch is the process's: while a block runs (a commit on rank 0's writer thread)
+cyclic garbage of the training thread waits for its end, and a ``gc.disable()`` the training
+code makes while a block runs is undone when it ends (one made before it is kept).
 """
 
 from __future__ import annotations

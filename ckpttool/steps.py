@@ -24,7 +24,7 @@ MAX_COMMIT_BYTES = 256 << 20  # what a reader parses; the writer refuses to comm
 # A rank's manifest file (its records' rows, block digests included: 16 hex digits per 64 KiB, so
 # 256 MiB covers about 1 TB of one rank's data); the writer fails the rank's save beyond it.
 MAX_MANIFEST_BYTES = 256 << 20
-_MANIFEST_RE = re.compile(r"^__(\d+)\.manifest$")
+_MANIFEST_RE = re.compile(r"__[0-9]+\.manifest")  # (fullmatch: one plain name, ASCII digits)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^\.step-(\d+)\.tmp-[0-9a-f]+$")
@@ -108,7 +108,8 @@ def commit_record(step: int, world_size: int, extra: dict | None = None) -> byte
     raw = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     if len(raw) > MAX_COMMIT_BYTES:  # (read_commit_record refuses it: never commit what cannot be loaded)
         raise StepTooLargeError(f"the commit record of step {step} would hold {len(raw)} bytes, more than the "
-                                f"{MAX_COMMIT_BYTES >> 20} MiB ckpttool reads", hint="the step is not committed")
+                                f"{MAX_COMMIT_BYTES >> 20} MiB ckpttool reads", where=step_name(step),
+                                hint="the step is not committed")
     return raw
 
 
@@ -212,7 +213,7 @@ def _manifest_ok(manifest: Any) -> bool:
         return False
     seen = set(records)
     for name, entry in split.items():
-        if not (_MANIFEST_RE.match(name) and isinstance(entry, list) and len(entry) == 3
+        if not (_MANIFEST_RE.fullmatch(name) and isinstance(entry, list) and len(entry) == 3
                 and _rows_ok({"": [[0, *entry[:2]]]}, block) and isinstance(entry[2], list)
                 and all(isinstance(f, str) for f in entry[2]) and not seen.intersection(entry[2])
                 and entry[0] <= MAX_MANIFEST_BYTES):

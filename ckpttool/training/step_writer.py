@@ -548,7 +548,7 @@ def _declare_part(index: RankIndex, key: str, value: Any) -> tuple[tuple[int, ..
         if value.plain and index.rank != 0:
             return None  # (as below)
         _declare(index, key, value.shape, value.local.dtype)
-        return (value.shape, value.local, value.box) if value.store and _holds_data(value.shape, value.box) else None
+        return (value.shape, value.local, value.box) if value.store else None
     if not isinstance(value, DTensor) and index.rank != 0:
         # a plain tensor: rank 0 stores it and alone declares it (another rank's value of the key
         # may be anything, an object included: it is that rank's, kept by _write_per_rank)
@@ -557,14 +557,7 @@ def _declare_part(index: RankIndex, key: str, value: Any) -> tuple[tuple[int, ..
     if isinstance(value, DTensor) and not stores(value):
         return None
     local, box = local_shard_box(value)
-    return (tuple(value.shape), local.detach(), box) if _holds_data(tuple(value.shape), box) else None
-
-
-def _holds_data(shape: tuple[int, ...], box: Box) -> bool:
-    """Whether a rank's box is worth a record: an empty shard of a tensor that holds elements has
-    none (the other ranks' chunks tile the tensor without it; at 16,384 ranks FSDP2 leaves about
-    two thirds of an 8B model's shards empty, and torch's writer records every one)."""
-    return math.prod(box[1]) > 0 or math.prod(shape) == 0
+    return tuple(value.shape), local.detach(), box
 
 
 def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[int, ...], local: torch.Tensor, box: Box,

@@ -315,7 +315,7 @@ def test_the_one_checker_tells_a_read_and_verify_the_same(tmp_path, damage):
     assert plain == found.what, (error.what, found.what)
 
 
-@pytest.mark.parametrize("damage", ["flip", "missing", "rows"])
+@pytest.mark.parametrize("damage", ["flip", "missing", "rows", "symlink out", "longer"])
 def test_a_damaged_manifest_file_is_named_by_a_load_and_by_verify(tmp_path, damage):
     """The rows of a step's records live in each rank's manifest file, its size and digest in the
     commit record: a manifest file changed or lost is named by the read that needs it and by
@@ -328,6 +328,13 @@ def test_a_damaged_manifest_file_is_named_by_a_load_and_by_verify(tmp_path, dama
         flip_bit(path, os.path.getsize(path) // 2)
     elif damage == "missing":
         os.remove(path)
+    elif damage == "symlink out":  # the very bytes, outside the step: never followed
+        shutil.copy(path, tmp_path / "elsewhere")
+        os.remove(path)
+        os.symlink(tmp_path / "elsewhere", path)
+    elif damage == "longer":
+        with open(path, "ab") as f:
+            f.write(b" ")
     else:  # well-formed JSON, same length, other rows: only the commit record's digest of it tells
         data = open(path, "rb").read()
         i = data.index(b'[0,')
@@ -338,3 +345,20 @@ def test_a_damaged_manifest_file_is_named_by_a_load_and_by_verify(tmp_path, dama
     assert problems and all("__0.manifest" in p.what for p in problems), problems
     result = CliRunner().invoke(main, ["verify", step])
     assert result.exit_code == 1 and "__0.manifest" in result.output
+
+
+def test_a_manifest_finding_names_a_file_with_braces_as_it_is(tmp_path):
+    """A data file's name comes from .metadata and may hold braces: the finding about its lost
+    manifest names it as it is, for the read (key named) and for verify alike."""
+    from types import SimpleNamespace
+
+    from ckpttool.formats.dcp.manifest import Manifest
+
+    name = "__0_{0}.distcp"
+    manifest = {"algorithm": "xxh3_64", "block": 65536, "manifests": {"__0.manifest": [10, "0" * 16, [name, "__0_1.distcp"]]}}
+    found, _ = Manifest.of(manifest, resolve(str(tmp_path / "step-{exp}")))
+    row, finding = found.row(SimpleNamespace(relative_path=name, offset=0, length=5), "u")
+    assert row is None and "__0.manifest is missing" in finding.message()
+    assert f"record of 'k' in {name} cannot be checked" in finding.error("k").what
+    _, other = found.rows_of("__0_1.distcp")
+    assert "in __0_1.distcp" in other.message("k")

@@ -7,16 +7,20 @@ tensor data. It yields :class:`Finding` values; its two callers decide what a fi
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from ...checksums import ALGORITHM, HASH_BLOCK, hash_bytes
 from ...errors import ChecksumError, CkptError
-from ...steps import MAX_MANIFEST_BYTES, parse_manifest_file
+from ...steps import COMMIT_FILE, MAX_MANIFEST_BYTES, parse_manifest_file
 from ...storage import Location
 from .metadata import METADATA_FILE
 
 _CHANGED = "the bytes changed after the save committed; restore the file or use another step"
+#: the bytes of ranks' manifest files whose parsed rows a reader keeps (the most recently used):
+#: a verify of every record of a 16,384-rank step reads them all, one after another
+ROWS_KEPT = 2 * (256 << 20)
 
 
 @dataclass(frozen=True)
@@ -46,16 +50,18 @@ class Manifest:
     """A step's manifest, parsed: per record (file, offset) its length, digest and block digests
     (or None), the block size, and ``.metadata``'s size and digest. The rows of a file that a
     rank's manifest file holds (ckpttool's own writer) are read from it, and checked against the
-    commit record's size and digest of it, the first time a record of that file is looked up."""
+    commit record's size and digest of it, the first time a record of that file is looked up; the
+    rows of the manifest files read last are kept, up to :data:`ROWS_KEPT` bytes of their files."""
 
     def __init__(self, manifest: dict[str, Any], step_dir: Location | None = None):
         self.algorithm = manifest.get("algorithm")
         self.block = manifest.get("block") or HASH_BLOCK
-        self._rows: dict[str, dict[int, tuple[int, str, Any]]] = {
+        self._inline: dict[str, dict[int, tuple[int, str, Any]]] = {
             name: _by_offset(rows) for name, rows in manifest.get("records", {}).items()}
         self._split: dict[str, tuple[str, int, str, list[str]]] = {
             file: (name, length, digest, files)
             for name, (length, digest, files) in manifest.get("manifests", {}).items() for file in files}
+        self._loaded: OrderedDict[str, tuple[int, dict[str, dict[int, tuple[int, str, Any]]]]] = OrderedDict()
         self._damaged: dict[str, Finding] = {}
         self._step_dir = step_dir
         self.metadata = manifest.get("files", {}).get(METADATA_FILE)
@@ -63,7 +69,7 @@ class Manifest:
     def rows_of(self, name: str) -> tuple[dict[int, tuple[int, str, Any]], Finding | None]:
         """The rows of data file ``name`` by record offset (none for a file the manifest does not
         know), or what is wrong with the manifest file that holds them."""
-        rows = self._rows.get(name)
+        rows = self._inline.get(name)
         if rows is not None:
             return rows, None
         if name in self._damaged:
@@ -71,35 +77,43 @@ class Manifest:
         split = self._split.get(name)
         if split is None or self._step_dir is None:
             return {}, None
-        mname, length, digest, files = split
-        loc = self._step_dir.child(mname)
-        problem = None
+        mname = split[0]
+        if mname in self._loaded:
+            self._loaded.move_to_end(mname)
+            return self._loaded[mname][1][name], None
+        parsed, problem, where = self._read(*split)
+        if parsed is None:
+            for file in split[3]:  # (each data file's records name their own file)
+                self._damaged[file] = Finding(
+                    "{subject} cannot be checked: " + _literal(f"the manifest file {mname} {problem}"),
+                    f"record of {{key}} in {_literal(file)}", f"records of {file}", where,
+                    "the step's manifest changed or was lost after the save committed; use another step")
+            return {}, self._damaged[name]
+        self._loaded[mname] = (split[1], {file: _by_offset(file_rows) for file, file_rows in parsed.items()})
+        while sum(size for size, _ in self._loaded.values()) > ROWS_KEPT and len(self._loaded) > 1:
+            self._loaded.popitem(last=False)
+        return self._loaded[mname][1][name], None
+
+    def _read(self, mname: str, length: int, digest: str, files: list[str]) -> tuple[Any, str | None, str]:
+        """A rank's manifest file, checked: (its rows by data file, None, url) or (None, what is wrong, url)."""
+        url = self._step_dir.url
         try:
-            size = loc.size() if loc.exists() else None
-            if size is None:
-                problem = "is missing"
-            elif size != length or size > MAX_MANIFEST_BYTES:
-                problem = f"holds {size} bytes, the commit record says {length}"
-            else:
-                raw = loc.read_bytes()
-                if hash_bytes(raw) != digest:
-                    problem = "does not match the commit record's checksum of it"
-                else:
-                    parsed = parse_manifest_file(raw, self.block, files)
-                    if parsed is None:
-                        problem = "is not a manifest ckpttool writes"
-                    else:
-                        for file, file_rows in parsed.items():
-                            self._rows[file] = _by_offset(file_rows)
-                        return self._rows[name], None
+            loc = self._step_dir.inside(mname, self._step_dir.child(COMMIT_FILE).url)  # (no symlink out of the step)
+            url = loc.url
+            if not loc.exists():
+                return None, "is missing", url
+            size = loc.size()
+            if size != length or size > MAX_MANIFEST_BYTES:
+                return None, f"holds {size} bytes, the commit record says {length}", url
+            raw = loc.read_bytes(0, length + 1)
+            if len(raw) != length or hash_bytes(raw) != digest:
+                return None, "does not match the commit record's checksum of it", url
+            parsed = parse_manifest_file(raw, self.block, files)
+            if parsed is None:
+                return None, "is not a manifest ckpttool writes", url
+            return parsed, None, url
         except (CkptError, OSError) as exc:
-            problem = f"cannot be read ({exc})"
-        finding = Finding("{subject} cannot be checked: " + f"the manifest file {mname} {problem}",
-                          f"record of {{key}} in {name}", f"records of {name}", loc.url,
-                          "the step's manifest changed or was lost after the save committed; use another step")
-        for file in files:
-            self._damaged[file] = finding
-        return {}, finding
+            return None, f"cannot be read ({exc})", url
 
     @classmethod
     def of(cls, manifest: dict[str, Any] | None, step_dir: Location | None = None) -> tuple[Manifest | None, str | None]:
@@ -135,6 +149,11 @@ class Manifest:
         if finding is None and digest != row[1]:
             finding = _record(info.offset, "does not match the manifest's checksum", url)
         return finding
+
+
+def _literal(text: str) -> str:
+    """``text`` as it reads once it went through ``str.format`` (a file name may hold braces)."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 def _by_offset(rows: list[list[Any]]) -> dict[int, tuple[int, str, Any]]:

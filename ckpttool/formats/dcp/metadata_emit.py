@@ -137,9 +137,10 @@ def metadata_stream(described: Any, save_id: str, dcp_version: str) -> bytes | N
             out.append(b"ub")
         out.append(b"u")
     out.append(memo.string("planner_data") + b"}")
-    for batch in range(0, len(paths), _BATCH):
+    path_items = list(paths.items())
+    for batch in range(0, len(path_items), _BATCH):
         out.append(b"(")
-        for key, path in list(paths.items())[batch:batch + _BATCH]:
+        for key, path in path_items[batch:batch + _BATCH]:
             out.append(memo.string(key) + _tuple([memo.string(p) if type(p) is str else _int(p) for p in path]))
         out.append(b"u")
     out.append(memo.string("storage_data") + b"}")
