@@ -32,8 +32,12 @@ def main(argv: list[str]) -> int:
             pts = [(r["n"], get(r)) for r in rows if get(r)]
             if pts:
                 ax.plot(*zip(*pts), style, label=f"ckpttool {label}")
-    with open(runs[-1][0]) as f:
-        rows = json.load(f)["rows"]
+    rows = []  # torch's figures: from the latest run that measured them
+    for path, _ in reversed(runs):
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        if any(r.get("torch", {}).get("metadata_bytes") for r in rows):
+            break
     torch_md = [(r["n"], r["torch"]["metadata_bytes"] / 1e6) for r in rows if r.get("torch", {}).get("metadata_bytes")]
     torch_plan = [(r["n"], r["torch"]["plan_s"]) for r in rows if r.get("torch", {}).get("plan_s")]
     if torch_md:
