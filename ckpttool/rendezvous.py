@@ -374,15 +374,20 @@ def store_exchange(roll: Roll, doing: str, outcome: Any, value: Any, step: int |
         raise
     if me != 0 and call(store.check, [verdict]) and call(store.add, f"{base}/n", 0) < world:
         raise _verdict_error(json.loads(call(store.get, verdict)), doing)
+    outcomes, value0 = _exchanged(store, base, world, call)
+    call(store.add, f"{base}/seen", 1)  # (rank 0 leaves the job's store up until every rank got here: Roll.linger)
+    _forget_exchange(roll, seq - 1)
+    return outcomes, value0
+
+
+def _exchanged(store: Any, base: str, world: int, call: Any) -> tuple[list[Any], Any]:
+    """A complete exchange's outcomes (the failures' only, where a rank counted one) and rank 0's value."""
     outcomes: list[Any] = [None] * world
     if call(store.add, f"{base}/bad", 0):
         for r in range(world):
             if call(store.check, [f"{base}/f/{r}"]):
                 outcomes[r] = json.loads(call(store.get, f"{base}/f/{r}"))
-    value0 = json.loads(call(store.get, f"{base}/v"))
-    call(store.add, f"{base}/seen", 1)  # (rank 0 leaves the job's store up until every rank got here: Roll.linger)
-    _forget_exchange(roll, seq - 1)
-    return outcomes, value0
+    return outcomes, json.loads(call(store.get, f"{base}/v"))
 
 
 def _enter_exchange(roll: Roll, base: str, outcome: Any, value: Any) -> None:

@@ -89,20 +89,7 @@ def metadata_stream(described: Any, save_id: str, dcp_version: str) -> bytes | N
     if any(type(p) not in (str, int) for path in paths.values() for p in path):
         return None
     memo = _Memo()
-    out: list[bytes] = []
-    # the classes and field names first: the most used, so their back-references are two bytes
-    new = {name: memo.glob(_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
-                                                       "BytesStorageMetadata", "MetadataIndex", "TensorProperties",
-                                                       "StorageMeta")}
-    new["_StorageInfo"] = memo.glob(_FILESYSTEM, "_StorageInfo")
-    size_cls = memo.glob(b"torch", "Size")
-    fields = {name: memo.string(name) for name in ("offsets", "sizes", "fqn", "index", "offset", "relative_path",
-                                                   "length", "properties", "size", "chunks")}
-    # (each first use above pushed and memoized a value: pop them; later uses are back-references)
-    out.append(b"\x80\x03" + b"".join(v + b"0" for v in (*new.values(), size_cls, *fields.values())))
-    new = {name: memo.got[("global", _FILESYSTEM if name == "_StorageInfo" else _METADATA, name)] for name in new}
-    size_cls = memo.got[("global", b"torch", "Size")]
-    fields = {name: memo.got[("str", name)] for name in fields}
+    out, new, size_cls, fields = _prelude(memo)
 
     def obj(cls: str) -> bytes:  # an instance made as copyreg.__newobj__ makes it
         return new[cls] + b")\x81"
@@ -149,6 +136,26 @@ def metadata_stream(described: Any, save_id: str, dcp_version: str) -> bytes | N
                + memo.string("save_id") + _str(save_id) + memo.string("load_id") + b"N" + memo.string("modules") + b"]ub"
                + memo.string("version") + _str(dcp_version) + b"ub.")
     return b"".join(out)
+
+
+def _prelude(memo: _Memo) -> tuple[list[bytes], dict[str, bytes], bytes, dict[str, bytes]]:
+    """The stream's start (its protocol) with torch's classes and the field names memoized, most
+    used first so their back-references are two bytes; returns it and the back-references."""
+    out: list[bytes] = []
+    # the classes and field names first: the most used, so their back-references are two bytes
+    new = {name: memo.glob(_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
+                                                       "BytesStorageMetadata", "MetadataIndex", "TensorProperties",
+                                                       "StorageMeta")}
+    new["_StorageInfo"] = memo.glob(_FILESYSTEM, "_StorageInfo")
+    size_cls = memo.glob(b"torch", "Size")
+    fields = {name: memo.string(name) for name in ("offsets", "sizes", "fqn", "index", "offset", "relative_path",
+                                                   "length", "properties", "size", "chunks")}
+    # (each first use above pushed and memoized a value: pop them; later uses are back-references)
+    out.append(b"\x80\x03" + b"".join(v + b"0" for v in (*new.values(), size_cls, *fields.values())))
+    new = {name: memo.got[("global", _FILESYSTEM if name == "_StorageInfo" else _METADATA, name)] for name in new}
+    size_cls = memo.got[("global", b"torch", "Size")]
+    fields = {name: memo.got[("str", name)] for name in fields}
+    return out, new, size_cls, fields
 
 
 def _properties(memo: _Memo, obj: Any, dtype: str) -> bytes:
