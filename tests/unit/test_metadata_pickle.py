@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import subprocess
 import sys
@@ -148,11 +149,16 @@ def test_the_opcode_writer_gives_what_the_object_graph_pickles_to_and_fewer_byte
         new = metadata_stream(d, "sid", compat.DCP_VERSION)
         old = mp.pickled_metadata(d, "sid")
         a, b = pickle.loads(new), pickle.loads(old)
-        assert a == b and a.version == b.version, trial
+        assert a == b, trial
+        versioned = "version" in {f.name for f in dataclasses.fields(type(a))}  # (torch >= 2.9)
+        if versioned:
+            assert a.version == b.version
         assert list(a.state_dict_metadata) == list(b.state_dict_metadata) and list(a.planner_data) == list(b.planner_data)
         assert [(k.__dict__, v.__dict__) for k, v in a.storage_data.items()] == \
             [(k.__dict__, v.__dict__) for k, v in b.storage_data.items()]
         mine, theirs = load_dcp_metadata(new, "x", CLASSES), load_dcp_metadata(old, "x", CLASSES)
+        if not versioned:  # (an older torch's own classes, the graph's fallback, carry no version; ours always do)
+            mine.version = theirs.version = None
         assert mine == theirs
         if sum(len(t[2]) for t in d.tensors.values()) > 5000:  # (its prelude names every class once: a few hundred bytes)
             assert len(new) < 0.7 * len(old), (len(new), len(old))
