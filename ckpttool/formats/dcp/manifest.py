@@ -20,7 +20,7 @@ from .metadata import METADATA_FILE
 _CHANGED = "the bytes changed after the save committed; restore the file or use another step"
 #: the bytes of ranks' manifest files whose parsed rows a reader keeps (the most recently used):
 #: a verify of every record of a 16,384-rank step reads them all, one after another
-ROWS_KEPT = 2 * (256 << 20)
+ROWS_KEPT = 2 * MAX_MANIFEST_BYTES
 
 
 @dataclass(frozen=True)
