@@ -252,11 +252,14 @@ def synth_index(sp: Spec, n: int, rank: int, rng: random.Random, health: str = "
     return index
 
 
-def published(index: dict[str, Any], step: str) -> dict[str, Any]:
+def published(index: dict[str, Any], step: str, sp: Spec) -> tuple[dict[str, Any], bytes]:
     """What ``write_rank`` does with the index at its end: the rank's manifest file (its records'
-    rows) written into ``step``, and the part it publishes, the rows left out."""
+    rows) written into ``step``, its ``.metadata`` fragment (``step_writer.fragment_of``, every
+    DTensor of ``sp`` declared as write_rank declares them), and the part it publishes, the rows
+    left out, with the fragment to go after it."""
     from ckpttool.checksums import hash_bytes
     from ckpttool.steps import manifest_file_bytes, manifest_file_name
+    from ckpttool.training import step_writer
 
     name = manifest_file_name(index["rank"])
     records = {index["file"]: index["records"], **index["files"]}
@@ -266,7 +269,10 @@ def published(index: dict[str, Any], step: str) -> dict[str, Any]:
     part = dict(index)
     part["records"], part["files"] = [], {n: [] for n in index["files"]}
     part["manifest"] = [name, len(raw), hash_bytes(raw), sorted(records)]
-    return part
+    rank_index = step_writer.RankIndex(**part)
+    rank_index.everyone = dict.fromkeys(key for key, kind, _ in sp.entries if kind == "dtensor")
+    part["sharded"], fragment = step_writer.fragment_of(rank_index)
+    return part, fragment
 
 
 def count_chunks(sp: Spec, n: int, empty: str = "record") -> dict[str, int]:
@@ -347,8 +353,8 @@ def child_gen(a: argparse.Namespace) -> dict[str, Any]:
     phases = {"prepare": 0.012345, "state": 0.000812, "stage": 0.412345}
     t = time.perf_counter()
     for rank in range(a.shard, a.n, a.workers):
-        index = published(synth_index(sp, a.n, rank, rng, a.health, a.empty, phases), step)
-        data = json.dumps(index).encode()
+        index, fragment = published(synth_index(sp, a.n, rank, rng, a.health, a.empty, phases), step, sp)
+        data = rendezvous.part_bytes(index, fragment)
         with open(os.path.join(parts, rendezvous.part_name(rank)), "wb") as f:
             f.write(data)
         with open(os.path.join(step, index["file"]), "wb") as f:
@@ -764,7 +770,8 @@ def run_check(a: argparse.Namespace) -> bool:
                     step_writer.write_rank(second, rank, state(2.0), health=check, phases=dict(phases))
                     with open(os.path.join(tmp, "b", rendezvous.part_name(rank)), "rb") as f:
                         raw = f.read()
-                    real = json.loads(raw)
+                    real = json.loads(raw.partition(b"\0")[0])
+                    real_fragment = raw.partition(b"\0")[2]
                     (real_manifest,) = json.load(open(os.path.join(tmp, "b", real["manifest"][0])))["records"].values()
                     size_on_disk = os.path.getsize(os.path.join(tmp, "b", real["file"]))
             finally:
@@ -772,12 +779,12 @@ def run_check(a: argparse.Namespace) -> bool:
             with tempfile.TemporaryDirectory() as tmp:
                 synth = synth_index(sp, n, rank, random.Random(rank), health_mode, "record", phases)
                 synth_manifest = synth["records"]
-                synth = published(synth, tmp)
-            same = (json.dumps(_normalize(real)) == json.dumps(_normalize(synth))
+                synth, synth_fragment = published(synth, tmp, sp)
+            same = (json.dumps(_normalize(real)) == json.dumps(_normalize(synth)) and real_fragment == synth_fragment
                     and json.dumps(_normalize({"records": real_manifest, "phases": {}})) == json.dumps(_normalize({"records": synth_manifest, "phases": {}})))
             same_file = size_on_disk == synth["written"]
             print(f"  health={health_mode:6s} N={n:3d} rank={rank:2d}: index {'same' if same else 'DIFFERS'}"
-                  f" ({len(raw)} vs {len(json.dumps(synth))} JSON bytes, phase timings aside), data file "
+                  f" ({len(raw)} vs {len(rendezvous.part_bytes(synth, synth_fragment))} bytes, phase timings aside), data file "
                   f"{size_on_disk} bytes {'= written' if same_file else '!= written ' + str(synth['written'])}")
             if not same:
                 _diff(_normalize(real), _normalize(synth))

@@ -468,18 +468,25 @@ PART_FILE = ".ckpttool-rank-{rank}.json"
 #: what rank 0 puts in a step it could not commit: the other ranks stop waiting for the commit
 REFUSED_FILE = ".ckpttool-failed.json"
 MAX_PART_BYTES = 256 << 20
+TAIL = "tail"  # the key of a part read back under which its tail is (publish_part)
 
 
 def part_name(rank: int) -> str:
     return PART_FILE.format(rank=rank)
 
 
-def publish_part(step_dir: Location, rank: int, part: dict[str, Any]) -> None:
+def publish_part(step_dir: Location, rank: int, part: dict[str, Any], tail: bytes = b"") -> None:
     """Put this rank's part (a JSON object; with ``error`` and ``error_type`` when it failed) in
-    storage in one step. Rank 0 polls for the name and reads the file as soon as it appears, so a
-    file written in place could be read empty or half written: locally it is written under a
-    hidden name and renamed; an object store's put is already whole."""
-    step_dir.child(part_name(rank)).replace_bytes(json.dumps(part).encode())
+    storage in one step, ``tail`` after it (bytes of the part's own, after a NUL: JSON holds none).
+    Rank 0 polls for the name and reads the file as soon as it appears, so a file written in place
+    could be read empty or half written: locally it is written under a hidden name and renamed;
+    an object store's put is already whole."""
+    step_dir.child(part_name(rank)).replace_bytes(part_bytes(part, tail))
+
+
+def part_bytes(part: dict[str, Any], tail: bytes = b"") -> bytes:
+    """A part file's bytes: its JSON, then a NUL and ``tail`` where there is one."""
+    return json.dumps(part).encode() + (b"\0" + tail if tail else b"")
 
 
 def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
@@ -521,7 +528,7 @@ def _read_part(loc: Location) -> dict[str, Any]:
 
     if loc.size() > MAX_PART_BYTES:
         raise CorruptCheckpointError("a rank's index is too large", where=loc.url)
-    raw = loc.read_bytes()
+    raw, _, tail = loc.read_bytes().partition(b"\0")
     try:
         with no_gc():  # (a rank's index: thousands of small objects, none in a cycle)
             part = json.loads(raw)
@@ -529,6 +536,7 @@ def _read_part(loc: Location) -> dict[str, Any]:
         raise CorruptCheckpointError(f"a rank's index is damaged ({exc})", where=loc.url) from None
     if not isinstance(part, dict):
         raise CorruptCheckpointError("a rank's index is damaged (not a JSON object)", where=loc.url)
+    part[TAIL] = tail
     return part
 
 

@@ -27,6 +27,8 @@ from ..bulk import no_gc
 from ..checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
 from ..compat import local_shard_box
 from ..errors import CkptError, CorruptCheckpointError, StepTooLargeError
+from ..dtypes import PLAIN
+from ..formats.dcp import metadata_emit
 from ..formats.dcp import metadata_pickle as mp
 from ..formats.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
 from ..formats.dcp.records import write_object, write_tensor
@@ -210,6 +212,13 @@ class RankIndex:
     # the rank's manifest file, which holds ``records`` and ``files``' rows (published without them):
     # [its name, bytes, digest, the data files whose rows it holds]
     manifest: list[Any] | None = None
+    # the rank's fragment of ``.metadata`` (its sharded tensors' chunks and storage entries, spelled
+    # by metadata_emit.fragment; published after the index's JSON): [the digest of the sharded keys'
+    # names in order, their number, the fragment's bytes, its digest] and, on rank 0, the names
+    sharded: list[Any] | None = None
+    fragment: bytes = field(default=b"", repr=False)
+    # the keys every rank declares (DTensors), in declaration order: the fragment's key numbers
+    everyone: dict[str, None] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -269,6 +278,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         if frozen_parts:
             written = _write_frozen(step_dir, index, frozen_parts, previous, tally)
         index.manifest = _write_manifest(step_dir, index)
+        index.sharded, index.fragment = fragment_of(index)
         if health is not None:
             index.health = health.findings(flat, rank)
         if rank == 0:
@@ -527,11 +537,31 @@ def _write_manifest(step_dir: Location, index: RankIndex) -> list[Any]:
 
 def publish_index(step_dir: Location, index: RankIndex) -> None:
     """Put a rank's index in storage, whole, where rank 0 waits for it (``rendezvous.publish_part``):
-    the rows its manifest file holds are left out."""
+    the rows its manifest file holds are left out, its ``.metadata`` fragment goes after the JSON."""
     part = dict(index.__dict__)
+    del part["fragment"], part["everyone"]
     if index.manifest is not None:
         part["records"], part["files"] = [], {name: [] for name in index.files}
-    rendezvous.publish_part(step_dir, index.rank, part)
+    rendezvous.publish_part(step_dir, index.rank, part, index.fragment)
+
+
+def fragment_of(index: RankIndex) -> tuple[list[Any] | None, bytes]:
+    """This rank's fragment of ``.metadata`` (``metadata_emit.fragment``) and its entry in the
+    index; (None, b"") where the writer cannot spell it (rank 0 then spells every chunk itself)."""
+    keys = list(index.everyone)
+    if any(index.tensors[k]["dtype"] not in PLAIN for k in keys):
+        return None, b""
+    chunks = [(i, index.tensors[k]["chunks"]) for i, k in enumerate(keys) if index.tensors[k]["chunks"]]
+    try:
+        raw = metadata_emit.fragment(len(keys), chunks, index.file, tuple(transform_names(index.compress) or ()))
+    except ValueError:
+        return None, b""
+    entry = [_names_digest(keys), len(keys), len(raw), hash_bytes(raw)]
+    return (entry + [keys] if index.rank == 0 else entry), raw
+
+
+def _names_digest(keys: list[str]) -> str:
+    return hash_bytes("\0".join(keys).encode("utf-8", "surrogatepass"))
 
 
 def _declare(index: RankIndex, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
@@ -548,12 +578,16 @@ def _declare_part(index: RankIndex, key: str, value: Any) -> tuple[tuple[int, ..
         if value.plain and index.rank != 0:
             return None  # (as below)
         _declare(index, key, value.shape, value.local.dtype)
+        if not value.plain:
+            index.everyone[key] = None
         return (value.shape, value.local, value.box) if value.store else None
     if not isinstance(value, DTensor) and index.rank != 0:
         # a plain tensor: rank 0 stores it and alone declares it (another rank's value of the key
         # may be anything, an object included: it is that rank's, kept by _write_per_rank)
         return None
     _declare(index, key, tuple(value.shape), value.dtype)
+    if isinstance(value, DTensor):
+        index.everyone[key] = None
     if isinstance(value, DTensor) and not stores(value):
         return None
     local, box = local_shard_box(value)
@@ -590,8 +624,9 @@ def read_rank_indexes(step_dir: Location, world_size: int, timeout: float, step:
     indexes = []
     doing = "writing its part of the step" if step is None else f"writing its part of step {step}"
     for r, part in enumerate(rendezvous.await_parts(step_dir, world_size, timeout, doing, roll, step)):
+        fragment = part.pop(rendezvous.TAIL)
         try:
-            indexes.append(RankIndex(**part))
+            indexes.append(RankIndex(**part, fragment=fragment))
         except TypeError as exc:
             raise CorruptCheckpointError(f"a rank's index is damaged ({exc})", where=step_dir.child(rendezvous.part_name(r)).url) from None
     return indexes
@@ -667,7 +702,8 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
                                               for c in t["chunks"])
         for key, (off, n) in index.objects.items():
             described.objects[key] = (index.file, off, n, transform_names(index.compress))
-    compress_of = {name: index.compress for index in indexes for name in (index.file, *index.files)}
+    shared = _shared_keys(step_dir, indexes)
+    in_order = True  # every shared key's chunks, rank after rank, in the order of their offsets
     for key in described.order:
         if key not in shapes:
             continue
@@ -676,10 +712,19 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
         problem = tiles_exactly(shape, [b for b, *_ in boxes])
         if problem:  # a writer bug, never a checkpoint to commit
             raise CorruptCheckpointError(f"the ranks' chunks of {key!r} do not tile it: {problem}", where=step_dir.url)
-        described.tensors[key] = (shape, dtype, [(box[0], box[1], (file, off, n, transform_names(compress_of[file])))
-                                                 for box, file, off, n in boxes])
+        in_order = in_order and (shared is None or key not in shared or boxes == chunks[key])
+        chunks[key] = boxes
+    compress_of = {name: index.compress for index in indexes for name in (index.file, *index.files)}
+    described.tensors = {key: (*shapes[key], []) for key in described.order if key in shapes}
+    fragments = None
+    if shared is not None and in_order and all(k in described.tensors for k in shared) and metadata_emit.streamable(described):
+        fragments = (list(shared), [index.fragment for index in indexes])
+    for key in described.tensors:
+        if fragments is None or key not in shared:  # (a shared key's chunks are in the ranks' fragments)
+            described.tensors[key][2].extend((box[0], box[1], (file, off, n, transform_names(compress_of[file])))
+                                             for box, file, off, n in chunks[key])
     manifests = _manifest_files(step_dir, indexes)
-    raw = mp.metadata_bytes(described, str(uuid.uuid4()))
+    raw = mp.metadata_bytes(described, str(uuid.uuid4()), fragments)
     if len(raw) > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
         raise StepTooLargeError(f".metadata would hold {len(raw)} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
                                 "reads", where=step_dir.url, hint="the step is not committed")
@@ -688,6 +733,24 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
         step_dir.child(rendezvous.part_name(index.rank)).remove()
     return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "manifests": manifests,
             "files": {METADATA_FILE: [len(raw), hash_bytes(raw)]}}
+
+
+def _shared_keys(step_dir: Location, indexes: list[RankIndex]) -> dict[str, None] | None:
+    """The sharded keys whose chunks the ranks' ``.metadata`` fragments hold, when every rank wrote
+    one for the same keys in the same order (else None: rank 0 spells every chunk); a fragment
+    that is not the one its rank wrote is a damaged index."""
+    first = indexes[0].sharded
+    if not (isinstance(first, list) and len(first) == 5 and isinstance(first[4], list)
+            and all(isinstance(k, str) for k in first[4]) and len(first[4]) == first[1] and _names_digest(first[4]) == first[0]):
+        return None
+    for index in indexes:
+        entry = index.sharded
+        if not (isinstance(entry, list) and entry[:2] == first[:2]):
+            return None
+        if not (len(entry) >= 4 and entry[2] == len(index.fragment) and entry[3] == hash_bytes(index.fragment)):
+            raise CorruptCheckpointError(f"rank {index.rank}'s index is damaged (its .metadata fragment is not the one it wrote)",
+                                         where=step_dir.child(rendezvous.part_name(index.rank)).url)
+    return dict.fromkeys(first[4])
 
 
 def _manifest_files(step_dir: Location, indexes: list[RankIndex]) -> dict[str, list[Any]]:

@@ -170,14 +170,18 @@ class Described:
         self.tensors: dict[str, tuple[tuple[int, ...], str, list[tuple[tuple, tuple, tuple]]]] = {}
 
 
-def metadata_bytes(described: Described, save_id: str) -> bytes:
+def metadata_bytes(described: Described, save_id: str, shared: tuple[list[str], list[bytes]] | None = None) -> bytes:
     """The ``.metadata`` pickle of ``described``: written opcode by opcode (``metadata_emit.py``),
     else pickled from the stand-ins (no import of torch.distributed.checkpoint), or from torch's
-    own classes where :func:`dumps` declines."""
+    own classes where :func:`dumps` declines. ``shared``: the keys whose chunks the ranks'
+    fragments hold, and the fragments (``metadata_emit.metadata_stream``; ``described`` must be
+    one that writer spells)."""
     from ...compat import DCP_VERSION
     from .metadata_emit import metadata_stream
 
-    data = metadata_stream(described, save_id, DCP_VERSION)
+    data = metadata_stream(described, save_id, DCP_VERSION, shared)
+    if data is None and shared is not None:
+        raise ValueError("fragments of .metadata given for a step the stream writer does not spell")
     return data if data is not None else pickled_metadata(described, save_id)
 
 

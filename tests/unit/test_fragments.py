@@ -1,0 +1,169 @@
+"""Each rank's fragment of ``.metadata``: rank 0 copies the ranks' spelling of their sharded chunks
+into the stream instead of spelling millions of chunks itself. What torch and the allow-listed
+reader get from it is what rank 0 spelling every chunk gives; a fragment that is not the one its
+rank wrote is a damaged index, and ranks that disagree on the sharded keys, or whose chunks are
+not in offset order rank after rank, get rank 0's own spelling."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+
+import pytest
+import torch
+
+from ckpttool import compat, rendezvous
+from ckpttool.errors import CorruptCheckpointError
+from ckpttool.formats.dcp import metadata_pickle as mp
+from ckpttool.formats.dcp.metadata_emit import fragment, metadata_stream
+from ckpttool.formats.dcp.metadata_types import CLASSES
+from ckpttool.safe_pickle import load_dcp_metadata
+from ckpttool.storage import resolve
+from ckpttool.training import step_writer
+
+from .test_metadata_pickle import _described
+
+
+def _split(d: mp.Described, ranks: int, rng: random.Random) -> tuple[list[str], list[bytes], mp.Described]:
+    """Give every chunk of ``d``'s row-sharded tensors to a rank (chunk r of each to rank r), as
+    those ranks' fragments; returns the shared keys, the fragments and ``d`` with the shared keys'
+    chunks left out. Each rank stores through one transform or none; some chunks lie in the rank's
+    second (frozen) file. ``d``'s chunk records are rewritten to match."""
+    shared = [k for k, (shape, _, chunks) in d.tensors.items() if len(chunks) == ranks and len(shape) == 2]
+    transforms = [("a/1",) if r % 3 == 1 else () for r in range(ranks)]
+    rows: list[list[tuple[int, list]]] = [[] for _ in range(ranks)]
+    for i, key in enumerate(shared):
+        shape, dtype, chunks = d.tensors[key]
+        kept = []
+        for r, (offsets, sizes, (_, start, length, _)) in enumerate(chunks):
+            second = rng.random() < 0.2
+            file = f"__{r}_1.distcp" if second else f"__{r}_0.distcp"
+            kept.append((offsets, sizes, (file, start, length, list(transforms[r]) or None)))
+            rows[r].append((i, [[list(offsets), list(sizes), start, length, *([file] if second else [])]]))
+        d.tensors[key] = (shape, dtype, kept)
+    frags = [fragment(len(shared), rows[r], f"__{r}_0.distcp", transforms[r]) for r in range(ranks)]
+    without = mp.Described()
+    without.order, without.paths, without.objects = d.order, d.paths, d.objects
+    without.tensors = {k: (s, t, [] if k in shared else c) for k, (s, t, c) in d.tensors.items()}
+    return shared, frags, without
+
+
+@pytest.mark.parametrize("keys,ranks", [(1, 1), (7, 3), (40, 1001), (300, 2)])
+def test_fragments_give_what_rank_0_spelling_every_chunk_gives(keys, ranks):
+    """Torch's unpickler and the allow-listed reader read the same Metadata (every chunk in the
+    same order, every storage entry) from prelude + fragments as from rank 0's own spelling:
+    more than 128 keys (slots past 255), more than 1,000 chunks a key, a key named like a field,
+    transforms, a second file, ranks with nothing."""
+    rng = random.Random(keys * 7 + ranks)
+    d = _described(rng, keys, ranks)
+    d.order.insert(0, "sizes")  # (a key spelled like a field name: memoized before its own slot)
+    d.paths["sizes"] = ("sizes",)
+    d.tensors["sizes"] = ((ranks, 3), "float32", [((r, 0), (1, 3), ("x", 0, 12, None)) for r in range(ranks)])
+    shared, frags, without = _split(d, ranks, rng)
+    assert "sizes" in shared and len(shared) >= min(keys // 2, 2)
+    spelled = metadata_stream(d, "sid", compat.DCP_VERSION)
+    copied = metadata_stream(without, "sid", compat.DCP_VERSION, (shared, frags))
+    a, b = pickle.loads(copied), pickle.loads(spelled)
+    assert a.state_dict_metadata == b.state_dict_metadata and list(a.state_dict_metadata) == list(b.state_dict_metadata)
+    assert a.planner_data == b.planner_data and a.storage_meta == b.storage_meta
+    assert a.storage_data == b.storage_data  # (MetadataIndex.index is no part of equality)
+    assert {k: v.__dict__ for k, v in a.storage_data.items()} == {k: v.__dict__ for k, v in b.storage_data.items()}
+    assert all(k.index is None for k in a.storage_data if k.fqn in shared)
+    mine, theirs = load_dcp_metadata(copied, "x", CLASSES), load_dcp_metadata(spelled, "x", CLASSES)
+    assert mine == theirs
+
+
+def _write_step(step, ranks: int, reverse: bool = False) -> None:
+    """Every rank of ``ranks`` writes its part of one step of two row-sharded DTensors, a plain
+    tensor and an object, in this process (a fake process group per rank). ``reverse``: the mesh
+    lists the ranks backwards, so rank 0 holds the last rows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    shapes = {"model.w": (10, 3), "model.v": (5, 2)}
+    for rank in range(ranks):
+        dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
+        try:
+            mesh = DeviceMesh("cpu", list(range(ranks))[::-1] if reverse else list(range(ranks)))
+            coord = mesh.get_coordinate()[0]
+            state = {"model": {}, "extra": {"step": 4, "plain": torch.arange(4.0)}}
+            for key, shape in shapes.items():
+                rows = -(-shape[0] // ranks)
+                lo, hi = min(coord * rows, shape[0]), min((coord + 1) * rows, shape[0])
+                local = torch.arange(lo * shape[1], hi * shape[1], dtype=torch.float32).reshape(hi - lo, shape[1])
+                state["model"][key.split(".")[1]] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                                       shape=torch.Size(shape), stride=(shape[1], 1))
+            step_writer.write_rank(step, rank, state)
+        finally:
+            dist.destroy_process_group()
+
+
+def _commit(step, ranks: int):
+    manifest = step_writer.commit_metadata(step, step_writer.read_rank_indexes(step, ranks, timeout=10))
+    return manifest, pickle.loads(step.child(".metadata").read_bytes())
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_step_committed_from_fragments_reads_as_one_committed_without(tmp_path, ranks, monkeypatch):
+    step = resolve(str(tmp_path / "a"))
+    _write_step(step, ranks)
+    parts = [step.child(rendezvous.part_name(r)).read_bytes() for r in range(ranks)]
+    assert all(b"\0" in p for p in parts)  # (every rank wrote a fragment)
+    _, copied = _commit(step, ranks)
+    monkeypatch.setattr(step_writer, "fragment_of", lambda index: (None, b""))
+    plain = resolve(str(tmp_path / "b"))
+    _write_step(plain, ranks)
+    assert all(b"\0" not in plain.child(rendezvous.part_name(r)).read_bytes() for r in range(ranks))
+    _, spelled = _commit(plain, ranks)
+    assert copied.state_dict_metadata == spelled.state_dict_metadata and copied.storage_data == spelled.storage_data
+    assert {k.fqn for k in copied.storage_data if k.index is None} >= {"model.w", "model.v"}
+
+
+def test_a_fragment_that_is_not_the_one_its_rank_wrote_is_a_damaged_index(tmp_path):
+    step = resolve(str(tmp_path / "s"))
+    _write_step(step, 3)
+    part = step.child(rendezvous.part_name(1))
+    raw = bytearray(part.read_bytes())
+    raw[-3] ^= 1
+    part.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="rank 1's index is damaged") as got:
+        _commit(step, 3)
+    assert got.value.where.endswith(rendezvous.part_name(1))
+    assert not step.child(".metadata").exists()
+
+
+def _edit_part(step, rank: int, edit) -> None:
+    part = step.child(rendezvous.part_name(rank))
+    head, _, tail = part.read_bytes().partition(b"\0")
+    index = json.loads(head)
+    edit(index)
+    part.write_bytes(rendezvous.part_bytes(index, tail))
+
+
+def test_ranks_that_disagree_on_the_sharded_keys_get_rank_0s_spelling(tmp_path):
+    """A rank whose sharded keys are not rank 0's (another order, another model): its fragment's
+    slots would be another key's; rank 0 spells every chunk itself, and the step is the same."""
+    step = resolve(str(tmp_path / "s"))
+    _write_step(step, 3)
+    _edit_part(step, 2, lambda index: index["sharded"].__setitem__(0, "0" * 16))
+    _, got = _commit(step, 3)
+    assert all(k.index is not None for k in got.storage_data if k.fqn in ("model.w", "model.v"))
+    want = resolve(str(tmp_path / "t"))
+    _write_step(want, 3)
+    _, expected = _commit(want, 3)
+    assert got.state_dict_metadata == expected.state_dict_metadata and got.storage_data == expected.storage_data
+
+
+def test_chunks_out_of_offset_order_get_rank_0s_spelling(tmp_path):
+    """Rank 0 holds the last rows (a mesh that lists the ranks backwards): the fragments would give
+    the chunk lists in rank order; rank 0 spells them in offset order, as before."""
+    step = resolve(str(tmp_path / "s"))
+    _write_step(step, 3, reverse=True)
+    _, got = _commit(step, 3)
+    for key in ("model.w", "model.v"):
+        offsets = [c.offsets[0] for c in got.state_dict_metadata[key].chunks]
+        assert offsets == sorted(offsets) and len(offsets) == 3
+    assert all(k.index is not None for k in got.storage_data if k.fqn == "model.w")
