@@ -284,26 +284,42 @@ def agreed_failure(doing: str, error: BaseException | None, group: Any = None, r
     (the interpreter finalizing, the thread is torn down inside a noexcept destructor).
     """
     if roll is not None:
-        outcomes, _ = store_exchange(roll, doing, None if error is None else described(error), None, step, timeout)
+        outcomes, _ = store_exchange(roll, doing, None if error is None else _outcome(error), None, step, timeout)
         return error if error is not None else _rank_failed(doing, outcomes)
     if not active():
         return error
     if not any_rank(error is not None, group):
         return None
-    errors = all_gather(None if error is None else described(error), group)
+    errors = all_gather(None if error is None else _outcome(error), group)
     return error if error is not None else _rank_failed(doing, errors)
 
 
+def _outcome(error: BaseException) -> tuple[Any, ...]:
+    """A rank's failure as the other ranks are told it in an agreement: :func:`described`, and for
+    a rank found dead, whom and where (so every rank raises the same :class:`RankDeadError`)."""
+    from .errors import RankDeadError
+
+    if isinstance(error, RankDeadError):
+        return (*described(error), {"ranks": error.ranks, "phases": error.phases, "doing": error.doing})
+    return described(error)
+
+
 def _rank_failed(doing: str, outcomes: list[Any]) -> BaseException | None:
-    """The :class:`RankFailedError` of the ranks whose outcome (``(type name, text)``) is not None."""
-    from .errors import RankFailedError
+    """The error of the ranks whose outcome (:func:`_outcome`) is not None: the
+    :class:`RankDeadError` the first of them raised for a dead rank, else a :class:`RankFailedError`."""
+    from .errors import RankDeadError, RankFailedError
 
     failed = [r for r, outcome in enumerate(outcomes) if outcome is not None]
     if not failed:
         return None
     # a rank that failed for another's failure (rank 0 refusing a step) comes after the one that caused it
     failed.sort(key=lambda r: outcomes[r][0] in ("RankFailedError", "StepNotCommittedError"))
-    name, text = outcomes[failed[0]]
+    name, text, *detail = outcomes[failed[0]]
+    if name == "RankDeadError" and detail and isinstance(detail[0], dict):
+        try:
+            return RankDeadError(detail[0]["ranks"], detail[0]["phases"], detail[0]["doing"])
+        except (KeyError, TypeError, ValueError):
+            pass  # (damaged: named as the rank's failure below)
     return RankFailedError(failed, doing, name, text)
 
 
@@ -312,10 +328,10 @@ def rank0_value(doing: str, value: Any, error: BaseException | None, group: Any 
     """Rank 0's ``value`` on every rank and the agreed failure of ``doing`` (None when every rank
     succeeded: then the value), in one exchange (with ``roll``, through the job's store)."""
     if roll is not None:
-        failed, value0 = store_exchange(roll, doing, None if error is None else described(error), value, step, timeout)
+        failed, value0 = store_exchange(roll, doing, None if error is None else _outcome(error), value, step, timeout)
         failure = error if error is not None else _rank_failed(doing, failed)
         return (value0 if failure is None else None), failure
-    outcomes = all_gather((None if error is None else described(error), value), group)
+    outcomes = all_gather((None if error is None else _outcome(error), value), group)
     failure = error if error is not None else _rank_failed(doing, [failed for failed, _ in outcomes])
     return (outcomes[0][1] if failure is None else None), failure
 

@@ -109,3 +109,27 @@ def test_a_store_that_does_not_answer_is_rank_0s_death():
         wait_until(lambda: False, one.watch("waiting for rank 0 to commit step 4", 4), [0])
     assert got.value.ranks == [0] and "commit of step 4" in got.value.phases[0] and "does not answer" in got.value.phases[0]
     one._stop.set()
+
+
+def test_a_rank_told_of_a_death_another_rank_found_raises_the_same_rank_dead_error(rolls):
+    """Rank 0 found rank 5 dead before rank 1 did: the agreement hands rank 1 that RankDeadError
+    (the dead rank and its phase), not a RankFailedError of rank 0's."""
+    import threading
+
+    from ckpttool import rendezvous
+
+    zero, one = rolls
+    found = RankDeadError([5], {5: "write of step 4, 1.0 MiB written"}, "writing its part of step 4")
+    got: dict[int, BaseException | None] = {}
+
+    def agree(roll, error):
+        got[roll.rank] = rendezvous.agreed_failure("the commit of step 4", error, roll=roll, step=4, timeout=10)
+
+    threads = [threading.Thread(target=agree, args=(zero, found)), threading.Thread(target=agree, args=(one, None))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert got[0] is found
+    assert type(got[1]) is RankDeadError and got[1].ranks == [5]
+    assert got[1].phases == {5: "write of step 4, 1.0 MiB written"} and got[1].doing == "writing its part of step 4"
