@@ -27,7 +27,6 @@ from ..bulk import no_gc
 from ..checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
 from ..compat import local_shard_box
 from ..errors import CkptError, CorruptCheckpointError, StepTooLargeError
-from ..dtypes import PLAIN
 from ..formats.dcp import metadata_emit
 from ..formats.dcp import metadata_pickle as mp
 from ..formats.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
@@ -38,6 +37,7 @@ from ..index import dtype_size, flatten
 from ..layout import Box, relative, slabs, tiles_exactly
 from ..steps import manifest_file_bytes, manifest_file_name
 from ..storage import Location, save_error
+from . import shared_chunks
 
 log = logging.getLogger("ckpttool")
 _HEAD_MAX = 64 << 10  # bytes of a record kept until its tensor data begins (a zip entry's header: ~100)
@@ -278,7 +278,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         if frozen_parts:
             written = _write_frozen(step_dir, index, frozen_parts, previous, tally)
         index.manifest = _write_manifest(step_dir, index)
-        index.sharded, index.fragment = fragment_of(index)
+        index.sharded, index.fragment = shared_chunks.rank_tail(index, frozen_file_name(rank))
         if health is not None:
             index.health = health.findings(flat, rank)
         if rank == 0:
@@ -536,32 +536,20 @@ def _write_manifest(step_dir: Location, index: RankIndex) -> list[Any]:
 
 
 def publish_index(step_dir: Location, index: RankIndex) -> None:
-    """Put a rank's index in storage, whole, where rank 0 waits for it (``rendezvous.publish_part``):
-    the rows its manifest file holds are left out, its ``.metadata`` fragment goes after the JSON."""
+    """Put a rank's index in storage, whole, where rank 0 waits for it (``rendezvous.publish_part``)."""
+    rendezvous.publish_part(step_dir, index.rank, *published_part(index))
+
+
+def published_part(index: RankIndex) -> tuple[dict[str, Any], bytes]:
+    """A rank's index as it is published: its JSON, without the rows its manifest file holds and
+    the DTensor chunks its tail holds, and its tail (``shared_chunks.rank_tail``)."""
     part = dict(index.__dict__)
     del part["fragment"], part["everyone"]
     if index.manifest is not None:
         part["records"], part["files"] = [], {name: [] for name in index.files}
-    rendezvous.publish_part(step_dir, index.rank, part, index.fragment)
-
-
-def fragment_of(index: RankIndex) -> tuple[list[Any] | None, bytes]:
-    """This rank's fragment of ``.metadata`` (``metadata_emit.fragment``) and its entry in the
-    index; (None, b"") where the writer cannot spell it (rank 0 then spells every chunk itself)."""
-    keys = list(index.everyone)
-    if any(index.tensors[k]["dtype"] not in PLAIN for k in keys):
-        return None, b""
-    chunks = [(i, index.tensors[k]["chunks"]) for i, k in enumerate(keys) if index.tensors[k]["chunks"]]
-    try:
-        raw = metadata_emit.fragment(len(keys), chunks, index.file, tuple(transform_names(index.compress) or ()))
-    except ValueError:
-        return None, b""
-    entry = [_names_digest(keys), len(keys), len(raw), hash_bytes(raw)]
-    return (entry + [keys] if index.rank == 0 else entry), raw
-
-
-def _names_digest(keys: list[str]) -> str:
-    return hash_bytes("\0".join(keys).encode("utf-8", "surrogatepass"))
+    if index.sharded is not None:
+        part["tensors"] = {k: t for k, t in index.tensors.items() if k not in index.everyone}
+    return part, index.fragment
 
 
 def _declare(index: RankIndex, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
@@ -685,10 +673,50 @@ def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, A
 
 def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, Any]:
     per_rank_paths = _keep_differing_per_rank(indexes)
+    table = shared_chunks.read_tails(indexes, lambda r: step_dir.child(rendezvous.part_name(r)).url)
     described = mp.Described()
     described.order = list(indexes[0].paths) + list(per_rank_paths)
     described.paths = {k: tuple(p) for k, p in indexes[0].paths.items()}
     described.paths.update((k, tuple(p)) for k, p in per_rank_paths.items())
+    shapes, chunks = _merge_json(step_dir, indexes, described)
+    in_order = table is not None
+    if table is not None:
+        shapes.update((name, (shape, dtype)) for name, shape, dtype in zip(table.names, table.shapes, table.dtypes))
+        in_order = _check_table(step_dir, indexes, table)
+    for key in described.order:
+        if key in chunks:
+            boxes = sorted(chunks[key], key=lambda c: c[0][0])
+            problem = tiles_exactly(shapes[key][0], [b for b, *_ in boxes])
+            if problem:  # a writer bug, never a checkpoint to commit
+                raise CorruptCheckpointError(f"the ranks' chunks of {key!r} do not tile it: {problem}", where=step_dir.url)
+            chunks[key] = boxes
+    described.tensors = {key: (*shapes[key], []) for key in described.order if key in shapes}
+    fragments = None
+    if table is not None and in_order and all(k in described.tensors for k in table.names) and metadata_emit.streamable(described):
+        fragments = (table.names, table.fragments)  # (the shared keys' chunks are in the ranks' fragments)
+    elif table is not None:
+        by_rank = {index.rank: index for index in indexes}
+        for i, name in enumerate(table.names):
+            chunks[name] = sorted(((box, frozen_file_name(r) if frozen else by_rank[r].file, start, length)
+                                   for box, start, length, frozen, r in table.boxes(i)), key=lambda c: c[0][0])
+    compress_of = {name: index.compress for index in indexes for name in (index.file, *index.files)}
+    for key, (_, _, described_chunks) in described.tensors.items():
+        described_chunks.extend((box[0], box[1], (file, off, n, transform_names(compress_of[file])))
+                                for box, file, off, n in chunks.get(key, ()))
+    manifests = _manifest_files(step_dir, indexes)
+    raw = mp.metadata_bytes(described, str(uuid.uuid4()), fragments)
+    if len(raw) > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
+        raise StepTooLargeError(f".metadata would hold {len(raw)} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
+                                "reads", where=step_dir.url, hint="the step is not committed")
+    step_dir.child(METADATA_FILE).write_bytes(raw)
+    for index in indexes:
+        step_dir.child(rendezvous.part_name(index.rank)).remove()
+    return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "manifests": manifests,
+            "files": {METADATA_FILE: [len(raw), hash_bytes(raw)]}}
+
+
+def _merge_json(step_dir: Location, indexes: list[RankIndex], described: Any) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """The shapes and chunks of the tensors the ranks' JSON holds; every object into ``described``."""
     chunks: dict[str, list[tuple[Box, str, int, int]]] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for index in indexes:
@@ -702,55 +730,21 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
                                               for c in t["chunks"])
         for key, (off, n) in index.objects.items():
             described.objects[key] = (index.file, off, n, transform_names(index.compress))
-    shared = _shared_keys(step_dir, indexes)
-    in_order = True  # every shared key's chunks, rank after rank, in the order of their offsets
-    for key in described.order:
-        if key not in shapes:
-            continue
-        shape, dtype = shapes[key]
-        boxes = sorted(chunks[key], key=lambda c: c[0][0])
-        problem = tiles_exactly(shape, [b for b, *_ in boxes])
-        if problem:  # a writer bug, never a checkpoint to commit
-            raise CorruptCheckpointError(f"the ranks' chunks of {key!r} do not tile it: {problem}", where=step_dir.url)
-        in_order = in_order and (shared is None or key not in shared or boxes == chunks[key])
-        chunks[key] = boxes
-    compress_of = {name: index.compress for index in indexes for name in (index.file, *index.files)}
-    described.tensors = {key: (*shapes[key], []) for key in described.order if key in shapes}
-    fragments = None
-    if shared is not None and in_order and all(k in described.tensors for k in shared) and metadata_emit.streamable(described):
-        fragments = (list(shared), [index.fragment for index in indexes])
-    for key in described.tensors:
-        if fragments is None or key not in shared:  # (a shared key's chunks are in the ranks' fragments)
-            described.tensors[key][2].extend((box[0], box[1], (file, off, n, transform_names(compress_of[file])))
-                                             for box, file, off, n in chunks[key])
-    manifests = _manifest_files(step_dir, indexes)
-    raw = mp.metadata_bytes(described, str(uuid.uuid4()), fragments)
-    if len(raw) > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
-        raise StepTooLargeError(f".metadata would hold {len(raw)} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
-                                "reads", where=step_dir.url, hint="the step is not committed")
-    step_dir.child(METADATA_FILE).write_bytes(raw)
-    for index in indexes:
-        step_dir.child(rendezvous.part_name(index.rank)).remove()
-    return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "manifests": manifests,
-            "files": {METADATA_FILE: [len(raw), hash_bytes(raw)]}}
+    return shapes, chunks
 
 
-def _shared_keys(step_dir: Location, indexes: list[RankIndex]) -> dict[str, None] | None:
-    """The sharded keys whose chunks the ranks' ``.metadata`` fragments hold, when every rank wrote
-    one for the same keys in the same order (else None: rank 0 spells every chunk); a fragment
-    that is not the one its rank wrote is a damaged index."""
-    first = indexes[0].sharded
-    if not (isinstance(first, list) and len(first) == 5 and isinstance(first[4], list)
-            and all(isinstance(k, str) for k in first[4]) and len(first[4]) == first[1] and _names_digest(first[4]) == first[0]):
-        return None
-    for index in indexes:
-        entry = index.sharded
-        if not (isinstance(entry, list) and entry[:2] == first[:2]):
-            return None
-        if not (len(entry) >= 4 and entry[2] == len(index.fragment) and entry[3] == hash_bytes(index.fragment)):
-            raise CorruptCheckpointError(f"rank {index.rank}'s index is damaged (its .metadata fragment is not the one it wrote)",
-                                         where=step_dir.child(rendezvous.part_name(index.rank)).url)
-    return dict.fromkeys(first[4])
+def _check_table(step_dir: Location, indexes: list[RankIndex], table: shared_chunks.Table) -> bool:
+    """The ranks' DTensor chunks tile every key and lie in their ranks' files; returns whether they
+    come in the order of their offsets, rank after rank."""
+    by_rank = {index.rank: index for index in indexes}
+    for r in table.rows[table.rows[:, -2] == 1][:, -1].unique().tolist():
+        if frozen_file_name(r) not in by_rank[r].files:
+            raise CorruptCheckpointError(f"rank {r}'s index names a data file that is not its own",
+                                         where=step_dir.child(rendezvous.part_name(r)).url)
+    problems, in_order = shared_chunks.check_tiling(table)
+    for i, problem in problems.items():  # a writer bug, never a checkpoint to commit
+        raise CorruptCheckpointError(f"the ranks' chunks of {table.names[i]!r} do not tile it: {problem}", where=step_dir.url)
+    return in_order
 
 
 def _manifest_files(step_dir: Location, indexes: list[RankIndex]) -> dict[str, list[Any]]:

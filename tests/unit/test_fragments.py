@@ -20,7 +20,7 @@ from ckpttool.formats.dcp.metadata_emit import fragment, metadata_stream
 from ckpttool.formats.dcp.metadata_types import CLASSES
 from ckpttool.safe_pickle import load_dcp_metadata
 from ckpttool.storage import resolve
-from ckpttool.training import step_writer
+from ckpttool.training import shared_chunks, step_writer
 
 from .test_metadata_pickle import _described
 
@@ -74,10 +74,11 @@ def test_fragments_give_what_rank_0_spelling_every_chunk_gives(keys, ranks):
     assert mine == theirs
 
 
-def _write_step(step, ranks: int, reverse: bool = False) -> None:
+def _write_step(step, ranks: int, reverse: bool = False, backwards: int | None = None) -> None:
     """Every rank of ``ranks`` writes its part of one step of two row-sharded DTensors, a plain
     tensor and an object, in this process (a fake process group per rank). ``reverse``: the mesh
-    lists the ranks backwards, so rank 0 holds the last rows."""
+    lists the ranks backwards, so rank 0 holds the last rows; rank ``backwards`` holds its
+    DTensors in the other order."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
@@ -90,7 +91,7 @@ def _write_step(step, ranks: int, reverse: bool = False) -> None:
             mesh = DeviceMesh("cpu", list(range(ranks))[::-1] if reverse else list(range(ranks)))
             coord = mesh.get_coordinate()[0]
             state = {"model": {}, "extra": {"step": 4, "plain": torch.arange(4.0)}}
-            for key, shape in shapes.items():
+            for key, shape in (reversed(shapes.items()) if rank == backwards else shapes.items()):
                 rows = -(-shape[0] // ranks)
                 lo, hi = min(coord * rows, shape[0]), min((coord + 1) * rows, shape[0])
                 local = torch.arange(lo * shape[1], hi * shape[1], dtype=torch.float32).reshape(hi - lo, shape[1])
@@ -113,7 +114,7 @@ def test_a_step_committed_from_fragments_reads_as_one_committed_without(tmp_path
     parts = [step.child(rendezvous.part_name(r)).read_bytes() for r in range(ranks)]
     assert all(b"\0" in p for p in parts)  # (every rank wrote a fragment)
     _, copied = _commit(step, ranks)
-    monkeypatch.setattr(step_writer, "fragment_of", lambda index: (None, b""))
+    monkeypatch.setattr(shared_chunks, "rank_tail", lambda index, frozen: (None, b""))
     plain = resolve(str(tmp_path / "b"))
     _write_step(plain, ranks)
     assert all(b"\0" not in plain.child(rendezvous.part_name(r)).read_bytes() for r in range(ranks))
@@ -143,16 +144,16 @@ def _edit_part(step, rank: int, edit) -> None:
     part.write_bytes(rendezvous.part_bytes(index, tail))
 
 
-def test_ranks_that_disagree_on_the_sharded_keys_get_rank_0s_spelling(tmp_path):
+def test_ranks_that_disagree_on_the_sharded_keys_get_rank_0s_spelling(tmp_path, monkeypatch):
     """A rank whose sharded keys are not rank 0's (another order, another model): its fragment's
     slots would be another key's; rank 0 spells every chunk itself, and the step is the same."""
     step = resolve(str(tmp_path / "s"))
-    _write_step(step, 3)
-    _edit_part(step, 2, lambda index: index["sharded"].__setitem__(0, "0" * 16))
+    _write_step(step, 3, backwards=2)
     _, got = _commit(step, 3)
     assert all(k.index is not None for k in got.storage_data if k.fqn in ("model.w", "model.v"))
+    monkeypatch.setattr(shared_chunks, "rank_tail", lambda index, frozen: (None, b""))  # (every chunk as JSON)
     want = resolve(str(tmp_path / "t"))
-    _write_step(want, 3)
+    _write_step(want, 3, backwards=2)
     _, expected = _commit(want, 3)
     assert got.state_dict_metadata == expected.state_dict_metadata and got.storage_data == expected.storage_data
 
@@ -167,3 +168,76 @@ def test_chunks_out_of_offset_order_get_rank_0s_spelling(tmp_path):
         offsets = [c.offsets[0] for c in got.state_dict_metadata[key].chunks]
         assert offsets == sorted(offsets) and len(offsets) == 3
     assert all(k.index is not None for k in got.storage_data if k.fqn == "model.w")
+
+
+def _random_layouts(rng: random.Random, count: int) -> list[tuple[tuple[int, ...], list]]:
+    """Keys of every kind of layout, right and wrong: row shards (even, uneven, empty ones, rank
+    order reversed or shuffled), 2-D tiles, scalars, 1-D and 3-D, a gap, an overlap, a box out of
+    bounds, a row shard that does not span the other dims."""
+    out = []
+    for _ in range(count):
+        kind = rng.choice(["rows", "rows", "rows", "tiles", "scalar", "gap", "overlap", "outside", "narrow", "shifted", "far"])
+        ndim = rng.choice([1, 2, 3])
+        shape = tuple(rng.randrange(0, 9) if d == 0 else rng.randrange(1, 4) for d in range(ndim))
+        if kind == "scalar":
+            out.append(((), [((), ())] * rng.choice([1, 1, 2])))
+            continue
+        ranks = rng.randrange(1, 6)
+        per = -(-shape[0] // ranks) if shape[0] else 0
+        boxes = []
+        for r in range(ranks):
+            lo = min(r * per, shape[0])
+            hi = min(lo + per, shape[0])
+            boxes.append(((lo, *(0,) * (ndim - 1)), (hi - lo, *shape[1:])))
+        if kind == "tiles" and ndim >= 2 and shape[1] >= 2:
+            boxes = [((o[0], c), (s[0], w)) + () for (o, s) in boxes for c, w in ((0, 1), (1, shape[1] - 1))]
+            boxes = [((o[0], o[1], *(0,) * (ndim - 2)), (s[0], s[1], *shape[2:])) for o, s in boxes]
+        elif kind == "gap" and boxes:
+            boxes.pop(rng.randrange(len(boxes)))
+        elif kind == "overlap" and boxes:
+            boxes.append(boxes[rng.randrange(len(boxes))])
+        elif kind == "outside" and boxes:
+            o, s = boxes[-1]
+            boxes[-1] = (o, (s[0] + 1, *s[1:]))
+        elif kind == "shifted" and sum(1 for _, sz in boxes if sz[0]) >= 2:  # (a gap and an overlap: the rows still add up)
+            j = next(j for j, (_, sz) in enumerate(boxes) if sz[0])
+            o, sz = boxes[j]
+            boxes[j] = ((o[0] + 1, *o[1:]), sz)
+        elif kind == "far" and boxes:  # (an empty shard past the end)
+            boxes.append(((shape[0] + 2, *(0,) * (ndim - 1)), (0, *shape[1:])))
+        elif kind == "narrow" and ndim >= 2 and boxes and shape[1] > 1:
+            o, s = boxes[0]
+            boxes[0] = (o, (s[0], s[1] - 1, *s[2:]))
+        order = rng.choice(["rank", "reversed", "shuffled"])
+        if order == "reversed":
+            boxes.reverse()
+        elif order == "shuffled":
+            rng.shuffle(boxes)
+        out.append((shape, boxes))
+    return out
+
+
+def test_the_tables_tiling_check_agrees_with_tiles_exactly_key_by_key():
+    """shared_chunks.check_tiling (row shards proved in array operations, the rest by
+    tiles_exactly) finds a problem in exactly the keys tiles_exactly does, and says the chunks are
+    in order exactly when a stable sort by offsets leaves every key's chunks where they are."""
+    from ckpttool.layout import tiles_exactly
+
+    rng = random.Random(5)
+    for trial in range(300):
+        layouts = _random_layouts(rng, rng.randrange(1, 8))
+        width = max(len(shape) for shape, _ in layouts)
+        rows = []
+        for i, (shape, boxes) in enumerate(layouts):
+            pad = width - len(shape)
+            for j, (o, s) in enumerate(boxes):
+                rows.append([i, *o, *(0,) * pad, *s, *(1,) * pad, 7 * j, 3, 0, j % 3])
+        table = shared_chunks.Table([f"k{i}" for i in range(len(layouts))], [shape for shape, _ in layouts],
+                                    ["float32"] * len(layouts), width,
+                                    torch.tensor(rows, dtype=torch.int64).view(-1, 2 * width + 5), [])
+        problems, in_order = shared_chunks.check_tiling(table)
+        want = {i: tiles_exactly(shape, boxes) for i, (shape, boxes) in enumerate(layouts)}
+        assert set(problems) == {i for i, p in want.items() if p}, (trial, layouts, problems)
+        assert all(problems[i] == want[i] for i in problems)
+        ordered = all(boxes == sorted(boxes, key=lambda b: b[0]) for _, boxes in layouts)
+        assert in_order == ordered, (trial, layouts)

@@ -1,0 +1,223 @@
+"""The ranks' DTensor chunks in bulk: what each rank puts after its index's JSON, and rank 0's
+table of every rank's chunks, checked in array operations.
+
+FSDP2 gives every DTensor a chunk on every rank: millions of chunks at thousands of ranks, which
+rank 0 cannot afford to read as JSON, check one by one and spell into ``.metadata``. So a rank's
+index carries its DTensors (the keys every rank declares) after its JSON, in three sections:
+
+1. its fragment of ``.metadata`` (``metadata_emit.fragment``), which rank 0 copies in;
+2. the JSON of those keys, ``[name, shape, dtype]`` in declaration order, which rank 0 reads from
+   its own index and from another's only when that one's digest differs (other keys, another
+   order: pipeline stages);
+3. its chunks as little-endian int64 rows: the key's number, ``width`` offsets, ``width`` sizes
+   (padded with 0 and 1 to the keys' largest rank), the record's start and length, and 1 where the
+   record lies in the rank's file of frozen tensors.
+
+The index's ``sharded`` entry holds ``[names digest, number of keys, width, [the sections'
+lengths], the tail's digest]``. Rank 0 checks each tail against its digest, and where every rank
+numbered the same keys, stacks the rows into one table whose tiling it checks per key in a few
+array operations (row shards end to end along dim 0, FSDP2's layout; any other layout, key by key,
+by ``layout.tiles_exactly``). Otherwise it puts each rank's chunks back into its index as JSON
+would have held them, and the merge goes key by key as before.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..checksums import hash_bytes
+from ..dtypes import PLAIN
+from ..errors import CorruptCheckpointError
+from ..formats.dcp import metadata_emit
+from ..formats.dcp.transforms import transform_names
+from ..layout import Box, tiles_exactly
+
+# a row's columns after the offsets and sizes: start, length, in the frozen file
+_TAIL_COLUMNS = 3
+
+
+def rank_tail(index: Any, frozen_name: str) -> tuple[list[Any] | None, bytes]:
+    """A rank's ``sharded`` entry and the bytes after its index's JSON (see the module's text);
+    (None, b"") where they cannot be spelled (a dtype without a name in torch's namespace, a chunk
+    in a file that is neither the rank's data file nor ``frozen_name``): the index then carries
+    every chunk as JSON."""
+    keys = list(index.everyone)
+    declared = [[k, index.tensors[k]["shape"], index.tensors[k]["dtype"]] for k in keys]
+    if any(dtype not in PLAIN for _, _, dtype in declared):
+        return None, b""
+    width = max((len(shape) for _, shape, _ in declared), default=0)
+    chunks = [(i, index.tensors[k]["chunks"]) for i, k in enumerate(keys) if index.tensors[k]["chunks"]]
+    rows = array("q")
+    for i, key_chunks in chunks:
+        ndim = len(declared[i][1])
+        for c in key_chunks:
+            if len(c[0]) != ndim or len(c[1]) != ndim or (len(c) > 4 and c[4] != frozen_name):
+                return None, b""
+            pad = width - ndim
+            rows.extend((i, *c[0], *(0,) * pad, *c[1], *(1,) * pad, c[2], c[3], 1 if len(c) > 4 else 0))
+    try:
+        fragment = metadata_emit.fragment(len(keys), chunks, index.file, tuple(transform_names(index.compress) or ()))
+    except ValueError:
+        return None, b""
+    if sys.byteorder != "little":
+        rows.byteswap()
+    names, boxes = json.dumps(declared).encode(), rows.tobytes()
+    tail = fragment + names + boxes
+    return [hash_bytes(names), len(keys), width, [len(fragment), len(names), len(boxes)], hash_bytes(tail)], tail
+
+
+def json_keys(index: Any) -> set[str]:
+    """The keys a rank's index leaves out of its JSON (its tail holds them)."""
+    return set(index.everyone) if index.sharded is not None else set()
+
+
+@dataclass
+class Table:
+    """Every rank's DTensor chunks, when every rank numbered the same keys: key ``i`` is
+    ``names[i]`` of ``shapes[i]`` and ``dtypes[i]``; ``rows``: a row per chunk, rank after rank,
+    ``[key, offsets..., sizes..., start, length, frozen, rank]``; ``fragments``: each rank's."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    width: int
+    rows: torch.Tensor
+    fragments: list[bytes]
+
+    def boxes(self, i: int) -> list[tuple[Box, int, int, int, int]]:
+        """Key ``i``'s chunks in the table's order: (box, start, length, frozen, rank)."""
+        w, n = self.width, len(self.shapes[i])
+        out = []
+        for row in self.rows[self.rows[:, 0] == i].tolist():
+            out.append(((tuple(row[1:1 + n]), tuple(row[1 + w:1 + w + n])), row[1 + 2 * w], row[2 + 2 * w], row[3 + 2 * w], row[-1]))
+        return out
+
+
+def _sections(index: Any, where: str) -> tuple[bytes, bytes, bytes] | None:
+    """A rank's three sections, its tail checked against its digest; None where it has none."""
+    entry, tail = index.sharded, index.fragment
+    if entry is None:
+        return None
+    if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[3], list) and len(entry[3]) == 3
+            and all(isinstance(n, int) and n >= 0 for n in entry[3]) and sum(entry[3]) == len(tail)
+            and entry[4] == hash_bytes(tail)):
+        raise CorruptCheckpointError(f"rank {index.rank}'s index is damaged (what follows its JSON is not what it wrote)",
+                                     where=where)
+    a, b, _ = entry[3]
+    return tail[:a], tail[a:a + b], tail[a + b:]
+
+
+def _declared(raw: bytes, entry: list[Any], rank: int, where: str) -> list[list[Any]]:
+    try:
+        declared = json.loads(raw)
+    except ValueError:
+        declared = None
+    if not (isinstance(declared, list) and len(declared) == entry[1] and hash_bytes(raw) == entry[0] and all(
+            isinstance(d, list) and len(d) == 3 and isinstance(d[0], str) and isinstance(d[1], list)
+            and all(isinstance(s, int) and s >= 0 for s in d[1]) and d[2] in PLAIN for d in declared)):
+        raise CorruptCheckpointError(f"rank {rank}'s index is damaged (its DTensor keys)", where=where)
+    return declared
+
+
+def _rows(raw: bytes, width: int, count: int, rank: int, where: str) -> torch.Tensor:
+    columns = 1 + 2 * width + _TAIL_COLUMNS
+    if len(raw) % (8 * columns):
+        raise CorruptCheckpointError(f"rank {rank}'s index is damaged (its chunk rows)", where=where)
+    values = array("q")
+    values.frombytes(raw)
+    if sys.byteorder != "little":
+        values.byteswap()
+    rows = torch.tensor(values, dtype=torch.int64).view(-1, columns) if values else torch.empty(0, columns, dtype=torch.int64)
+    if rows.numel() and not (bool((rows[:, 0] >= 0).all()) and bool((rows[:, 0] < count).all())
+                             and bool((rows[:, 1 + 2 * width:3 + 2 * width] >= 0).all())
+                             and bool(((rows[:, -1] == 0) | (rows[:, -1] == 1)).all())):
+        raise CorruptCheckpointError(f"rank {rank}'s index is damaged (its chunk rows)", where=where)
+    return torch.cat([rows, torch.full((len(rows), 1), rank, dtype=torch.int64)], 1)
+
+
+def read_tails(indexes: list[Any], where: Any) -> Table | None:
+    """Rank 0: every rank's tail checked, and the table of their chunks where every rank numbered
+    rank 0's keys; else None, each rank's chunks put back into its index's ``tensors`` (as JSON
+    would have held them). ``where(rank)``: the rank's index, for errors."""
+    sections = [_sections(index, where(index.rank)) for index in indexes]
+    first = indexes[0].sharded
+    if all(s is not None for s in sections) and all(i.sharded[:3] == first[:3] for i in indexes):
+        declared = _declared(sections[0][1], first, 0, where(0))
+        rows = [_rows(s[2], first[2], first[1], index.rank, where(index.rank)) for index, s in zip(indexes, sections)]
+        return Table([d[0] for d in declared], [tuple(d[1]) for d in declared], [d[2] for d in declared], first[2],
+                     torch.cat(rows) if rows else torch.empty(0, 2 * first[2] + 5, dtype=torch.int64), [s[0] for s in sections])
+    for index, s in zip(indexes, sections):
+        if s is not None:
+            _restore(index, _declared(s[1], index.sharded, index.rank, where(index.rank)),
+                     _rows(s[2], index.sharded[2], index.sharded[1], index.rank, where(index.rank)), index.sharded[2])
+    return None
+
+
+def _restore(index: Any, declared: list[list[Any]], rows: torch.Tensor, width: int) -> None:
+    """Put a rank's chunks back into its index's ``tensors``, as its JSON would have held them."""
+    for name, shape, dtype in declared:
+        index.tensors[name] = {"shape": shape, "dtype": dtype, "chunks": []}
+    for row in rows.tolist():
+        name, shape, _ = declared[row[0]]
+        n = len(shape)
+        chunk = [row[1:1 + n], row[1 + width:1 + width + n], row[1 + 2 * width], row[2 + 2 * width]]
+        if row[3 + 2 * width]:
+            chunk.append(next(iter(index.files), ""))  # (its one file of frozen tensors; a name it lacks is refused)
+        index.tensors[name]["chunks"].append(chunk)
+
+
+def check_tiling(table: Table) -> tuple[dict[int, str], bool]:
+    """Which keys' chunks do not tile them (key number -> what is wrong), and whether every key's
+    chunks come in the order of their offsets rank after rank (what a stable sort by offsets
+    gives). Row shards lying end to end along dim 0 are proved in array operations; every other
+    key is checked by ``layout.tiles_exactly``."""
+    rows, w = table.rows, table.width
+    if w == 0:  # (scalars only)
+        return _checked(table, range(len(table.shapes)), True)
+    key, off, size = rows[:, 0], rows[:, 1:1 + w], rows[:, 1 + w:1 + 2 * w]
+    count = len(table.shapes)
+    shapes = torch.tensor([list(s) + [1] * (w - len(s)) for s in table.shapes], dtype=torch.int64).view(count, w)
+    ndim = torch.tensor([len(s) for s in table.shapes], dtype=torch.int64)
+    shape = shapes[key]
+    regular = ((off >= 0) & (size >= 0) & (off + size <= shape)).all(1) & (ndim[key] > 0)
+    if w > 1:
+        regular &= (off[:, 1:] == 0).all(1) & (size[:, 1:] == shape[:, 1:]).all(1)
+    bad = torch.zeros(count, dtype=torch.bool)
+    bad[key[~regular]] = True
+    # the non-empty rows of each key, by offset: each starts where the one before ends, from 0
+    full = size[:, 0] > 0
+    k, o, s = key[full], off[full, 0], size[full, 0]
+    by = torch.argsort(o, stable=True)
+    k, o, s = k[by], o[by], s[by]
+    by = torch.argsort(k, stable=True)
+    k, o, s = k[by], o[by], s[by]
+    ends = torch.cumsum(s, 0)
+    starts = torch.ones_like(k, dtype=torch.bool)
+    starts[1:] = k[1:] != k[:-1]
+    base = (ends - s)[starts][torch.cumsum(starts.long(), 0) - 1] if len(k) else ends
+    bad[k[o != ends - s - base]] = True
+    total = torch.zeros(count, dtype=torch.int64).index_add_(0, k, s)
+    bad |= total != torch.where(ndim > 0, shapes[:, 0], torch.ones_like(ndim))
+    # in order: within each key, in the table's order, offsets along dim 0 never go down
+    by = torch.argsort(key, stable=True)
+    k, o = key[by], off[by, 0]
+    in_order = not bool(((k[1:] == k[:-1]) & (o[1:] < o[:-1])).any()) if len(k) > 1 else True
+    return _checked(table, bad.nonzero().flatten().tolist(), in_order)
+
+
+def _checked(table: Table, keys: Any, in_order: bool) -> tuple[dict[int, str], bool]:
+    """``layout.tiles_exactly`` of each of ``keys``, and ``in_order`` unless one's chunks are out of order."""
+    problems = {}
+    for i in keys:
+        boxes = table.boxes(i)
+        problem = tiles_exactly(table.shapes[i], [b for b, *_ in boxes])
+        if problem:
+            problems[i] = problem
+        in_order = in_order and [b for b, *_ in boxes] == sorted((b for b, *_ in boxes), key=lambda b: b[0])
+    return problems, in_order
