@@ -154,12 +154,20 @@ def merge(parts: list[dict[str, Any]], compared_with: int | None, frozen_lr: set
             found[1] += inf
     unchanged: list[str] = []
     if compared_with is not None:
-        stored = {k for part in parts for k in part.get("stale", {}).get("stored", ())}
-        for key in sorted(stored):
-            holders = [p["stale"] for p in parts if key in p["stale"]["stored"]]
-            if (all(key in h["same"] for h in holders) and any(key in p["stale"]["moved"] for p in parts)
-                    and key not in frozen_lr):
-                unchanged.append(key)
+        # per key: how many ranks store it, how many of those found it the same; whether any rank's optimizer state moved
+        holders: dict[str, int] = {}
+        same: dict[str, int] = {}
+        moved: set[str] = set()
+        for part in parts:
+            stale = part["stale"]
+            stored = set(stale["stored"])
+            for key in stored:
+                holders[key] = holders.get(key, 0) + 1
+            for key in stored.intersection(stale["same"]):
+                same[key] = same.get(key, 0) + 1
+            moved.update(stale["moved"])
+        unchanged = [key for key in sorted(holders)
+                     if same.get(key, 0) == holders[key] and key in moved and key not in frozen_lr]
     return {"nonfinite": {k: {"nan": v[0], "inf": v[1]} for k, v in sorted(nonfinite.items())},
             "unchanged": unchanged, "compared_with": compared_with}
 

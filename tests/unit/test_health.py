@@ -88,3 +88,27 @@ def test_a_step_holding_a_nonfinite_float_in_extra_is_unhealthy_and_refused(tmp_
         with Checkpointer(root, on_nonfinite="refuse") as ckpt:
             ckpt.save(3, model, extra={"loss": float("nan")})
     assert Checkpointer(root).steps() == [1, 2]
+
+
+def test_the_merge_of_ranks_stale_findings_is_the_rule_it_states():
+    """A parameter is unchanged when every rank that stores it found its records the same, some
+    rank's optimizer state for it moved, and its learning rate is not 0: the merge, on random
+    findings of up to 40 ranks, against that rule spelled out."""
+    import random
+
+    from ckpttool.health import merge
+
+    rng = random.Random(3)
+    keys = [f"model.p{i}" for i in range(12)]
+    for _ in range(400):
+        parts = []
+        for _ in range(rng.randrange(1, 40)):
+            stored = sorted(rng.sample(keys, rng.randrange(0, len(keys))))
+            same = [k for k in stored if rng.random() < 0.9] + rng.sample(keys, rng.randrange(0, 2))  # (and one it does not store)
+            parts.append({"nonfinite": {}, "stale": {"stored": stored, "same": same,
+                                                     "moved": rng.sample(keys, rng.randrange(0, 3))}})
+        frozen = set(rng.sample(keys, rng.randrange(0, 2)))
+        want = [k for k in sorted({k for p in parts for k in p["stale"]["stored"]})
+                if all(k in p["stale"]["same"] for p in parts if k in p["stale"]["stored"])
+                and any(k in p["stale"]["moved"] for p in parts) and k not in frozen]
+        assert merge(parts, 7, frozen)["unchanged"] == want
