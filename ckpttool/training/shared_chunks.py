@@ -125,20 +125,31 @@ def _declared(raw: bytes, entry: list[Any], rank: int, where: str) -> list[list[
     return declared
 
 
-def _rows(raw: bytes, width: int, count: int, rank: int, where: str) -> torch.Tensor:
+def _rows(raws: list[bytes], ranks: list[int], width: int, count: int, where: Any) -> torch.Tensor:
+    """The rows of ranks ``ranks`` (their third sections ``raws``) in one table, each row's rank
+    appended; a rank whose rows cannot be one's (a partial row, a key number past ``count``, a
+    negative start or length, a frozen flag neither 0 nor 1) is a damaged index."""
     columns = 1 + 2 * width + _TAIL_COLUMNS
-    if len(raw) % (8 * columns):
-        raise CorruptCheckpointError(f"rank {rank}'s index is damaged (its chunk rows)", where=where)
-    values = array("q")
-    values.frombytes(raw)
-    if sys.byteorder != "little":
+    for raw, rank in zip(raws, ranks):
+        if len(raw) % (8 * columns):
+            raise CorruptCheckpointError(f"rank {rank}'s index is damaged (its chunk rows)", where=where(rank))
+    data = bytearray(b"".join(raws))  # (one copy, writable, which torch.frombuffer wants)
+    if not data:
+        return torch.empty(0, columns + 1, dtype=torch.int64)
+    if sys.byteorder != "little":  # (the rows are little-endian)
+        values = array("q")
+        values.frombytes(data)
         values.byteswap()
-    rows = torch.tensor(values, dtype=torch.int64).view(-1, columns) if values else torch.empty(0, columns, dtype=torch.int64)
-    if rows.numel() and not (bool((rows[:, 0] >= 0).all()) and bool((rows[:, 0] < count).all())
-                             and bool((rows[:, 1 + 2 * width:3 + 2 * width] >= 0).all())
-                             and bool(((rows[:, -1] == 0) | (rows[:, -1] == 1)).all())):
-        raise CorruptCheckpointError(f"rank {rank}'s index is damaged (its chunk rows)", where=where)
-    return torch.cat([rows, torch.full((len(rows), 1), rank, dtype=torch.int64)], 1)
+        data = bytearray(values.tobytes())
+    rows = torch.frombuffer(data, dtype=torch.int64).view(-1, columns)
+    of = torch.repeat_interleave(torch.tensor(ranks, dtype=torch.int64),
+                                 torch.tensor([len(raw) // (8 * columns) for raw in raws], dtype=torch.int64))
+    bad = ((rows[:, 0] < 0) | (rows[:, 0] >= count) | (rows[:, 1 + 2 * width:3 + 2 * width] < 0).any(1)
+           | ((rows[:, -1] != 0) & (rows[:, -1] != 1)))
+    if bool(bad.any()):
+        rank = int(of[bad.nonzero()[0, 0]])
+        raise CorruptCheckpointError(f"rank {rank}'s index is damaged (its chunk rows)", where=where(rank))
+    return torch.cat([rows, of[:, None]], 1)
 
 
 def read_tails(indexes: list[Any], where: Any) -> Table | None:
@@ -149,13 +160,13 @@ def read_tails(indexes: list[Any], where: Any) -> Table | None:
     first = indexes[0].sharded
     if all(s is not None for s in sections) and all(i.sharded[:3] == first[:3] for i in indexes):
         declared = _declared(sections[0][1], first, 0, where(0))
-        rows = [_rows(s[2], first[2], first[1], index.rank, where(index.rank)) for index, s in zip(indexes, sections)]
+        rows = _rows([s[2] for s in sections], [index.rank for index in indexes], first[2], first[1], where)
         return Table([d[0] for d in declared], [tuple(d[1]) for d in declared], [d[2] for d in declared], first[2],
-                     torch.cat(rows) if rows else torch.empty(0, 2 * first[2] + 5, dtype=torch.int64), [s[0] for s in sections])
+                     rows, [s[0] for s in sections])
     for index, s in zip(indexes, sections):
         if s is not None:
             _restore(index, _declared(s[1], index.sharded, index.rank, where(index.rank)),
-                     _rows(s[2], index.sharded[2], index.sharded[1], index.rank, where(index.rank)), index.sharded[2])
+                     _rows([s[2]], [index.rank], index.sharded[2], index.sharded[1], where), index.sharded[2])
     return None
 
 
@@ -190,13 +201,21 @@ def check_tiling(table: Table) -> tuple[dict[int, str], bool]:
         regular &= (off[:, 1:] == 0).all(1) & (size[:, 1:] == shape[:, 1:]).all(1)
     bad = torch.zeros(count, dtype=torch.bool)
     bad[key[~regular]] = True
+    # every row by key, then offset along dim 0 (one stable sort; a row's offset clamped into the
+    # tensor, where only an irregular row's is not, and order-preserving)
+    span = int(shapes[:, 0].max()) + 2 if count else 2
+    o_all = off[:, 0]
+    if count * span < 1 << 62:
+        by = torch.argsort(key * span + o_all.clamp(0, span - 1), stable=True)
+    else:  # (a tensor of more than 2**42 rows: two sorts)
+        by = torch.argsort(o_all, stable=True)
+        by = by[torch.argsort(key[by], stable=True)]
+    k_all = key[by]
+    # in order: within each key, the sort kept the table's order
+    in_order = not bool(((k_all[1:] == k_all[:-1]) & (by[1:] < by[:-1])).any()) if len(by) > 1 else True
     # the non-empty rows of each key, by offset: each starts where the one before ends, from 0
-    full = size[:, 0] > 0
-    k, o, s = key[full], off[full, 0], size[full, 0]
-    by = torch.argsort(o, stable=True)
-    k, o, s = k[by], o[by], s[by]
-    by = torch.argsort(k, stable=True)
-    k, o, s = k[by], o[by], s[by]
+    full = size[by, 0] > 0
+    k, o, s = k_all[full], o_all[by][full], size[by, 0][full]
     ends = torch.cumsum(s, 0)
     starts = torch.ones_like(k, dtype=torch.bool)
     starts[1:] = k[1:] != k[:-1]
@@ -204,10 +223,6 @@ def check_tiling(table: Table) -> tuple[dict[int, str], bool]:
     bad[k[o != ends - s - base]] = True
     total = torch.zeros(count, dtype=torch.int64).index_add_(0, k, s)
     bad |= total != torch.where(ndim > 0, shapes[:, 0], torch.ones_like(ndim))
-    # in order: within each key, in the table's order, offsets along dim 0 never go down
-    by = torch.argsort(key, stable=True)
-    k, o = key[by], off[by, 0]
-    in_order = not bool(((k[1:] == k[:-1]) & (o[1:] < o[:-1])).any()) if len(k) > 1 else True
     return _checked(table, bad.nonzero().flatten().tolist(), in_order)
 
 

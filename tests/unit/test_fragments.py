@@ -176,9 +176,12 @@ def _random_layouts(rng: random.Random, count: int) -> list[tuple[tuple[int, ...
     bounds, a row shard that does not span the other dims."""
     out = []
     for _ in range(count):
-        kind = rng.choice(["rows", "rows", "rows", "tiles", "scalar", "gap", "overlap", "outside", "narrow", "shifted", "far"])
+        kind = rng.choice(["rows", "rows", "rows", "tiles", "scalar", "gap", "overlap", "outside", "narrow", "shifted", "far",
+                           "huge"])
         ndim = rng.choice([1, 2, 3])
         shape = tuple(rng.randrange(0, 9) if d == 0 else rng.randrange(1, 4) for d in range(ndim))
+        if kind == "huge":  # (2**61 rows: past what one sort key holds with the key's number)
+            shape = ((1 << 61) + rng.randrange(9), *shape[1:])
         if kind == "scalar":
             out.append(((), [((), ())] * rng.choice([1, 1, 2])))
             continue
