@@ -17,6 +17,7 @@ optimizer state changed (a parameter group with learning rate 0 is not listed: i
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (inspect reads a step's health without importing torch)
@@ -155,19 +156,16 @@ def merge(parts: list[dict[str, Any]], compared_with: int | None, frozen_lr: set
     unchanged: list[str] = []
     if compared_with is not None:
         # per key: how many ranks store it, how many of those found it the same; whether any rank's optimizer state moved
-        holders: dict[str, int] = {}
-        same: dict[str, int] = {}
+        holders: Counter[str] = Counter()
+        same: Counter[str] = Counter()
         moved: set[str] = set()
         for part in parts:
             stale = part["stale"]
             stored = set(stale["stored"])
-            for key in stored:
-                holders[key] = holders.get(key, 0) + 1
-            for key in stored.intersection(stale["same"]):
-                same[key] = same.get(key, 0) + 1
+            holders.update(stored)
+            same.update(stored.intersection(stale["same"]))
             moved.update(stale["moved"])
-        unchanged = [key for key in sorted(holders)
-                     if same.get(key, 0) == holders[key] and key in moved and key not in frozen_lr]
+        unchanged = [key for key in sorted(holders) if same[key] == holders[key] and key in moved and key not in frozen_lr]
     return {"nonfinite": {k: {"nan": v[0], "inf": v[1]} for k, v in sorted(nonfinite.items())},
             "unchanged": unchanged, "compared_with": compared_with}
 

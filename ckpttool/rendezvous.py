@@ -544,7 +544,9 @@ def _read_part(loc: Location) -> dict[str, Any]:
 
     if loc.size() > MAX_PART_BYTES:
         raise CorruptCheckpointError("a rank's index is too large", where=loc.url)
-    raw, _, tail = loc.read_bytes().partition(b"\0")
+    data = loc.read_bytes()
+    cut = data.find(b"\0")
+    raw, tail = (data, b"") if cut < 0 else (data[:cut], memoryview(data)[cut + 1:])  # (the tail is not copied)
     try:
         with no_gc():  # (a rank's index: thousands of small objects, none in a cycle)
             part = json.loads(raw)

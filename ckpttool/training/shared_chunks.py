@@ -88,7 +88,7 @@ class Table:
     dtypes: list[str]
     width: int
     rows: torch.Tensor
-    fragments: list[bytes]
+    fragments: list[memoryview]
 
     def boxes(self, i: int) -> list[tuple[Box, int, int, int, int]]:
         """Key ``i``'s chunks in the table's order: (box, start, length, frozen, rank)."""
@@ -99,7 +99,7 @@ class Table:
         return out
 
 
-def _sections(index: Any, where: str) -> tuple[bytes, bytes, bytes] | None:
+def _sections(index: Any, where: str) -> tuple[memoryview, memoryview, memoryview] | None:
     """A rank's three sections, its tail checked against its digest; None where it has none."""
     entry, tail = index.sharded, index.fragment
     if entry is None:
@@ -110,12 +110,13 @@ def _sections(index: Any, where: str) -> tuple[bytes, bytes, bytes] | None:
         raise CorruptCheckpointError(f"rank {index.rank}'s index is damaged (what follows its JSON is not what it wrote)",
                                      where=where)
     a, b, _ = entry[3]
-    return tail[:a], tail[a:a + b], tail[a + b:]
+    view = memoryview(tail)
+    return view[:a], view[a:a + b], view[a + b:]
 
 
-def _declared(raw: bytes, entry: list[Any], rank: int, where: str) -> list[list[Any]]:
+def _declared(raw: memoryview, entry: list[Any], rank: int, where: str) -> list[list[Any]]:
     try:
-        declared = json.loads(raw)
+        declared = json.loads(bytes(raw))
     except ValueError:
         declared = None
     if not (isinstance(declared, list) and len(declared) == entry[1] and hash_bytes(raw) == entry[0] and all(
@@ -125,7 +126,7 @@ def _declared(raw: bytes, entry: list[Any], rank: int, where: str) -> list[list[
     return declared
 
 
-def _rows(raws: list[bytes], ranks: list[int], width: int, count: int, where: Any) -> torch.Tensor:
+def _rows(raws: list[memoryview], ranks: list[int], width: int, count: int, where: Any) -> torch.Tensor:
     """The rows of ranks ``ranks`` (their third sections ``raws``) in one table, each row's rank
     appended; a rank whose rows cannot be one's (a partial row, a key number past ``count``, a
     negative start or length, a frozen flag neither 0 nor 1) is a damaged index."""
@@ -133,7 +134,7 @@ def _rows(raws: list[bytes], ranks: list[int], width: int, count: int, where: An
     for raw, rank in zip(raws, ranks):
         if len(raw) % (8 * columns):
             raise CorruptCheckpointError(f"rank {rank}'s index is damaged (its chunk rows)", where=where(rank))
-    data = bytearray(b"".join(raws))  # (one copy, writable, which torch.frombuffer wants)
+    data = bytearray().join(raws)  # (one copy, writable, which torch.frombuffer wants)
     if not data:
         return torch.empty(0, columns + 1, dtype=torch.int64)
     if sys.byteorder != "little":  # (the rows are little-endian)

@@ -216,7 +216,7 @@ class RankIndex:
     # by metadata_emit.fragment; published after the index's JSON): [the digest of the sharded keys'
     # names in order, their number, the fragment's bytes, its digest] and, on rank 0, the names
     sharded: list[Any] | None = None
-    fragment: bytes = field(default=b"", repr=False)
+    fragment: bytes | memoryview = field(default=b"", repr=False)
     # the keys every rank declares (DTensors), in declaration order: the fragment's key numbers
     everyone: dict[str, None] = field(default_factory=dict, repr=False)
 
