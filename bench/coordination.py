@@ -252,7 +252,7 @@ def synth_index(sp: Spec, n: int, rank: int, rng: random.Random, health: str = "
     return index
 
 
-def published(index: dict[str, Any], step: str, sp: Spec) -> tuple[dict[str, Any], bytes]:
+def published(index: dict[str, Any], step: str, sp: Spec, n: int) -> tuple[dict[str, Any], bytes]:
     """What ``write_rank`` does with the index at its end: the rank's manifest file (its records'
     rows) written into ``step``, its tail (``shared_chunks.rank_tail``: every DTensor of ``sp``
     declared as write_rank declares them), and the part it publishes (``published_part``)."""
@@ -268,7 +268,7 @@ def published(index: dict[str, Any], step: str, sp: Spec) -> tuple[dict[str, Any
     rank_index = step_writer.RankIndex(**index)
     rank_index.manifest = [name, len(raw), hash_bytes(raw), sorted(records)]
     rank_index.everyone = dict.fromkeys(key for key, kind, _ in sp.entries if kind == "dtensor")
-    rank_index.sharded, rank_index.fragment = shared_chunks.rank_tail(rank_index, step_writer.frozen_file_name(index["rank"]))
+    rank_index.sharded, rank_index.fragment = shared_chunks.rank_tail(rank_index, step_writer.frozen_file_name(index["rank"]), n)
     return step_writer.published_part(rank_index)
 
 
@@ -350,7 +350,7 @@ def child_gen(a: argparse.Namespace) -> dict[str, Any]:
     phases = {"prepare": 0.012345, "state": 0.000812, "stage": 0.412345}
     t = time.perf_counter()
     for rank in range(a.shard, a.n, a.workers):
-        index, fragment = published(synth_index(sp, a.n, rank, rng, a.health, a.empty, phases), step, sp)
+        index, fragment = published(synth_index(sp, a.n, rank, rng, a.health, a.empty, phases), step, sp, a.n)
         data = rendezvous.part_bytes(index, fragment)
         with open(os.path.join(parts, rendezvous.part_name(rank)), "wb") as f:
             f.write(data)
@@ -759,12 +759,12 @@ def run_check(a: argparse.Namespace) -> bool:
                 with tempfile.TemporaryDirectory() as tmp:
                     first, second = resolve(os.path.join(tmp, "a")), resolve(os.path.join(tmp, "b"))
                     check = hl.Check(sp.trainable, None, None) if health_mode != "off" else None
-                    step_writer.write_rank(first, rank, state(1.0), health=check, phases=dict(phases))
+                    step_writer.write_rank(first, rank, state(1.0), health=check, phases=dict(phases), world_size=n)
                     if health_mode == "steady":
                         check = hl.Check(sp.trainable, check.tally.digests, SINCE)
                     elif health_mode == "first":
                         check = hl.Check(sp.trainable, None, None)
-                    step_writer.write_rank(second, rank, state(2.0), health=check, phases=dict(phases))
+                    step_writer.write_rank(second, rank, state(2.0), health=check, phases=dict(phases), world_size=n)
                     with open(os.path.join(tmp, "b", rendezvous.part_name(rank)), "rb") as f:
                         raw = f.read()
                     real = json.loads(raw.partition(b"\0")[0])
@@ -776,7 +776,7 @@ def run_check(a: argparse.Namespace) -> bool:
             with tempfile.TemporaryDirectory() as tmp:
                 synth = synth_index(sp, n, rank, random.Random(rank), health_mode, "record", phases)
                 synth_manifest = synth["records"]
-                synth, synth_fragment = published(synth, tmp, sp)
+                synth, synth_fragment = published(synth, tmp, sp, n)
             same = (json.dumps(_normalize(real)) == json.dumps(_normalize(synth)) and real_fragment == synth_fragment
                     and json.dumps(_normalize({"records": real_manifest, "phases": {}})) == json.dumps(_normalize({"records": synth_manifest, "phases": {}})))
             same_file = size_on_disk == synth["written"]

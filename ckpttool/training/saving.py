@@ -219,7 +219,7 @@ class Saves:
         try:
             self.stager.wait(run=False)  # the copies are in host memory (CUDA: issued on a side stream)
             with self.timing("write", step, phases):
-                self._write_own(staged, tmp, rank, final, step, phases)
+                self._write_own(staged, tmp, rank, final, step, phases, world_size)
             if rank == 0:
                 with self.timing("commit", step, phases):
                     self._commit_own(step, tmp, final, world_size)
@@ -243,7 +243,7 @@ class Saves:
             if front is not None:
                 raise front
             with self.timing("write"):
-                self._write_own(state, tmp, rendezvous.rank(), final, step, self._phases)
+                self._write_own(state, tmp, rendezvous.rank(), final, step, self._phases, rendezvous.world_size())
 
         def commit() -> None:
             with self.timing("commit"):
@@ -255,7 +255,7 @@ class Saves:
         self._after_commit()
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location, step: int,
-                   phases: dict[str, float]) -> None:
+                   phases: dict[str, float], world_size: int) -> None:
         previous = self._written
         if previous is not None and not previous.step_dir.child(COMMIT_FILE).exists():
             previous = None  # its step never committed, or retention removed it: nothing to share
@@ -269,7 +269,8 @@ class Saves:
             written = step_writer.write_rank(tmp, rank, state, pause=rendezvous.pause_point, compress=self.o.compress,
                                             frozen=self._frozen, previous=previous, health=check, buffers=self._buffers,
                                             progress=self.roll.wrote if self.roll is not None else None,
-                                            phases={k: round(v, 6) for k, v in phases.items() if k in OWN_WORK})
+                                            phases={k: round(v, 6) for k, v in phases.items() if k in OWN_WORK},
+                                            world_size=world_size)
             if written is not None:
                 written.step_dir = final  # where its files are once the step is committed
         except CkptError:

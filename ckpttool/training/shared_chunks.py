@@ -14,11 +14,15 @@ index carries its DTensors (the keys every rank declares) after its JSON, in thr
    record lies in the rank's file of frozen tensors.
 
 The index's ``sharded`` entry holds ``[names digest, number of keys, width, [the sections'
-lengths], the tail's digest]``. Rank 0 checks each tail against its digest, and where every rank
-numbered the same keys, stacks the rows into one table whose tiling it checks per key in a few
-array operations (row shards end to end along dim 0, FSDP2's layout; any other layout, key by key,
-by ``layout.tiles_exactly``). Otherwise it puts each rank's chunks back into its index as JSON
-would have held them, and the merge goes key by key as before.
+lengths], the tail's digest, rule]``: ``rule`` is the world size N when the rank's chunks are
+exactly FSDP2's of N ranks (one chunk of every key, rows ``layout.shard_range`` of the rank, the
+whole of the other dims: checked by the rank against its own chunks), else None. Rank 0 checks
+each tail against its digest. Where every rank of N claims the rule for N and numbered the same
+keys, the chunks tile every key and come in offset order by the rule's arithmetic: rank 0 reads
+no row. Where they numbered the same keys, it stacks the rows into one table whose tiling it
+checks per key in a few array operations (row shards end to end along dim 0; any other layout,
+key by key, by ``layout.tiles_exactly``). Otherwise it puts each rank's chunks back into its
+index as JSON would have held them, and the merge goes key by key as before.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 import sys
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,17 +40,17 @@ from ..dtypes import PLAIN
 from ..errors import CorruptCheckpointError
 from ..formats.dcp import metadata_emit
 from ..formats.dcp.transforms import transform_names
-from ..layout import Box, tiles_exactly
+from ..layout import Box, shard_range, tiles_exactly
 
 # a row's columns after the offsets and sizes: start, length, in the frozen file
 _TAIL_COLUMNS = 3
 
 
-def rank_tail(index: Any, frozen_name: str) -> tuple[list[Any] | None, bytes]:
+def rank_tail(index: Any, frozen_name: str, world_size: int | None = None) -> tuple[list[Any] | None, bytes]:
     """A rank's ``sharded`` entry and the bytes after its index's JSON (see the module's text);
     (None, b"") where they cannot be spelled (a dtype without a name in torch's namespace, a chunk
     in a file that is neither the rank's data file nor ``frozen_name``): the index then carries
-    every chunk as JSON."""
+    every chunk as JSON. ``world_size``: the job's, for the rule."""
     keys = list(index.everyone)
     declared = [[k, index.tensors[k]["shape"], index.tensors[k]["dtype"]] for k in keys]
     if any(dtype not in PLAIN for _, _, dtype in declared):
@@ -69,7 +73,22 @@ def rank_tail(index: Any, frozen_name: str) -> tuple[list[Any] | None, bytes]:
         rows.byteswap()
     names, boxes = json.dumps(declared).encode(), rows.tobytes()
     tail = fragment + names + boxes
-    return [hash_bytes(names), len(keys), width, [len(fragment), len(names), len(boxes)], hash_bytes(tail)], tail
+    rule = world_size if world_size and _follows_rule(index, declared, world_size) else None
+    return [hash_bytes(names), len(keys), width, [len(fragment), len(names), len(boxes)], hash_bytes(tail), rule], tail
+
+
+def _follows_rule(index: Any, declared: list[list[Any]], world_size: int) -> bool:
+    """Whether this rank's chunks are exactly FSDP2's of ``world_size`` ranks: of every key one,
+    in its data file, rows ``shard_range`` of the rank (an empty one at the end), every other dim
+    whole."""
+    for name, shape, _ in declared:
+        chunks = index.tensors[name]["chunks"]
+        if not shape or len(chunks) != 1 or len(chunks[0]) != 4:
+            return False
+        start, stop = shard_range(shape[0], world_size, index.rank)
+        if chunks[0][0] != [start, *(0,) * (len(shape) - 1)] or chunks[0][1] != [stop - start, *shape[1:]]:
+            return False
+    return True
 
 
 def json_keys(index: Any) -> set[str]:
@@ -80,15 +99,26 @@ def json_keys(index: Any) -> set[str]:
 @dataclass
 class Table:
     """Every rank's DTensor chunks, when every rank numbered the same keys: key ``i`` is
-    ``names[i]`` of ``shapes[i]`` and ``dtypes[i]``; ``rows``: a row per chunk, rank after rank,
-    ``[key, offsets..., sizes..., start, length, frozen, rank]``; ``fragments``: each rank's."""
+    ``names[i]`` of ``shapes[i]`` and ``dtypes[i]``; ``fragments``: each rank's; ``rule``: N where
+    every rank of N follows FSDP2's layout of N; ``rows`` (read when first used): a row per chunk,
+    rank after rank, ``[key, offsets..., sizes..., start, length, frozen, rank]``."""
 
     names: list[str]
     shapes: list[tuple[int, ...]]
     dtypes: list[str]
     width: int
-    rows: torch.Tensor
     fragments: list[memoryview]
+    rule: int | None
+    _raws: list[memoryview] = field(repr=False)
+    _ranks: list[int] = field(repr=False)
+    _where: Any = field(repr=False)
+    _rows: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = _rows(self._raws, self._ranks, self.width, len(self.names), self._where)
+        return self._rows
 
     def boxes(self, i: int) -> list[tuple[Box, int, int, int, int]]:
         """Key ``i``'s chunks in the table's order: (box, start, length, frozen, rank)."""
@@ -104,7 +134,7 @@ def _sections(index: Any, where: str) -> tuple[memoryview, memoryview, memoryvie
     entry, tail = index.sharded, index.fragment
     if entry is None:
         return None
-    if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[3], list) and len(entry[3]) == 3
+    if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[3], list) and len(entry[3]) == 3
             and all(isinstance(n, int) and n >= 0 for n in entry[3]) and sum(entry[3]) == len(tail)
             and entry[4] == hash_bytes(tail)):
         raise CorruptCheckpointError(f"rank {index.rank}'s index is damaged (what follows its JSON is not what it wrote)",
@@ -161,9 +191,10 @@ def read_tails(indexes: list[Any], where: Any) -> Table | None:
     first = indexes[0].sharded
     if all(s is not None for s in sections) and all(i.sharded[:3] == first[:3] for i in indexes):
         declared = _declared(sections[0][1], first, 0, where(0))
-        rows = _rows([s[2] for s in sections], [index.rank for index in indexes], first[2], first[1], where)
+        ranks = [index.rank for index in indexes]
+        rule = len(indexes) if ranks == list(range(len(indexes))) and all(i.sharded[5] == len(indexes) for i in indexes) else None
         return Table([d[0] for d in declared], [tuple(d[1]) for d in declared], [d[2] for d in declared], first[2],
-                     rows, [s[0] for s in sections])
+                     [s[0] for s in sections], rule, [s[2] for s in sections], ranks, where)
     for index, s in zip(indexes, sections):
         if s is not None:
             _restore(index, _declared(s[1], index.sharded, index.rank, where(index.rank)),
@@ -188,7 +219,10 @@ def check_tiling(table: Table) -> tuple[dict[int, str], bool]:
     """Which keys' chunks do not tile them (key number -> what is wrong), and whether every key's
     chunks come in the order of their offsets rank after rank (what a stable sort by offsets
     gives). Row shards lying end to end along dim 0 are proved in array operations; every other
-    key is checked by ``layout.tiles_exactly``."""
+    key is checked by ``layout.tiles_exactly``. Under the rule (:class:`Table`) nothing is left to
+    check: FSDP2's row ranges of N ranks cover each key's rows once, in rank order."""
+    if table.rule is not None:
+        return {}, True
     rows, w = table.rows, table.width
     if w == 0:  # (scalars only)
         return _checked(table, range(len(table.shapes)), True)

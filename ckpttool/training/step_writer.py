@@ -246,7 +246,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
                pause: Callable[[str], None] | None = None, compress: str | None = None,
                frozen: frozenset[str] = frozenset(), previous: Written | None = None,
                health: Check | None = None, buffers: frozenset[str] = frozenset(),
-               progress: Callable[[int], None] | None = None, phases: dict[str, float] | None = None) -> Written | None:
+               progress: Callable[[int], None] | None = None, phases: dict[str, float] | None = None,
+               world_size: int | None = None) -> Written | None:
     """Write this rank's part of the step into ``step_dir``: its data file, then its index (the
     index's appearance in storage tells rank 0 this rank is done). On failure the index carries
     the error instead, so rank 0 stops waiting, and the error is raised here too.
@@ -261,7 +262,8 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
     the model's plain-tensor buffers (:func:`_write_own_buffers`). ``pause(name)`` is called at the
     points crash tests stop a rank at (``dist.pause_point``); ``progress(bytes)`` after each record
     of the data file (the rank's beat says how far it is); ``phases``: the seconds of the save's
-    phases so far, carried in the index with the write's own."""
+    phases so far, carried in the index with the write's own; ``world_size``: the job's, whose
+    FSDP2 layout the index says its DTensor chunks follow where they do (``shared_chunks``)."""
     started = time.perf_counter()
     flat, paths = flatten(state, is_tensor=_is_staged_or_tensor)  # a list of staged tensors is traversed, as one of tensors
     index = RankIndex(rank, data_file_name(rank), compress=compress)
@@ -278,7 +280,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         if frozen_parts:
             written = _write_frozen(step_dir, index, frozen_parts, previous, tally)
         index.manifest = _write_manifest(step_dir, index)
-        index.sharded, index.fragment = shared_chunks.rank_tail(index, frozen_file_name(rank))
+        index.sharded, index.fragment = shared_chunks.rank_tail(index, frozen_file_name(rank), world_size)
         if health is not None:
             index.health = health.findings(flat, rank)
         if rank == 0:
@@ -737,7 +739,8 @@ def _check_table(step_dir: Location, indexes: list[RankIndex], table: shared_chu
     """The ranks' DTensor chunks tile every key and lie in their ranks' files; returns whether they
     come in the order of their offsets, rank after rank."""
     by_rank = {index.rank: index for index in indexes}
-    for r in table.rows[table.rows[:, -2] == 1][:, -1].unique().tolist():
+    frozen = [] if table.rule is not None else table.rows[table.rows[:, -2] == 1][:, -1].unique().tolist()  # (none under the rule)
+    for r in frozen:
         if frozen_file_name(r) not in by_rank[r].files:
             raise CorruptCheckpointError(f"rank {r}'s index names a data file that is not its own",
                                          where=step_dir.child(rendezvous.part_name(r)).url)

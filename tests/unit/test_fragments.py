@@ -97,7 +97,7 @@ def _write_step(step, ranks: int, reverse: bool = False, backwards: int | None =
                 local = torch.arange(lo * shape[1], hi * shape[1], dtype=torch.float32).reshape(hi - lo, shape[1])
                 state["model"][key.split(".")[1]] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                                        shape=torch.Size(shape), stride=(shape[1], 1))
-            step_writer.write_rank(step, rank, state)
+            step_writer.write_rank(step, rank, state, world_size=ranks)
         finally:
             dist.destroy_process_group()
 
@@ -114,7 +114,7 @@ def test_a_step_committed_from_fragments_reads_as_one_committed_without(tmp_path
     parts = [step.child(rendezvous.part_name(r)).read_bytes() for r in range(ranks)]
     assert all(b"\0" in p for p in parts)  # (every rank wrote a fragment)
     _, copied = _commit(step, ranks)
-    monkeypatch.setattr(shared_chunks, "rank_tail", lambda index, frozen: (None, b""))
+    monkeypatch.setattr(shared_chunks, "rank_tail", lambda index, frozen, world_size=None: (None, b""))
     plain = resolve(str(tmp_path / "b"))
     _write_step(plain, ranks)
     assert all(b"\0" not in plain.child(rendezvous.part_name(r)).read_bytes() for r in range(ranks))
@@ -151,7 +151,7 @@ def test_ranks_that_disagree_on_the_sharded_keys_get_rank_0s_spelling(tmp_path, 
     _write_step(step, 3, backwards=2)
     _, got = _commit(step, 3)
     assert all(k.index is not None for k in got.storage_data if k.fqn in ("model.w", "model.v"))
-    monkeypatch.setattr(shared_chunks, "rank_tail", lambda index, frozen: (None, b""))  # (every chunk as JSON)
+    monkeypatch.setattr(shared_chunks, "rank_tail", lambda index, frozen, world_size=None: (None, b""))  # (every chunk as JSON)
     want = resolve(str(tmp_path / "t"))
     _write_step(want, 3, backwards=2)
     _, expected = _commit(want, 3)
@@ -236,11 +236,33 @@ def test_the_tables_tiling_check_agrees_with_tiles_exactly_key_by_key():
             for j, (o, s) in enumerate(boxes):
                 rows.append([i, *o, *(0,) * pad, *s, *(1,) * pad, 7 * j, 3, 0, j % 3])
         table = shared_chunks.Table([f"k{i}" for i in range(len(layouts))], [shape for shape, _ in layouts],
-                                    ["float32"] * len(layouts), width,
-                                    torch.tensor(rows, dtype=torch.int64).view(-1, 2 * width + 5), [])
+                                    ["float32"] * len(layouts), width, [], None, [], [], None,
+                                    _rows=torch.tensor(rows, dtype=torch.int64).view(-1, 2 * width + 5))
         problems, in_order = shared_chunks.check_tiling(table)
         want = {i: tiles_exactly(shape, boxes) for i, (shape, boxes) in enumerate(layouts)}
         assert set(problems) == {i for i, p in want.items() if p}, (trial, layouts, problems)
         assert all(problems[i] == want[i] for i in problems)
         ordered = all(boxes == sorted(boxes, key=lambda b: b[0]) for _, boxes in layouts)
         assert in_order == ordered, (trial, layouts)
+
+
+def test_ranks_that_all_follow_fsdp2s_layout_need_no_row_read_and_one_that_does_not_gets_its_rows_checked(tmp_path):
+    """Every rank of N says its chunks are FSDP2's of N (checked by the rank against its own): rank
+    0 reads no row and the step is the same as one whose rows rank 0 checked; a rank that does not
+    say so has every rank's rows checked."""
+    ranks = 3
+    steps = {}
+    for case in ("rule", "one without"):
+        step = steps[case] = resolve(str(tmp_path / case.replace(" ", "-")))
+        _write_step(step, ranks)
+        if case == "one without":
+            _edit_part(step, 1, lambda index: index["sharded"].__setitem__(5, None))
+        indexes = step_writer.read_rank_indexes(step, ranks, timeout=10)
+        table = shared_chunks.read_tails(indexes, lambda r: str(r))
+        assert table.rule == (ranks if case == "rule" else None)
+        assert shared_chunks.check_tiling(table) == ({}, True)
+        assert (table._rows is None) == (case == "rule")  # (no row read under the rule)
+        step_writer.commit_metadata(step, indexes)
+    got = {case: pickle.loads(step.child(".metadata").read_bytes()) for case, step in steps.items()}
+    assert got["rule"].state_dict_metadata == got["one without"].state_dict_metadata
+    assert got["rule"].storage_data == got["one without"].storage_data
