@@ -53,7 +53,7 @@ def rank_tail(index: Any, frozen_name: str, world_size: int | None = None) -> tu
     every chunk as JSON. ``world_size``: the job's, for the rule."""
     keys = list(index.everyone)
     declared = [[k, index.tensors[k]["shape"], index.tensors[k]["dtype"]] for k in keys]
-    if any(dtype not in PLAIN for _, _, dtype in declared):
+    if not keys or any(dtype not in PLAIN for _, _, dtype in declared):  # (no DTensor: nothing to carry)
         return None, b""
     width = max((len(shape) for _, shape, _ in declared), default=0)
     chunks = [(i, index.tensors[k]["chunks"]) for i, k in enumerate(keys) if index.tensors[k]["chunks"]]
