@@ -156,7 +156,12 @@ class DcpSource(Source):
         return loc
 
     def record_where(self, info: Any, key: str) -> str:
-        return f"{self.file(info.relative_path).url} (record of {key!r} at byte {info.offset})"
+        """Where a record lies, for an error; where no manifest proves ``.metadata`` (plain DCP, an
+        offline output), a record that is not what it should be may as well be a place
+        ``.metadata`` got wrong, and the text says so."""
+        proven = ((self.commit_record() or {}).get("manifest") or {}).get("files", {}).get(METADATA_FILE) is not None
+        return f"{self.file(info.relative_path).url} (record of {key!r} at byte {info.offset}" + (
+            ")" if proven else f", where {METADATA_FILE} places it)")
 
     @staticmethod
     def transformed(info: Any) -> bool:
