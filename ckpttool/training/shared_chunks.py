@@ -113,6 +113,7 @@ class Table:
     _ranks: list[int] = field(repr=False)
     _where: Any = field(repr=False)
     _rows: torch.Tensor | None = field(default=None, repr=False)
+    _by_key: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -122,9 +123,13 @@ class Table:
 
     def boxes(self, i: int) -> list[tuple[Box, int, int, int, int]]:
         """Key ``i``'s chunks in the table's order: (box, start, length, frozen, rank)."""
+        if self._by_key is None:  # (the rows grouped by key once, in the table's order within each)
+            rows = self.rows
+            order = torch.argsort(rows[:, 0], stable=True)
+            self._by_key = torch.split(rows[order], torch.bincount(rows[:, 0], minlength=len(self.names)).tolist())
         w, n = self.width, len(self.shapes[i])
         out = []
-        for row in self.rows[self.rows[:, 0] == i].tolist():
+        for row in self._by_key[i].tolist():
             out.append(((tuple(row[1:1 + n]), tuple(row[1 + w:1 + w + n])), row[1 + 2 * w], row[2 + 2 * w], row[3 + 2 * w], row[-1]))
         return out
 

@@ -212,9 +212,8 @@ class RankIndex:
     # the rank's manifest file, which holds ``records`` and ``files``' rows (published without them):
     # [its name, bytes, digest, the data files whose rows it holds]
     manifest: list[Any] | None = None
-    # the rank's fragment of ``.metadata`` (its sharded tensors' chunks and storage entries, spelled
-    # by metadata_emit.fragment; published after the index's JSON): [the digest of the sharded keys'
-    # names in order, their number, the fragment's bytes, its digest] and, on rank 0, the names
+    # what the rank's DTensors put after the index's JSON (``fragment``: its fragment of ``.metadata``,
+    # their names, their chunks as rows) and its entry saying what (``sharded``): shared_chunks.rank_tail
     sharded: list[Any] | None = None
     fragment: bytes | memoryview = field(default=b"", repr=False)
     # the keys every rank declares (DTensors), in declaration order: the fragment's key numbers
