@@ -248,7 +248,13 @@ def _torch_callables() -> dict[tuple[str, str], Any]:
     }
 
 
-class _AllowListUnpickler(pickle.Unpickler):
+#: pickles up to this size are read by Python's own unpickler, whose memo is a dict; the C one
+#: sizes its memo array by the largest index a PUT names (``LONG_BINPUT`` with 4 bytes of index:
+#: five bytes of a damaged or hostile pickle make it allocate and clear up to 32 GiB)
+PY_UNPICKLER_MAX = 4 << 20
+
+
+class _AllowList:
     """``real_torch``: torch's own objects for the torch values a pickle names (importing torch),
     else the stand-ins of safe_torch.py (``standins`` says whether it handed one out)."""
 
@@ -359,7 +365,8 @@ def load_dcp_metadata(data: bytes, source: str, records: Mapping[tuple[str, str]
     those, with torch's values as safe_torch's stand-ins."""
     if records is not None and set(records) != _DCP_CLASSES:
         raise ValueError("records must stand for exactly DCP's metadata classes")
-    unpickler = _AllowListUnpickler(data, source, records, real_torch=records is None)
+    unpickler = (_AllowListPyUnpickler if len(data) <= PY_UNPICKLER_MAX else _AllowListUnpickler)(
+        data, source, records, real_torch=records is None)
     return _unpickle(unpickler, data, source, "DCP metadata", "the .metadata file is damaged; restore it or use another step")
 
 
@@ -405,7 +412,15 @@ def _storage_class(module: str, name: str) -> _StorageType | None:
     return None
 
 
-class _TorchSaveUnpickler(_AllowListUnpickler):
+class _AllowListUnpickler(_AllowList, pickle.Unpickler):
+    pass
+
+
+class _AllowListPyUnpickler(_AllowList, pickle._Unpickler):  # type: ignore[name-defined]
+    pass
+
+
+class _TorchSave(_AllowList):
     def find_class(self, module: str, name: str) -> Any:
         storage = _storage_class(module, name)
         if storage is not None:
@@ -419,6 +434,14 @@ class _TorchSaveUnpickler(_AllowListUnpickler):
         if not isinstance(storage_type, _StorageType):
             raise UnsafePickleError(f"unexpected storage type {storage_type!r}", where=self._source)
         return StorageRef(str(key), storage_type.dtype, operator.index(numel))
+
+
+class _TorchSaveUnpickler(_TorchSave, pickle.Unpickler):
+    pass
+
+
+class _TorchSavePyUnpickler(_TorchSave, pickle._Unpickler):  # type: ignore[name-defined]
+    pass
 
 
 _TORCH_REBUILDERS = {
@@ -435,7 +458,7 @@ def load_torch_pickle(data: bytes, source: str) -> Any:
     Used for ``torch.save`` files and for DCP's object records (each a ``torch.save`` archive).
     Imports torch only when a value holds one of torch's objects (a dtype, a device), and not then
     within ``safe_torch.values_as_read()`` (but for a device)."""
-    unpickler = _TorchSaveUnpickler(data, source, _TORCH_REBUILDERS)
+    unpickler = (_TorchSavePyUnpickler if len(data) <= PY_UNPICKLER_MAX else _TorchSaveUnpickler)(data, source, _TORCH_REBUILDERS)
     value = _unpickle(unpickler, data, source, "the pickle", "the file is damaged or not written by torch.save")
     if unpickler.standins and (unpickler.devices or not safe_torch.keeps_standins()):
         value = safe_torch.to_torch(value, source)

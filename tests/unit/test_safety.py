@@ -162,3 +162,24 @@ def test_a_size_in_a_pickle_is_checked_the_same_on_its_fast_path(items):
     assert fast == slow, (items, fast, slow)
     if any(type(v) is int and not -(1 << 63) <= v < (1 << 63) for v in items):
         assert fast is ValueError
+
+
+@pytest.mark.parametrize("put", [b"r\xff\xff\xff\x7f", b"p2147483647\n"])
+def test_a_put_of_a_huge_memo_index_allocates_nothing(put):
+    """Five bytes of a damaged pickle (LONG_BINPUT or PUT of index 2**31 - 1) made the C unpickler
+    allocate and clear a 32 GiB memo (a bit flipped in a .metadata did, in the formats' damage
+    test): both readers take it within 256 MiB of memory more than they had."""
+    import resource
+
+    from ckpttool.safe_pickle import load_dcp_metadata, load_torch_pickle
+
+    data = b"\x80\x02]" + put + b"."
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    with open("/proc/self/status") as f:
+        now = next(int(line.split()[1]) for line in f if line.startswith("VmData:")) * 1024
+    resource.setrlimit(resource.RLIMIT_DATA, (now + (256 << 20), hard))
+    try:
+        assert load_torch_pickle(data, "x") == []
+        assert load_dcp_metadata(data, "x") == []
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
