@@ -256,19 +256,12 @@ def published(index: dict[str, Any], step: str, sp: Spec, n: int) -> tuple[dict[
     """What ``write_rank`` does with the index at its end: the rank's manifest file (its records'
     rows) written into ``step``, its tail (``shared_chunks.rank_tail``: every DTensor of ``sp``
     declared as write_rank declares them), and the part it publishes (``published_part``)."""
-    from ckpttool.checksums import hash_bytes
-    from ckpttool.steps import manifest_file_bytes, manifest_file_name
-    from ckpttool.training import shared_chunks, step_writer
+    from ckpttool.storage import resolve
+    from ckpttool.training import step_writer
 
-    name = manifest_file_name(index["rank"])
-    records = {index["file"]: index["records"], **index["files"]}
-    raw = manifest_file_bytes(records, name)
-    with open(os.path.join(step, name), "wb") as f:
-        f.write(raw)
     rank_index = step_writer.RankIndex(**index)
-    rank_index.manifest = [name, len(raw), hash_bytes(raw), sorted(records)]
     rank_index.everyone = dict.fromkeys(key for key, kind, _ in sp.entries if kind == "dtensor")
-    rank_index.sharded, rank_index.fragment = shared_chunks.rank_tail(rank_index, step_writer.frozen_file_name(index["rank"]), n)
+    step_writer.finish_index(resolve(step), rank_index, n)
     return step_writer.published_part(rank_index)
 
 

@@ -90,9 +90,12 @@ class TensorEntry:
         """(chunk, the part of ``box`` it holds) for every chunk that holds part of ``box``: a
         bisection over row bands when there are many chunks, so reading a box costs the chunks it
         touches, not all of them."""
-        bands = self._row_bands if len(self.chunks) > 8 else None
-        if bands is None:
-            candidates: Iterable[Chunk] = self.chunks
+        touching = getattr(self.chunks, "touching", None)  # (chunks laid out by a rule: its arithmetic)
+        bands = self._row_bands if len(self.chunks) > 8 and touching is None else None
+        if touching is not None and self.shape:
+            candidates: Iterable[Chunk] = touching(box[0][0], box[0][0] + box[1][0])
+        elif bands is None:
+            candidates = self.chunks
         else:
             starts, groups = bands
             lo = max(0, bisect.bisect_right(starts, box[0][0]) - 1)
@@ -106,6 +109,8 @@ class TensorEntry:
     def check_coverage(self, where: str) -> None:
         """Refuse a tensor whose chunks leave a gap or overlap: its gap would be uninitialised
         memory in any output or load, so nothing is written or loaded from it."""
+        if getattr(self.chunks, "touching", None) is not None:
+            return  # chunks made by a rule's arithmetic (load_index.RuleChunks) tile the shape by construction
         if len(self.chunks) == 1 and self.chunks[0].offsets == (0,) * len(self.shape) and self.chunks[0].sizes == self.shape:
             return
         problem = tiles_exactly(self.shape, [(c.offsets, c.sizes) for c in self.chunks])

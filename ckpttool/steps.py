@@ -150,19 +150,21 @@ def manifest_file_name(rank: int) -> str:
     return f"__{rank}.manifest"
 
 
-def manifest_file_bytes(records: dict[str, list[list[Any]]], where: str) -> bytes:
-    """A rank's manifest file: the rows of the records of its data files, by file
+def manifest_file_bytes(records: dict[str, list[list[Any]]], where: str, sharded: list[Any] | None = None) -> bytes:
+    """A rank's manifest file: the rows of the records of its data files, by file, and with
+    ``sharded`` where its DTensor records are (``formats/dcp/load_index.py``)
     (:class:`StepTooLargeError` beyond the size its readers take)."""
-    raw = json.dumps({"records": records}, separators=(",", ":")).encode()
+    raw = json.dumps({"records": records, **({"sharded": sharded} if sharded is not None else {})}, separators=(",", ":")).encode()
     if len(raw) > MAX_MANIFEST_BYTES:
         raise StepTooLargeError(f"this rank's manifest would hold {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES >> 20} "
                                 "MiB ckpttool reads", where=where, hint="the step is not committed; save fewer or larger records a rank")
     return raw
 
 
-def parse_manifest_file(raw: bytes, block: int | None, files: list[str]) -> dict[str, list[list[Any]]] | None:
+def parse_manifest_file(raw: bytes, block: int | None, files: list[str]) -> tuple[dict[str, list[list[Any]]], Any] | None:
     """The rows of ``files`` in a rank's manifest file (its size and digest already checked
-    against the commit record); None when it is not what the writer writes."""
+    against the commit record), and its ``sharded`` entry (unchecked here; None where it has
+    none); None when it is not what the writer writes."""
     try:
         parsed = json.loads(raw)
     except (ValueError, RecursionError):
@@ -170,7 +172,7 @@ def parse_manifest_file(raw: bytes, block: int | None, files: list[str]) -> dict
     records = parsed.get("records") if isinstance(parsed, dict) else None
     if not isinstance(records, dict) or set(records) != set(files) or not _rows_ok(records, block):
         return None
-    return records
+    return records, parsed.get("sharded")
 
 
 def _rows_ok(records: Any, block: int | None) -> bool:

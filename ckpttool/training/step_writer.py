@@ -27,7 +27,7 @@ from ..bulk import no_gc
 from ..checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
 from ..compat import local_shard_box
 from ..errors import CkptError, CorruptCheckpointError, StepTooLargeError
-from ..formats.dcp import metadata_emit
+from ..formats.dcp import load_index, metadata_emit
 from ..formats.dcp import metadata_pickle as mp
 from ..formats.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
 from ..formats.dcp.records import write_object, write_tensor
@@ -278,8 +278,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         frozen_parts = _frozen_parts(index, flat, frozen)
         if frozen_parts:
             written = _write_frozen(step_dir, index, frozen_parts, previous, tally)
-        index.manifest = _write_manifest(step_dir, index)
-        index.sharded, index.fragment = shared_chunks.rank_tail(index, frozen_file_name(rank), world_size)
+        finish_index(step_dir, index, world_size)
         if health is not None:
             index.health = health.findings(flat, rank)
         if rank == 0:
@@ -526,12 +525,20 @@ def publish_failure(step_dir: Location, rank: int, error: BaseException) -> None
     publish_index(step_dir, RankIndex(rank, data_file_name(rank), error=text, error_type=error_type))
 
 
-def _write_manifest(step_dir: Location, index: RankIndex) -> list[Any]:
+def finish_index(step_dir: Location, index: RankIndex, world_size: int | None) -> None:
+    """Once the rank's records are written: its tail (``shared_chunks.rank_tail``) and its
+    manifest file, which, where its DTensor chunks follow FSDP2's layout of ``world_size``, says
+    where each of their records lies (a load index's reader finds them there)."""
+    index.sharded, index.fragment = shared_chunks.rank_tail(index, frozen_file_name(index.rank), world_size)
+    index.manifest = _write_manifest(step_dir, index, load_index.rank_locations(index))
+
+
+def _write_manifest(step_dir: Location, index: RankIndex, sharded: list[Any] | None = None) -> list[Any]:
     """This rank's manifest file (the rows of its records, block digests and all): rank 0 never
     reads or merges the rows, and a reader loads those of the files it reads only."""
     name = manifest_file_name(index.rank)
     records = {index.file: index.records, **index.files}
-    raw = manifest_file_bytes(records, step_dir.child(name).url)
+    raw = manifest_file_bytes(records, step_dir.child(name).url, sharded)
     step_dir.child(name).write_bytes(raw)
     return [name, len(raw), hash_bytes(raw), sorted(records)]
 
@@ -705,6 +712,13 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
         described_chunks.extend((box[0], box[1], (file, off, n, transform_names(compress_of[file])))
                                 for box, file, off, n in chunks.get(key, ()))
     manifests = _manifest_files(step_dir, indexes)
+    files = {}
+    if fragments is not None and table.rule == len(indexes) and len({index.compress for index in indexes}) == 1:
+        by_rule = load_index.index_bytes(described, table.rule, indexes[0].sharded[0], table.names, table.shapes, table.dtypes,
+                                         transform_names(indexes[0].compress))
+        if by_rule is not None:
+            step_dir.child(load_index.INDEX_FILE).write_bytes(by_rule)
+            files[load_index.INDEX_FILE] = [len(by_rule), hash_bytes(by_rule)]
     raw = mp.metadata_bytes(described, str(uuid.uuid4()), fragments)
     if len(raw) > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
         raise StepTooLargeError(f".metadata would hold {len(raw)} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
@@ -713,7 +727,7 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
     for index in indexes:
         step_dir.child(rendezvous.part_name(index.rank)).remove()
     return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "manifests": manifests,
-            "files": {METADATA_FILE: [len(raw), hash_bytes(raw)]}}
+            "files": {METADATA_FILE: [len(raw), hash_bytes(raw)], **files}}
 
 
 def _merge_json(step_dir: Location, indexes: list[RankIndex], described: Any) -> tuple[dict[str, Any], dict[str, list[Any]]]:

@@ -80,10 +80,17 @@ class RecordChecks:
         self.manifest = Manifest.of(manifest, source.location)[0]
         if self.manifest is not None:
             self.block = self.manifest.block
-            finding = self.manifest.check_metadata(source.metadata_size, source.metadata_digest,
-                                                   source.location.child(METADATA_FILE).url)
-            if finding is not None:
-                raise finding.error(None, self.on)
+            if getattr(source, "metadata_read", True):  # (a reader of the load index may never read it)
+                self.check_metadata()
+
+    def check_metadata(self) -> None:
+        """``.metadata`` as read against the manifest's size and digest of it."""
+        if self.manifest is None:
+            return
+        source = self.source
+        finding = self.manifest.check_metadata(source.metadata_size, source.metadata_digest, source.location.child(METADATA_FILE).url)
+        if finding is not None:
+            raise finding.error(None, self.on)
 
     def done(self, info: Any) -> bool:
         return (info.relative_path, info.offset) in self._done

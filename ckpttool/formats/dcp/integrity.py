@@ -18,6 +18,7 @@ from ...report import Report
 from ...steps import read_commit_record
 from ..base import Progress
 from .manifest import Finding, Manifest, check_crc
+from .load_index import INDEX_FILE
 from .metadata import METADATA_FILE
 from .source import DcpSource
 
@@ -34,8 +35,11 @@ def check_integrity(source: DcpSource, report: Report, only: str | None, progres
         segments = []
         if share[0] != 0:
             whole = Report(report.path, report.kind)  # found by worker 0 as well: reported once
+    by_index = source.read_by_metadata()  # (the walk below is .metadata's; the load index is compared with it)
     manifest = _load_manifest(source, whole)  # first: it says whether .metadata itself is the one saved
     index = source.index()
+    if by_index is not None and (share is None or share[0] == 0):
+        _compare_load_index(source, by_index, index, whole)
     keys = index.under(only)
     sizes: dict[str, int | None] = {}
     for name in source.files():
@@ -73,6 +77,34 @@ def check_integrity(source: DcpSource, report: Report, only: str | None, progres
         else:
             _check_object(source, key, entry.location, manifest, report, buf)
     return segments
+
+
+def _compare_load_index(source: DcpSource, by_index: Any, index: Any, report: Report) -> None:
+    """The step's load index (what loads read) says what ``.metadata`` says, entry by entry: the
+    same keys in the same order, paths, shapes, dtypes, and every chunk at the same record."""
+    url = source.location.child(INDEX_FILE).url
+    hint = "loads read the load index: the step cannot be trusted; load an earlier one"
+    if list(by_index) != list(index):
+        report.add("load index lists other keys than .metadata, or in another order", url, None, hint=hint)
+        return
+
+    def described(ix: Any, key: str) -> Any:
+        entry = ix[key]
+        if isinstance(entry, TensorEntry):
+            return (ix.path(key), entry.shape, entry.element_type, [
+                (c.offsets, c.sizes, c.location.relative_path, c.location.offset, c.location.length,
+                 list(c.location.transform_descriptors or ())) for c in entry.chunks])
+        info = entry.location
+        return ix.path(key), info.relative_path, info.offset, info.length, list(info.transform_descriptors or ())
+
+    for key in index:
+        try:
+            same = described(by_index, key) == described(index, key)
+        except CkptError as exc:  # (a rank's manifest file that does not say where its records are)
+            report.add(f"load index cannot be read: {exc.what}", exc.where, key, hint=exc.hint)
+            return
+        if not same:
+            report.add("load index does not say what .metadata says", url, key, hint=hint)
 
 
 def split_by_bytes(sizes: list[int], workers: int) -> list[int]:

@@ -61,7 +61,8 @@ class Manifest:
         self._split: dict[str, tuple[str, int, str, list[str]]] = {
             file: (name, length, digest, files)
             for name, (length, digest, files) in manifest.get("manifests", {}).items() for file in files}
-        self._loaded: OrderedDict[str, tuple[int, dict[str, dict[int, tuple[int, str, Any]]]]] = OrderedDict()
+        # a rank's manifest file read: (its bytes, its rows by data file, its ``sharded`` entry)
+        self._loaded: OrderedDict[str, tuple[int, dict[str, dict[int, tuple[int, str, Any]]], Any]] = OrderedDict()
         self._damaged: dict[str, Finding] = {}
         self._step_dir = step_dir
         self.metadata = manifest.get("files", {}).get(METADATA_FILE)
@@ -72,15 +73,28 @@ class Manifest:
         rows = self._inline.get(name)
         if rows is not None:
             return rows, None
+        loaded, finding = self._rank_file(name)
+        return (loaded[1][name], None) if loaded is not None else ({}, finding)
+
+    def sharded_of(self, name: str) -> tuple[Any, Finding | None]:
+        """The ``sharded`` entry of the rank's manifest file that holds data file ``name``'s rows
+        (``load_index.py``; None where it has none), or what is wrong with that file."""
+        loaded, finding = self._rank_file(name)
+        return (loaded[2], None) if loaded is not None else (None, finding)
+
+    def _rank_file(self, name: str) -> tuple[Any, Finding | None]:
+        """The manifest file holding data file ``name``'s rows, read and checked once (kept while
+        it is among the last read): ``(bytes, rows by file, sharded)``, or None and what is wrong
+        (None and None for a file no manifest file holds)."""
         if name in self._damaged:
-            return {}, self._damaged[name]
+            return None, self._damaged[name]
         split = self._split.get(name)
         if split is None or self._step_dir is None:
-            return {}, None
+            return None, None
         mname = split[0]
         if mname in self._loaded:
             self._loaded.move_to_end(mname)
-            return self._loaded[mname][1][name], None
+            return self._loaded[mname], None
         parsed, problem, where = self._read(*split)
         if parsed is None:
             for file in split[3]:  # (each data file's records name their own file)
@@ -88,11 +102,12 @@ class Manifest:
                     "{subject} cannot be checked: " + _literal(f"the manifest file {mname} {problem}"),
                     f"record of {{key}} in {_literal(file)}", f"records of {file}", where,
                     "the step's manifest changed or was lost after the save committed; use another step")
-            return {}, self._damaged[name]
-        self._loaded[mname] = (split[1], {file: _by_offset(file_rows) for file, file_rows in parsed.items()})
-        while sum(size for size, _ in self._loaded.values()) > ROWS_KEPT and len(self._loaded) > 1:
+            return None, self._damaged[name]
+        records, sharded = parsed
+        self._loaded[mname] = (split[1], {file: _by_offset(file_rows) for file, file_rows in records.items()}, sharded)
+        while sum(size for size, *_ in self._loaded.values()) > ROWS_KEPT and len(self._loaded) > 1:
             self._loaded.popitem(last=False)
-        return self._loaded[mname][1][name], None
+        return self._loaded[mname], None
 
     def _read(self, mname: str, length: int, digest: str, files: list[str]) -> tuple[Any, str | None, str]:
         """A rank's manifest file, checked: (its rows by data file, None, url) or (None, what is wrong, url)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,11 @@ from ...steps import COMMIT_FILE, read_commit_record
 from ..base import Source
 from ..torchzip import REMOTE_RECORD, REMOTE_SPAN, Archive, load_object_record, read_archive, read_tensor_box
 from .transforms import ARCHIVE_SLACK, MAX_OBJECT_BYTES, MAX_ZSTD_RATIO, DecodedRecord, check_descriptors
-from .metadata import METADATA_FILE, check_tensor_metadata, parse_metadata, read_metadata_bytes, storage_index, writer_world_size
-from .metadata_types import BytesStorageMetadata, TensorStorageMetadata
+from . import load_index
+from .manifest import Manifest
+from .metadata import (METADATA_FILE, check_tensor_metadata, data_file_name, parse_metadata, read_metadata_bytes, storage_index,
+                       writer_world_size)
+from .metadata_types import BytesStorageMetadata, TensorStorageMetadata, _StorageInfo
 
 if TYPE_CHECKING:
     import torch
@@ -44,14 +48,26 @@ class DcpSource(Source):
 
     format = "dcp"
 
-    def __init__(self, location: Location, verify: bool = True, rank: int | None = None):
+    def __init__(self, location: Location, verify: bool = True, rank: int | None = None, by_index: bool = True):
         super().__init__(location)
-        raw = read_metadata_bytes(location)
-        with no_gc():  # (a chunk per rank and tensor: millions of objects at scale)
-            self.metadata = parse_metadata(raw, location, plain=True)
-            self._storage = storage_index(self.metadata, location)
-        self.metadata_size = len(raw)
-        self.metadata_digest = hash_bytes(raw)  # the manifest of a ckpttool step covers .metadata too
+        self._md: tuple[Any, dict, int, str] | None = None  # (.metadata, its storage entries, size, digest) once read
+        self._record: tuple[dict | None] | None = None  # (the commit record,) once read
+        self.checks: RecordChecks | None = None
+        self.rank = rank
+        # a ckpttool step's load index (load_index.py): the index without .metadata, which is then
+        # read only if something asks for it (verify); ``by_index=False`` reads .metadata as plain DCP
+        self.by_index: load_index.LoadIndex | None = None
+        if by_index and location.child(COMMIT_FILE).exists():
+            try:
+                record = self.commit_record()
+            except CkptError:
+                record = None  # (a damaged record: .metadata is read, and the checks below say what is wrong)
+            self.by_index = load_index.read(location, record)
+        self._rule = self.by_index  # (what _locate checks the ranks' manifests against, kept by read_by_metadata)
+        if self.by_index is None:
+            self._metadata_parts()  # (read now: a file that is not DCP metadata fails the open)
+        self._located: dict[int, Any] = {}  # rank -> where its records of the index's sharded keys lie
+        self._locator: Manifest | None = None
         self._readers: dict[str, RangeReader] = {}
         self._files: dict[str, Location] = {}  # data file name -> its Location (one a file, not one a read)
         self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
@@ -59,12 +75,73 @@ class DcpSource(Source):
         self._chunk_sizes: dict[tuple[str, int], int] | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # per data file: its plain records' (offset, length), sorted
         self._index: Index | None = None
-        self.checks: RecordChecks | None = None
-        self._record: tuple[dict | None] | None = None  # (the commit record,) once read
         if verify:
             from . import checks  # (only a checking reader needs it; verify opens without)
 
             self.checks = checks.RecordChecks(self, (self.commit_record() or {}).get("manifest"), rank)
+
+    def _metadata_parts(self) -> tuple[Any, dict, int, str]:
+        if self._md is None:
+            raw = read_metadata_bytes(self.location)
+            with no_gc():  # (a chunk per rank and tensor: millions of objects at scale)
+                metadata = parse_metadata(raw, self.location, plain=True)
+                self._md = (metadata, storage_index(metadata, self.location), len(raw), hash_bytes(raw))
+            if self.checks is not None:  # (read after the checks began: by a reader of the load index)
+                self.checks.check_metadata()
+        return self._md
+
+    @property
+    def metadata(self) -> Any:
+        return self._metadata_parts()[0]
+
+    @property
+    def _storage(self) -> dict:
+        return self._metadata_parts()[1]
+
+    @property
+    def metadata_size(self) -> int:
+        return self._metadata_parts()[2]
+
+    @property
+    def metadata_digest(self) -> str:
+        """The manifest of a ckpttool step covers .metadata too."""
+        return self._metadata_parts()[3]
+
+    @property
+    def metadata_read(self) -> bool:
+        return self._md is not None
+
+    def _locate(self, rank: int, number: int) -> Any:
+        """Where rank ``rank``'s record of the load index's sharded key ``number`` lies: its
+        manifest file says (read and checked once), inside its data file."""
+        name = data_file_name(rank)
+        flat = self._located.get(rank)
+        if flat is None:
+            manifest = self._manifest()
+            entry, finding = manifest.sharded_of(name) if manifest is not None else (None, None)
+            if finding is not None:
+                raise finding.error(None, f" on rank {self.rank}" if self.rank is not None else "")
+            flat = self._located[rank] = array("q", load_index.check_locations(entry, self._rule, rank, self.location.url))
+            self.reader(name).check_range(0, max((a + b for a, b in zip(flat[::2], flat[1::2])), default=0))
+        return _StorageInfo(name, flat[2 * number], flat[2 * number + 1], self._rule.transforms)
+
+    def read_by_metadata(self) -> Index | None:
+        """From now on, serve the index ``.metadata`` gives (``verify`` walks it); returns the
+        load index's Index where the source served that one (for ``verify`` to compare)."""
+        if self.by_index is None:
+            return None
+        by_index = self.index()
+        self.by_index, self._index = None, None
+        self._checked.clear()
+        self._metadata_parts()
+        return by_index
+
+    def _manifest(self) -> Manifest | None:
+        """The step's manifest, for where its records lie (the checks' own when they have one)."""
+        if self._locator is None:
+            self._locator = (self.checks.manifest if self.checks is not None and self.checks.manifest is not None
+                             else Manifest.of((self.commit_record() or {}).get("manifest"), self.location)[0])
+        return self._locator
 
     def commit_record(self) -> dict | None:
         """The commit record of a ckpttool step (None for plain DCP), read once."""
@@ -79,6 +156,8 @@ class DcpSource(Source):
         return self._index
 
     def _read_index(self) -> Index:
+        if self.by_index is not None:
+            return self.by_index.entries(self.location, self._locate)
         paths = self.metadata.planner_data if isinstance(self.metadata.planner_data, dict) else {}
         md_url = self.location.child(METADATA_FILE).url
         idx = Index()
@@ -122,6 +201,8 @@ class DcpSource(Source):
         return writer_world_size(self.files())
 
     def files(self) -> list[str]:
+        if self.by_index is not None:
+            return sorted({*(data_file_name(r) for r in range(self.by_index.world_size)), *self.by_index.files()})
         return sorted({info.relative_path for info in self._storage.values()})
 
     def _chunk_file(self, entry: TensorEntry, chunk_index: int) -> str:
@@ -134,7 +215,8 @@ class DcpSource(Source):
             manifest = (self.commit_record() or {}).get("manifest") or {}
         except CkptError:
             manifest = {}
-        return [METADATA_FILE, COMMIT_FILE, *manifest.get("manifests", {})]
+        extra = [name for name in manifest.get("files", {}) if name == load_index.INDEX_FILE]
+        return [METADATA_FILE, COMMIT_FILE, *extra, *manifest.get("manifests", {})]
 
     def reader(self, relative_path: str) -> RangeReader:
         """The open reader of one data file (kept open: a file holds many records)."""
@@ -189,7 +271,10 @@ class DcpSource(Source):
     def _decoded_limit(self, info: Any, key: str) -> int:
         """The most a compressed record may decode to: its chunk's bytes and the archive around
         them (an object: MAX_OBJECT_BYTES), and never more than zstd can expand the bytes present."""
-        declared = self._chunk_bytes().get((info.relative_path, info.offset), MAX_OBJECT_BYTES - ARCHIVE_SLACK) + ARCHIVE_SLACK
+        declared = getattr(info, "chunk_bytes", None)  # (a chunk of the load index's sharded keys)
+        if declared is None:
+            declared = self._chunk_bytes().get((info.relative_path, info.offset), MAX_OBJECT_BYTES - ARCHIVE_SLACK)
+        declared += ARCHIVE_SLACK
         return min(declared, info.length * MAX_ZSTD_RATIO + ARCHIVE_SLACK)
 
     def _chunk_bytes(self) -> dict[tuple[str, int], int]:
@@ -197,7 +282,8 @@ class DcpSource(Source):
         decoded record, not a walk over the tensor's chunks)."""
         if self._chunk_sizes is None:
             self._chunk_sizes = {(c.location.relative_path, c.location.offset): math.prod(c.sizes) * dtype_size(e.element_type)
-                                 for e in self.index().tensors() for c in e.chunks}
+                                 for e in self.index().tensors() if not isinstance(e.chunks, load_index.RuleChunks)
+                                 for c in e.chunks}
         return self._chunk_sizes
 
     def archive(self, info: Any, key: str) -> Archive:
@@ -225,6 +311,10 @@ class DcpSource(Source):
         them: a convert reads them next, and each would otherwise cost a request (a round trip).
         A span of one record is left to read_archive."""
         runs = self._spans.get(info.relative_path)
+        if runs is None and self.by_index is not None:  # (every record of the file, from its manifest: not .metadata)
+            manifest = self._manifest()
+            rows = manifest.rows_of(info.relative_path)[0] if manifest is not None else {}
+            runs = self._spans[info.relative_path] = sorted((off, row[0]) for off, row in rows.items())
         if runs is None:
             runs = self._spans[info.relative_path] = sorted(
                 (i.offset, i.length) for i in self._storage.values()
@@ -259,6 +349,8 @@ class DcpSource(Source):
         """Also: its records lie inside their files (so its declared size is backed by bytes present
         before anything is allocated for it)."""
         super()._check(key, entry)
+        if isinstance(entry.chunks, load_index.RuleChunks):
+            return  # (each rank's records are checked to lie in its file when its manifest file is read: _locate)
         for chunk in entry.chunks:
             self.reader(chunk.location.relative_path).check_range(chunk.location.offset, chunk.location.length)
 

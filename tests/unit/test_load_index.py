@@ -1,0 +1,164 @@
+"""The load index (``formats/dcp/load_index.py``): a step whose ranks all follow FSDP2's layout
+is read without ``.metadata``, entry for entry what ``.metadata`` gives; a rank's read touches the
+manifest files of the ranks it overlaps only; a damaged or hostile index is refused, named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ckpttool import steps
+from ckpttool.checksums import hash_bytes
+from ckpttool.errors import CkptError, CorruptCheckpointError
+from ckpttool.formats.dcp.load_index import INDEX_FILE
+from ckpttool.formats.dcp.source import DcpSource
+from ckpttool.index import TensorEntry
+from ckpttool.storage import resolve
+from ckpttool.training import step_writer
+
+from .test_fragments import _write_step
+
+
+def _committed(tmp_path, ranks: int, name: str = "s", **kw):
+    step = resolve(str(tmp_path / name))
+    _write_step(step, ranks, **kw)
+    manifest = step_writer.commit_metadata(step, step_writer.read_rank_indexes(step, ranks, timeout=10))
+    step.child(steps.COMMIT_FILE).write_bytes(steps.commit_record(7, ranks, {"manifest": manifest}))
+    return step
+
+
+def _entries(source: DcpSource):
+    out = {}
+    index = source.index()
+    for key in index:
+        entry = index[key]
+        if isinstance(entry, TensorEntry):
+            chunks = [(c.offsets, c.sizes, c.location.relative_path, c.location.offset, c.location.length,
+                       c.location.transform_descriptors) for c in entry.chunks]
+            out[key] = (entry.shape, entry.element_type, chunks, index.path(key))
+        else:
+            info = entry.location
+            out[key] = (info.relative_path, info.offset, info.length, index.path(key))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [1, 3, 4])
+def test_a_step_read_by_its_load_index_is_the_step_read_by_metadata(tmp_path, ranks):
+    step = _committed(tmp_path, ranks)
+    assert step.child(INDEX_FILE).exists()
+    by_index, by_metadata = DcpSource(step), DcpSource(step, by_index=False)
+    assert by_index.by_index is not None and by_metadata.by_index is None
+    assert _entries(by_index) == _entries(by_metadata)
+    assert list(by_index.index()) == list(by_metadata.index())
+    assert by_index.files() == by_metadata.files()
+    for key in by_index.index():
+        if isinstance(by_index.index()[key], TensorEntry):
+            assert torch.equal(by_index.read_tensor(key), by_metadata.read_tensor(key)), key
+        else:
+            assert by_index.read_object(key) == by_metadata.read_object(key)
+    assert not by_index.metadata_read  # (nothing above needed .metadata)
+
+
+def test_a_rank_reads_the_manifest_files_of_the_ranks_it_overlaps_only(tmp_path):
+    ranks = 4
+    step = _committed(tmp_path, ranks)
+    source = DcpSource(step, rank=2)
+    entry = source.entry("model.w", TensorEntry, checked=True)  # rows 10 over 4 ranks: 3, 3, 3, 1
+    got = torch.empty(3, 3)
+    source.read_tensor("model.w", ((6, 0), (3, 3)), out=got)
+    assert torch.equal(got, torch.arange(18.0, 27.0).reshape(3, 3))
+    assert set(source._located) == {2}
+    assert [c.location.relative_path for c, _ in entry.chunks_in(((5, 0), (2, 3)))] == ["__1_0.distcp", "__2_0.distcp"]
+    assert set(source._located) == {1, 2}
+    assert not source.metadata_read
+
+
+def test_ranks_off_fsdp2s_layout_get_no_load_index(tmp_path):
+    step = _committed(tmp_path, 3, reverse=True)  # (the mesh lists the ranks backwards)
+    assert not step.child(INDEX_FILE).exists()
+    assert DcpSource(step).by_index is None
+
+
+def _rewrite(step, name: str, edit) -> None:
+    """Edit a file of a committed step and put its new size and digest into the commit record (a
+    hostile step, consistent with itself)."""
+    raw = edit(step.child(name).read_bytes())
+    step.child(name).write_bytes(raw)
+    record = json.loads(step.child(steps.COMMIT_FILE).read_bytes())
+    record.pop("checksum")
+    manifest = record.pop("manifest")
+    table = manifest["files"] if name in manifest["files"] else manifest["manifests"]
+    table[name][:2] = [len(raw), hash_bytes(raw)]
+    step.child(steps.COMMIT_FILE).write_bytes(steps.commit_record(record["step"], record["world_size"], {"manifest": manifest}))
+
+
+def test_a_damaged_load_index_is_refused_named(tmp_path):
+    step = _committed(tmp_path, 3)
+    raw = bytearray(step.child(INDEX_FILE).read_bytes())
+    raw[40] ^= 1
+    step.child(INDEX_FILE).write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="load index does not match the commit record's checksum") as got:
+        DcpSource(step)
+    assert got.value.where.endswith(INDEX_FILE)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda b: b.replace(b'"world_size":3', b'"world_size":2'), "is for 2 ranks, the commit record says 3"),
+    (lambda b: b.replace(b'"../x"', b'"x"').replace(b'"__0_0.distcp"', b'"../x"', 1), "outside the checkpoint"),
+    (lambda b: b.replace(b'["model.w",[10,3],"float32"]', b'["model.w",[10,-3],"float32"]'), "malformed sharded key"),
+    (lambda b: b.replace(b'["model.w",[10,3],"float32"]', b'["model.w",[10,3],"float32"],["model.w",[10,3],"float32"]'),
+     "does not list each of its keys once"),
+])
+def test_a_hostile_load_index_is_refused(tmp_path, edit, match):
+    step = _committed(tmp_path, 3)
+    _rewrite(step, INDEX_FILE, edit)
+    with pytest.raises(CkptError, match=match):
+        DcpSource(step).index()
+
+
+def test_a_rank_manifest_that_places_a_record_past_its_file_or_too_short_is_refused(tmp_path):
+    step = _committed(tmp_path, 3)
+
+    def at(edit):
+        def change(raw):
+            body = json.loads(raw)
+            edit(body["sharded"][2])
+            return json.dumps(body).encode()
+        return change
+
+    _rewrite(step, "__1.manifest", at(lambda flat: flat.__setitem__(0, flat[0] + 10 ** 9)))
+    entry = DcpSource(step).entry("model.w", TensorEntry, checked=True)
+    with pytest.raises(CorruptCheckpointError, match="file is truncated"):
+        list(entry.chunks_in(((4, 0), (4, 3))))  # (found where the record is located, before any read)
+    step = _committed(tmp_path, 3, name="t")
+    _rewrite(step, "__1.manifest", at(lambda flat: flat.__setitem__(1, 8)))
+    with pytest.raises(CorruptCheckpointError, match="rank 1's record of chunk at \\[4, 0\\] holds 8 bytes"):
+        DcpSource(step).read_tensor("model.w")
+    step = _committed(tmp_path, 3, name="u")
+    _rewrite(step, "__2.manifest", at(lambda flat: flat.pop()))
+    with pytest.raises(CorruptCheckpointError, match="rank 2's manifest file does not say where"):
+        DcpSource(step).read_tensor("model.w")
+
+
+def _verify(step) -> tuple[int, dict]:
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    got = CliRunner().invoke(main, ["verify", step.url, "--json"])
+    return got.exit_code, json.loads(got.output)
+
+
+def test_verify_reads_metadata_and_compares_the_load_index_with_it(tmp_path):
+    step = _committed(tmp_path, 3)
+    code, out = _verify(step)
+    assert code == 0, out
+    # a hostile step, consistent with itself: the index moves rank 0's plain tensor's record
+    _rewrite(step, INDEX_FILE, lambda b: b.replace(b'"extra.plain":[[4],"float32",[[[0],[4],["__0_0.distcp",',
+                                                   b'"extra.plain":[[4],"float32",[[[0],[4],["__1_0.distcp",'))
+    assert DcpSource(step).index()["extra.plain"].chunks[0].location.relative_path == "__1_0.distcp"
+    code, out = _verify(step)
+    assert code == 1
+    assert [(p["what"], p["key"]) for p in out["problems"]] == [("load index does not say what .metadata says", "extra.plain")]
