@@ -17,7 +17,6 @@ optimizer state changed (a parameter group with learning rate 0 is not listed: i
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (inspect reads a step's health without importing torch)
@@ -124,15 +123,50 @@ class Check:
         return out
 
 
-def merge_ranks(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+def merge_ranks(parts: list[dict[str, Any] | None], names: list[list[str] | None] | None = None) -> dict[str, Any] | None:
     """Rank 0: the commit record's ``health`` from every rank's findings (None when a rank did not
-    check, as a Checkpointer with ``health=False``)."""
+    check, as a Checkpointer with ``health=False``); ``names``: each rank's numbered keys
+    (:func:`numbered`)."""
     if not parts or any(p is None for p in parts):
         return None
     since = parts[0].get("since")
     if any(p.get("since") != since or "stale" not in p for p in parts) or since is None:
         since = None
-    return merge(parts, since, set(parts[0].get("zero_lr", ())))
+    return merge(parts, since, set(parts[0].get("zero_lr", ())), names)
+
+
+def numbered(found: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """A rank's findings with the keys of its stale check that are among ``keys`` (its DTensor
+    keys, in the order its index numbers them) given as bit sets of their numbers, in hex
+    (``stale.numbered``: stored, same, moved), the others by name: a few hundred bytes a rank
+    instead of tens of KB of names for rank 0 to read from every rank."""
+    stale = found.get("stale")
+    if stale is None or not keys:
+        return found
+    number = {k: i for i, k in enumerate(keys)}
+    out: dict[str, Any] = {}
+    bits = []
+    for field in ("stored", "same", "moved"):
+        b, rest = 0, []
+        for key in stale[field]:
+            i = number.get(key)
+            if i is None:
+                rest.append(key)
+            else:
+                b |= 1 << i
+        out[field] = rest
+        bits.append(format(b, "x"))
+    out["numbered"] = bits
+    return {**found, "stale": out}
+
+
+def _bits(x: Any, count: int) -> int:
+    if not (isinstance(x, str) and 0 < len(x) <= count // 4 + 1):
+        raise ValueError(f"not a bit set of {count} keys")
+    b = int(x, 16)
+    if b >> count:
+        raise ValueError(f"a key number past the {count} keys")
+    return b
 
 
 def compare(now: dict[str, dict[str, str]], before: dict[str, dict[str, str]], trainable: set[str]) -> dict[str, list[str]]:
@@ -145,8 +179,13 @@ def compare(now: dict[str, dict[str, str]], before: dict[str, dict[str, str]], t
     return {"stored": sorted(k for k in now if k in trainable), "same": same, "moved": [f"model.{n}" for n in moved]}
 
 
-def merge(parts: list[dict[str, Any]], compared_with: int | None, frozen_lr: set[str]) -> dict[str, Any]:
-    """Rank 0: the commit record's ``health`` from every rank's findings."""
+def merge(parts: list[dict[str, Any]], compared_with: int | None, frozen_lr: set[str],
+          names: list[list[str] | None] | None = None) -> dict[str, Any]:
+    """Rank 0: the commit record's ``health`` from every rank's findings. A key is unchanged when
+    some rank stores it, every rank that stores it found it the same, some rank's optimizer state
+    for it moved, and its learning rate is not 0. Ranks whose keys are numbered alike (the same
+    ``names`` list) are folded as bit sets, then named once; a bit set that is not one of its
+    rank's keys raises ValueError."""
     nonfinite: dict[str, list[int]] = {}
     for part in parts:
         for key, (nan, inf) in part.get("nonfinite", {}).items():
@@ -155,17 +194,30 @@ def merge(parts: list[dict[str, Any]], compared_with: int | None, frozen_lr: set
             found[1] += inf
     unchanged: list[str] = []
     if compared_with is not None:
-        # per key: how many ranks store it, how many of those found it the same; whether any rank's optimizer state moved
-        holders: Counter[str] = Counter()
-        same: Counter[str] = Counter()
+        # the keys some rank stores, those some rank stores but found changed, those whose optimizer state moved
+        held: set[str] = set()
+        changed: set[str] = set()
         moved: set[str] = set()
-        for part in parts:
+        folded: dict[int, tuple[list[str], list[int]]] = {}  # id(names) -> (names, [stored, changed, moved] bits)
+        for i, part in enumerate(parts):
             stale = part["stale"]
             stored = set(stale["stored"])
-            holders.update(stored)
-            same.update(stored.intersection(stale["same"]))
+            held |= stored
+            changed |= stored.difference(stale["same"])
             moved.update(stale["moved"])
-        unchanged = [key for key in sorted(holders) if same[key] == holders[key] and key in moved and key not in frozen_lr]
+            if "numbered" in stale:
+                keys = names[i] if names is not None else None
+                if keys is None or not (isinstance(stale["numbered"], list) and len(stale["numbered"]) == 3):
+                    raise ValueError("numbered keys without the rank's names")
+                st, sa, mv = (_bits(x, len(keys)) for x in stale["numbered"])
+                acc = folded.setdefault(id(keys), (keys, [0, 0, 0]))[1]
+                acc[0] |= st
+                acc[1] |= st & ~sa
+                acc[2] |= mv
+        for keys, (st, ch, mv) in folded.values():
+            for into, b in ((held, st), (changed, ch), (moved, mv)):
+                into.update(keys[j] for j in range(len(keys)) if b >> j & 1)
+        unchanged = [key for key in sorted(held - changed) if key in moved and key not in frozen_lr]
     return {"nonfinite": {k: {"nan": v[0], "inf": v[1]} for k, v in sorted(nonfinite.items())},
             "unchanged": unchanged, "compared_with": compared_with}
 

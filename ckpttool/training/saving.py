@@ -297,7 +297,7 @@ class Saves:
         buffers = step_writer.per_rank_buffer_keys(indexes)
         if buffers:
             record["per_rank_buffers"] = buffers  # the model's buffers whose values differ between ranks: idem
-        found = health.merge_ranks([index.health for index in indexes])
+        found = step_writer.step_health(tmp, indexes)
         if found is not None:
             record["health"] = found
             self._judge_health(step, found)

@@ -196,14 +196,18 @@ def read_tails(indexes: list[Any], where: Any) -> Table | None:
     first = indexes[0].sharded
     if all(s is not None for s in sections) and all(i.sharded[:3] == first[:3] for i in indexes):
         declared = _declared(sections[0][1], first, 0, where(0))
+        names = [d[0] for d in declared]
+        for index in indexes:
+            index.names = names
         ranks = [index.rank for index in indexes]
         rule = len(indexes) if ranks == list(range(len(indexes))) and all(i.sharded[5] == len(indexes) for i in indexes) else None
-        return Table([d[0] for d in declared], [tuple(d[1]) for d in declared], [d[2] for d in declared], first[2],
+        return Table(names, [tuple(d[1]) for d in declared], [d[2] for d in declared], first[2],
                      [s[0] for s in sections], rule, [s[2] for s in sections], ranks, where)
     for index, s in zip(indexes, sections):
         if s is not None:
-            _restore(index, _declared(s[1], index.sharded, index.rank, where(index.rank)),
-                     _rows([s[2]], [index.rank], index.sharded[2], index.sharded[1], where), index.sharded[2])
+            declared = _declared(s[1], index.sharded, index.rank, where(index.rank))
+            index.names = [d[0] for d in declared]
+            _restore(index, declared, _rows([s[2]], [index.rank], index.sharded[2], index.sharded[1], where), index.sharded[2])
     return None
 
 

@@ -32,7 +32,7 @@ from ..formats.dcp import metadata_pickle as mp
 from ..formats.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, PER_RANK, PER_RANK_BUFFERS, data_file_name
 from ..formats.dcp.records import write_object, write_tensor
 from ..formats.dcp.transforms import transform_names
-from ..health import Check, Tally
+from ..health import Check, Tally, merge_ranks, numbered
 from ..index import dtype_size, flatten
 from ..layout import Box, relative, slabs, tiles_exactly
 from ..steps import manifest_file_bytes, manifest_file_name
@@ -218,6 +218,8 @@ class RankIndex:
     fragment: bytes | memoryview = field(default=b"", repr=False)
     # the keys every rank declares (DTensors), in declaration order: the fragment's key numbers
     everyone: dict[str, None] = field(default_factory=dict, repr=False)
+    # (rank 0, reading the tails) the names of this rank's numbered keys: ranks that numbered the same keys share one list
+    names: list[str] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -281,6 +283,7 @@ def write_rank(step_dir: Location, rank: int, state: dict[str, Any],
         finish_index(step_dir, index, world_size)
         if health is not None:
             index.health = health.findings(flat, rank)
+            number_health(index)
         if rank == 0:
             index.paths = {k: list(p) for k, p in paths.items()}
         if pause is not None:
@@ -533,6 +536,13 @@ def finish_index(step_dir: Location, index: RankIndex, world_size: int | None) -
     index.manifest = _write_manifest(step_dir, index, load_index.rank_locations(index))
 
 
+def number_health(index: RankIndex) -> None:
+    """The rank's health findings with its DTensor keys by number (``health.numbered``), where its
+    tail names them for rank 0."""
+    if index.health is not None and index.sharded is not None:
+        index.health = numbered(index.health, list(index.everyone))
+
+
 def _write_manifest(step_dir: Location, index: RankIndex, sharded: list[Any] | None = None) -> list[Any]:
     """This rank's manifest file (the rows of its records, block digests and all): rank 0 never
     reads or merges the rows, and a reader loads those of the files it reads only."""
@@ -552,7 +562,7 @@ def published_part(index: RankIndex) -> tuple[dict[str, Any], bytes]:
     """A rank's index as it is published: its JSON, without the rows its manifest file holds and
     the DTensor chunks its tail holds, and its tail (``shared_chunks.rank_tail``)."""
     part = dict(index.__dict__)
-    del part["fragment"], part["everyone"]
+    del part["fragment"], part["everyone"], part["names"]
     if index.manifest is not None:
         part["records"], part["files"] = [], {name: [] for name in index.files}
     if index.sharded is not None:
@@ -666,6 +676,14 @@ def per_rank_buffer_keys(indexes: list[RankIndex]) -> list[str]:
                    if any(n in index.tensors for n in names)})
 
 
+def step_health(step_dir: Location, indexes: list[RankIndex]) -> dict[str, Any] | None:
+    """Rank 0: the commit record's ``health`` from every rank's findings (``health.merge_ranks``)."""
+    try:
+        return merge_ranks([index.health for index in indexes], [index.names for index in indexes])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"a rank's index is damaged (its health findings: {exc})", where=step_dir.url) from None
+
+
 def step_bytes(indexes: list[RankIndex]) -> dict[str, int]:
     """What the step cost to write, for its commit record: bytes written, and bytes an incremental
     save shared with the previous step instead."""
@@ -712,6 +730,10 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
         described_chunks.extend((box[0], box[1], (file, off, n, transform_names(compress_of[file])))
                                 for box, file, off, n in chunks.get(key, ()))
     manifests = _manifest_files(step_dir, indexes)
+    raw = mp.metadata_bytes(described, str(uuid.uuid4()), fragments)
+    if len(raw) > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
+        raise StepTooLargeError(f".metadata would hold {len(raw)} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
+                                "reads", where=step_dir.url, hint="the step is not committed")
     files = {}
     if fragments is not None and table.rule == len(indexes) and len({index.compress for index in indexes}) == 1:
         by_rule = load_index.index_bytes(described, table.rule, indexes[0].sharded[0], table.names, table.shapes, table.dtypes,
@@ -719,10 +741,6 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
         if by_rule is not None:
             step_dir.child(load_index.INDEX_FILE).write_bytes(by_rule)
             files[load_index.INDEX_FILE] = [len(by_rule), hash_bytes(by_rule)]
-    raw = mp.metadata_bytes(described, str(uuid.uuid4()), fragments)
-    if len(raw) > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
-        raise StepTooLargeError(f".metadata would hold {len(raw)} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
-                                "reads", where=step_dir.url, hint="the step is not committed")
     step_dir.child(METADATA_FILE).write_bytes(raw)
     for index in indexes:
         step_dir.child(rendezvous.part_name(index.rank)).remove()

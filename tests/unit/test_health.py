@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpttool.health import count_nonfinite, problems
+from ckpttool.health import count_nonfinite, numbered, problems
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -112,3 +112,22 @@ def test_the_merge_of_ranks_stale_findings_is_the_rule_it_states():
                 if all(k in p["stale"]["same"] for p in parts if k in p["stale"]["stored"])
                 and any(k in p["stale"]["moved"] for p in parts) and k not in frozen]
         assert merge(parts, 7, frozen)["unchanged"] == want
+        # the same findings with some ranks' keys numbered (the DTensor keys, shared by most ranks; one rank numbered
+        # another list, as a pipeline stage would): the same merge
+        shared, other = keys[:9], keys[3:][::-1]
+        lists = [rng.choice([shared, shared, other, None]) for _ in parts]
+        coded = [numbered(p, k) if k is not None else p for p, k in zip(parts, lists)]
+        assert merge(coded, 7, frozen, lists)["unchanged"] == want
+
+
+def test_numbered_findings_that_are_not_their_ranks_keys_are_refused():
+    from ckpttool.health import merge
+
+    keys = ["model.a", "model.b"]
+    part = numbered({"nonfinite": {}, "stale": {"stored": ["model.a"], "same": ["model.a"], "moved": ["model.a"]}}, keys)
+    assert merge([part], 7, set(), [keys])["unchanged"] == ["model.a"]
+    for bad in (["4", "1", "1"], ["1", "zz", "1"], ["1", "1"], "111"):
+        with pytest.raises(ValueError):
+            merge([{**part, "stale": {**part["stale"], "numbered": bad}}], 7, set(), [keys])
+    with pytest.raises(ValueError, match="without the rank's names"):
+        merge([part], 7, set(), [None])
