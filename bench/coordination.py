@@ -26,7 +26,8 @@ For each N (each stage a fresh child process):
    minus the RSS before it; and the absolute VmHWM.
 3. load (timed): one rank (N//2, the same sharding) plans its load as ``ckpttool.load`` /
    ``read_into.load_into`` do before reading bytes: ``formats.detect`` + ``open_source`` (the
-   allow-listed unpickler of .metadata, the commit record and its manifest), ``index()``,
+   commit record and the step's load index, or where it has none the allow-listed unpickler of
+   .metadata), ``index()``,
    ``entry(key, TensorEntry, checked=True)`` for every tensor of its state (coverage and record
    ranges), then ``TensorEntry.chunks_in(box)`` for its boxes and the byte range of each part
    (the record's data range from the manifest row, block-aligned for a partial read, as

@@ -539,14 +539,39 @@ def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
     return [parts[r] for r in range(world_size)]
 
 
+#: the bytes of a part read when it appears: its JSON (a few KB, rank 0's its keys' paths too) and
+#: the start of its tail; the rest of the tail is read by range when asked (:class:`Tail`)
+PART_HEAD = 16 << 10
+
+
+class Tail:
+    """What follows a part's JSON: ``read(offset, length)`` from the bytes read with it, else from
+    the file (rank 0 reads of a rank's tail only the sections it uses, each checked by its digest)."""
+
+    def __init__(self, loc: Location | None, start: int, size: int, held: Any):
+        self.loc, self.start, self.size, self.held = loc, start, size, memoryview(held)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, offset: int, length: int) -> Any:
+        if offset + length <= len(self.held):
+            return self.held[offset:offset + length]
+        return self.loc.read_bytes(self.start + offset, self.start + offset + length)
+
+
 def _read_part(loc: Location) -> dict[str, Any]:
     from .errors import CorruptCheckpointError
 
-    if loc.size() > MAX_PART_BYTES:
+    size = loc.size()
+    if size > MAX_PART_BYTES:
         raise CorruptCheckpointError("a rank's index is too large", where=loc.url)
-    data = loc.read_bytes()
+    data = loc.read_bytes(0, PART_HEAD) if size > PART_HEAD else loc.read_bytes()
     cut = data.find(b"\0")
-    raw, tail = (data, b"") if cut < 0 else (data[:cut], memoryview(data)[cut + 1:])  # (the tail is not copied)
+    if cut < 0 and len(data) < size:
+        data = loc.read_bytes()
+        cut = data.find(b"\0")
+    raw, tail = (data, b"") if cut < 0 else (data[:cut], Tail(loc, cut + 1, max(0, size - cut - 1), memoryview(data)[cut + 1:]))
     try:
         with no_gc():  # (a rank's index: thousands of small objects, none in a cycle)
             part = json.loads(raw)

@@ -14,10 +14,10 @@ index carries its DTensors (the keys every rank declares) after its JSON, in thr
    record lies in the rank's file of frozen tensors.
 
 The index's ``sharded`` entry holds ``[names digest, number of keys, width, [the sections'
-lengths], the tail's digest, rule]``: ``rule`` is the world size N when the rank's chunks are
+lengths], [the fragment's digest, the rows' digest], rule]``: ``rule`` is the world size N when the rank's chunks are
 exactly FSDP2's of N ranks (one chunk of every key, rows ``layout.shard_range`` of the rank, the
-whole of the other dims: checked by the rank against its own chunks), else None. Rank 0 checks
-each tail against its digest. Where every rank of N claims the rule for N and numbered the same
+whole of the other dims: checked by the rank against its own chunks), else None. Rank 0 reads of
+a rank's tail the sections it uses, each when it uses it, checked against its digest. Where every rank of N claims the rule for N and numbered the same
 keys, the chunks tile every key and come in offset order by the rule's arithmetic: rank 0 reads
 no row. Where they numbered the same keys, it stacks the rows into one table whose tiling it
 checks per key in a few array operations (row shards end to end along dim 0; any other layout,
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..checksums import hash_bytes
+from ..rendezvous import Tail
 from ..dtypes import PLAIN
 from ..errors import CorruptCheckpointError
 from ..formats.dcp import metadata_emit
@@ -72,9 +73,9 @@ def rank_tail(index: Any, frozen_name: str, world_size: int | None = None) -> tu
     if sys.byteorder != "little":
         rows.byteswap()
     names, boxes = json.dumps(declared).encode(), rows.tobytes()
-    tail = fragment + names + boxes
     rule = world_size if world_size and _follows_rule(index, declared, world_size) else None
-    return [hash_bytes(names), len(keys), width, [len(fragment), len(names), len(boxes)], hash_bytes(tail), rule], tail
+    return ([hash_bytes(names), len(keys), width, [len(fragment), len(names), len(boxes)], [hash_bytes(fragment), hash_bytes(boxes)],
+             rule], fragment + names + boxes)
 
 
 def _follows_rule(index: Any, declared: list[list[Any]], world_size: int) -> bool:
@@ -107,9 +108,9 @@ class Table:
     shapes: list[tuple[int, ...]]
     dtypes: list[str]
     width: int
-    fragments: list[memoryview]
+    fragments: list[Sections]  # (each rank's fragment: ``fragments[i].fragment()``, read when asked)
     rule: int | None
-    _raws: list[memoryview] = field(repr=False)
+    _raws: list[Sections] = field(repr=False)
     _ranks: list[int] = field(repr=False)
     _where: Any = field(repr=False)
     _rows: torch.Tensor | None = field(default=None, repr=False)
@@ -118,7 +119,7 @@ class Table:
     @property
     def rows(self) -> torch.Tensor:
         if self._rows is None:
-            self._rows = _rows(self._raws, self._ranks, self.width, len(self.names), self._where)
+            self._rows = _rows([s.rows() for s in self._raws], self._ranks, self.width, len(self.names), self._where)
         return self._rows
 
     def boxes(self, i: int) -> list[tuple[Box, int, int, int, int]]:
@@ -134,19 +135,44 @@ class Table:
         return out
 
 
-def _sections(index: Any, where: str) -> tuple[memoryview, memoryview, memoryview] | None:
-    """A rank's three sections, its tail checked against its digest; None where it has none."""
-    entry, tail = index.sharded, index.fragment
-    if entry is None:
-        return None
-    if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[3], list) and len(entry[3]) == 3
-            and all(isinstance(n, int) and n >= 0 for n in entry[3]) and sum(entry[3]) == len(tail)
-            and entry[4] == hash_bytes(tail)):
-        raise CorruptCheckpointError(f"rank {index.rank}'s index is damaged (what follows its JSON is not what it wrote)",
-                                     where=where)
-    a, b, _ = entry[3]
-    view = memoryview(tail)
-    return view[:a], view[a:a + b], view[a + b:]
+class Sections:
+    """A rank's three sections, each read from its tail when first asked for and checked against
+    its digest (the names' is the entry's first field): rank 0 reads of most ranks the fragment
+    only, and holds none of it once copied into ``.metadata``."""
+
+    def __init__(self, index: Any, where: str):
+        entry, tail = index.sharded, index.fragment
+        self.rank, self.where, self.entry = index.rank, where, entry
+        self.tail = tail if isinstance(tail, Tail) else Tail(None, 0, len(tail), tail)
+        if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[3], list) and len(entry[3]) == 3
+                and all(isinstance(n, int) and n >= 0 for n in entry[3]) and sum(entry[3]) == len(self.tail)
+                and isinstance(entry[4], list) and len(entry[4]) == 2):
+            raise self._damaged()
+
+    def _damaged(self) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"rank {self.rank}'s index is damaged (what follows its JSON is not what it wrote)",
+                                      where=self.where)
+
+    def _read(self, i: int, digest: str) -> memoryview:
+        sizes = self.entry[3]
+        raw = memoryview(self.tail.read(sum(sizes[:i]), sizes[i]))
+        if len(raw) != sizes[i] or hash_bytes(raw) != digest:
+            raise self._damaged()
+        return raw
+
+    def fragment(self) -> memoryview:
+        return self._read(0, self.entry[4][0])
+
+    def names(self) -> memoryview:
+        return self._read(1, self.entry[0])
+
+    def rows(self) -> memoryview:
+        return self._read(2, self.entry[4][1])
+
+
+def _sections(index: Any, where: str) -> Sections | None:
+    """A rank's sections (read when asked); None where it has none."""
+    return Sections(index, where) if index.sharded is not None else None
 
 
 def _declared(raw: memoryview, entry: list[Any], rank: int, where: str) -> list[list[Any]]:
@@ -195,19 +221,19 @@ def read_tails(indexes: list[Any], where: Any) -> Table | None:
     sections = [_sections(index, where(index.rank)) for index in indexes]
     first = indexes[0].sharded
     if all(s is not None for s in sections) and all(i.sharded[:3] == first[:3] for i in indexes):
-        declared = _declared(sections[0][1], first, 0, where(0))
+        declared = _declared(sections[0].names(), first, 0, where(0))
         names = [d[0] for d in declared]
         for index in indexes:
             index.names = names
         ranks = [index.rank for index in indexes]
         rule = len(indexes) if ranks == list(range(len(indexes))) and all(i.sharded[5] == len(indexes) for i in indexes) else None
         return Table(names, [tuple(d[1]) for d in declared], [d[2] for d in declared], first[2],
-                     [s[0] for s in sections], rule, [s[2] for s in sections], ranks, where)
+                     sections, rule, sections, ranks, where)
     for index, s in zip(indexes, sections):
         if s is not None:
-            declared = _declared(s[1], index.sharded, index.rank, where(index.rank))
+            declared = _declared(s.names(), index.sharded, index.rank, where(index.rank))
             index.names = [d[0] for d in declared]
-            _restore(index, declared, _rows([s[2]], [index.rank], index.sharded[2], index.sharded[1], where), index.sharded[2])
+            _restore(index, declared, _rows([s.rows()], [index.rank], index.sharded[2], index.sharded[1], where), index.sharded[2])
     return None
 
 

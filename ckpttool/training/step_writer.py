@@ -10,12 +10,14 @@ and the output is the layout torch's ``FileSystemWriter`` writes: plain ``dcp.lo
 
 from __future__ import annotations
 
+import contextlib
 import io
+import itertools
 import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -25,7 +27,7 @@ from .. import rendezvous
 from ..buffers import tensor_buffer
 from ..bulk import no_gc
 from ..checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
-from ..compat import local_shard_box
+from ..compat import DCP_VERSION, local_shard_box
 from ..errors import CkptError, CorruptCheckpointError, StepTooLargeError
 from ..formats.dcp import load_index, metadata_emit
 from ..formats.dcp import metadata_pickle as mp
@@ -730,9 +732,15 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
         described_chunks.extend((box[0], box[1], (file, off, n, transform_names(compress_of[file])))
                                 for box, file, off, n in chunks.get(key, ()))
     manifests = _manifest_files(step_dir, indexes)
-    raw = mp.metadata_bytes(described, str(uuid.uuid4()), fragments)
-    if len(raw) > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
-        raise StepTooLargeError(f".metadata would hold {len(raw)} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
+    if fragments is not None:  # rank 0's ends of the stream, each rank's fragment between, read as it is written
+        ends = metadata_emit.metadata_ends(described, str(uuid.uuid4()), DCP_VERSION, table.names)
+        size = len(ends[0]) + sum(len(s.tail) - sum(s.entry[3][1:]) for s in table.fragments) + len(ends[1])
+        pieces: Callable[[], Iterator[Any]] = lambda: itertools.chain((ends[0],), (s.fragment() for s in table.fragments), (ends[1],))
+    else:
+        raw = mp.metadata_bytes(described, str(uuid.uuid4()))
+        size, pieces = len(raw), lambda: iter((raw,))
+    if size > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
+        raise StepTooLargeError(f".metadata would hold {size} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
                                 "reads", where=step_dir.url, hint="the step is not committed")
     files = {}
     if fragments is not None and table.rule == len(indexes) and len({index.compress for index in indexes}) == 1:
@@ -741,11 +749,28 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
         if by_rule is not None:
             step_dir.child(load_index.INDEX_FILE).write_bytes(by_rule)
             files[load_index.INDEX_FILE] = [len(by_rule), hash_bytes(by_rule)]
-    step_dir.child(METADATA_FILE).write_bytes(raw)
+    written = _write_pieces(step_dir.child(METADATA_FILE), pieces())
     for index in indexes:
         step_dir.child(rendezvous.part_name(index.rank)).remove()
-    return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "manifests": manifests,
-            "files": {METADATA_FILE: [len(raw), hash_bytes(raw)], **files}}
+    return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "manifests": manifests, "files": {METADATA_FILE: written, **files}}
+
+
+def _write_pieces(loc: Location, pieces: Iterator[Any]) -> list[Any]:
+    """Write a file piece after piece (no joined copy of it in memory), hashing as it goes; returns
+    ``[bytes, xxh3]``. A piece that cannot be had (a rank's fragment found damaged) removes what
+    was written, so no half file is left under the name."""
+    hasher, size = new_hasher(), 0
+    try:
+        with loc.open_write() as f:
+            for piece in pieces:
+                f.write(piece)
+                hasher.update(piece)
+                size += len(piece)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            loc.remove()
+        raise
+    return [size, hasher.hexdigest()]
 
 
 def _merge_json(step_dir: Location, indexes: list[RankIndex], described: Any) -> tuple[dict[str, Any], dict[str, list[Any]]]:

@@ -128,12 +128,12 @@ def test_a_fragment_that_is_not_the_one_its_rank_wrote_is_a_damaged_index(tmp_pa
     _write_step(step, 3)
     part = step.child(rendezvous.part_name(1))
     raw = bytearray(part.read_bytes())
-    raw[-3] ^= 1
+    raw[raw.index(b"\0") + 5] ^= 1  # (in its fragment, which rank 0 reads as it writes .metadata)
     part.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match="rank 1's index is damaged") as got:
         _commit(step, 3)
     assert got.value.where.endswith(rendezvous.part_name(1))
-    assert not step.child(".metadata").exists()
+    assert not step.child(".metadata").exists()  # (what was written of it is removed)
 
 
 def _edit_part(step, rank: int, edit) -> None:
@@ -266,3 +266,24 @@ def test_ranks_that_all_follow_fsdp2s_layout_need_no_row_read_and_one_that_does_
     got = {case: pickle.loads(step.child(".metadata").read_bytes()) for case, step in steps.items()}
     assert got["rule"].state_dict_metadata == got["one without"].state_dict_metadata
     assert got["rule"].storage_data == got["one without"].storage_data
+
+
+def test_a_tail_read_from_its_file_by_range_gives_the_same_step(tmp_path, monkeypatch):
+    """Parts longer than what rank 0 reads when they appear: it reads each rank's fragment from
+    the file when it writes it into .metadata (and no rank's rows under the rule)."""
+    got = {}
+    for case in ("whole", "by range"):
+        step = resolve(str(tmp_path / case.replace(" ", "-")))
+        _write_step(step, 3)
+        if case == "by range":
+            heads = [step.child(rendezvous.part_name(r)).read_bytes().index(b"\0") for r in (1, 2)]
+            monkeypatch.setattr(rendezvous, "PART_HEAD", max(heads) + 8)
+            reads = []
+            real = rendezvous.Tail.read
+            monkeypatch.setattr(rendezvous.Tail, "read", lambda self, o, n: reads.append((self.loc is not None and
+                                                                                          o + n > len(self.held), n))
+                                or real(self, o, n))
+        got[case] = _commit(step, 3)[1]
+    assert got["whole"].state_dict_metadata == got["by range"].state_dict_metadata
+    assert got["whole"].storage_data == got["by range"].storage_data
+    assert sum(1 for from_file, _ in reads if from_file) == 2  # (ranks 1 and 2: their fragments, nothing else)

@@ -158,8 +158,17 @@ def metadata_stream(described: Any, save_id: str, dcp_version: str,
     holds something this writer does not spell (:func:`streamable`); the caller then pickles the
     object graph. ``shared``: the sharded keys, in the ranks' order, whose chunks and storage
     entries the ranks' fragments hold (``described`` lists none of them), and those fragments."""
+    ends = metadata_ends(described, save_id, dcp_version, shared[0] if shared else None)
+    return None if ends is None else b"".join([ends[0], *(shared[1] if shared else ()), ends[1]])
+
+
+def metadata_ends(described: Any, save_id: str, dcp_version: str, keys: list[str] | None = None) -> tuple[bytes, bytes] | None:
+    """:func:`metadata_stream` as the bytes before the ranks' fragments and the bytes after them
+    (a writer puts the fragments between, rank after rank, as it reads them); None where the
+    stream writer does not spell ``described``."""
     if not streamable(described):
         return None
+    shared = (keys, None) if keys else None
     paths = {k: described.paths[k] for k in described.order if k in described.paths}
     memo = _Memo()
     spell = _Spell(memo)
@@ -200,12 +209,9 @@ def metadata_stream(described: Any, save_id: str, dcp_version: str,
         out.append(b"u")
     out.append(memo.string("storage_data") + b"}" + (_put(slots.storage) if shared else b""))
     _storage(out, memo, obj, size, fields, described)
-    if shared:
-        out.extend(shared[1])
-    out.append(memo.string("storage_meta") + obj("StorageMeta") + b"}(" + memo.string("checkpoint_id") + b"N"
-               + memo.string("save_id") + _str(save_id) + memo.string("load_id") + b"N" + memo.string("modules") + b"]ub"
-               + memo.string("version") + _str(dcp_version) + b"ub.")
-    return b"".join(out)
+    return b"".join(out), (memo.string("storage_meta") + obj("StorageMeta") + b"}(" + memo.string("checkpoint_id") + b"N"
+                           + memo.string("save_id") + _str(save_id) + memo.string("load_id") + b"N" + memo.string("modules")
+                           + b"]ub" + memo.string("version") + _str(dcp_version) + b"ub.")
 
 
 def fragment(keys: int, chunks: list[tuple[int, list[list[Any]]]], file: str, transforms: tuple[str, ...]) -> bytes:
