@@ -519,10 +519,11 @@ def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
 
     def done() -> bool:
         present = set(step_dir.listdir())
-        for r, name in enumerate(names):
-            if r not in parts and name in present:
-                parts[r] = _read_part(step_dir.child(name))
-                _raise_failed(r, parts[r], doing, step_dir.url)
+        with no_gc():  # (parts: JSON, no cycle; the collector would walk every part read so far, again and again)
+            for r, name in enumerate(names):
+                if r not in parts and name in present:
+                    parts[r] = _read_part(step_dir.child(name))
+                    _raise_failed(r, parts[r], doing, step_dir.url)
         return len(parts) == world_size
 
     def missing() -> list[int]:

@@ -66,6 +66,10 @@ def rank_tail(index: Any, frozen_name: str, world_size: int | None = None) -> tu
                 return None, b""
             pad = width - ndim
             rows.extend((i, *c[0], *(0,) * pad, *c[1], *(1,) * pad, c[2], c[3], 1 if len(c) > 4 else 0))
+    rule = world_size if world_size and _follows_rule(index, declared, world_size) else None
+    if rule is not None:  # (its empty shards: in the load index, by the rule; .metadata needs none: step_writer._commit_metadata)
+        chunks = [(i, [c for c in key_chunks if 0 not in c[1]]) for i, key_chunks in chunks]
+        chunks = [(i, key_chunks) for i, key_chunks in chunks if key_chunks]
     try:
         fragment = metadata_emit.fragment(len(keys), chunks, index.file, tuple(transform_names(index.compress) or ()))
     except ValueError:
@@ -73,7 +77,6 @@ def rank_tail(index: Any, frozen_name: str, world_size: int | None = None) -> tu
     if sys.byteorder != "little":
         rows.byteswap()
     names, boxes = json.dumps(declared).encode(), rows.tobytes()
-    rule = world_size if world_size and _follows_rule(index, declared, world_size) else None
     return ([hash_bytes(names), len(keys), width, [len(fragment), len(names), len(boxes)], [hash_bytes(fragment), hash_bytes(boxes)],
              rule], fragment + names + boxes)
 

@@ -720,7 +720,10 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
             chunks[key] = boxes
     described.tensors = {key: (*shapes[key], []) for key in described.order if key in shapes}
     fragments = None
-    if table is not None and in_order and all(k in described.tensors for k in table.names) and metadata_emit.streamable(described):
+    # (a rank under FSDP2's rule spells no empty shard: rank 0 copies such fragments only where every rank is under it,
+    # so the step's load index has the empty shards; else where no rank is; else it spells every chunk itself)
+    spelled_alike = table is not None and (table.rule is not None or not any(index.sharded[5] for index in indexes))
+    if spelled_alike and in_order and all(k in described.tensors for k in table.names) and metadata_emit.streamable(described):
         fragments = (table.names, table.fragments)  # (the shared keys' chunks are in the ranks' fragments)
     elif table is not None:
         by_rank = {index.rank: index for index in indexes}

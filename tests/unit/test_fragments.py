@@ -287,3 +287,18 @@ def test_a_tail_read_from_its_file_by_range_gives_the_same_step(tmp_path, monkey
     assert got["whole"].state_dict_metadata == got["by range"].state_dict_metadata
     assert got["whole"].storage_data == got["by range"].storage_data
     assert sum(1 for from_file, _ in reads if from_file) == 2  # (ranks 1 and 2: their fragments, nothing else)
+
+
+def test_empty_shards_are_left_out_of_metadata_only_where_every_rank_is_under_fsdp2s_rule(tmp_path):
+    """Under the rule the step's load index makes the empty shards (an offline reshard tells a
+    one-row tensor sharded over N ranks from a replicated one by them), so .metadata need not
+    list them; where one rank is not under it there is no index, and .metadata lists them all."""
+    counts = {}
+    for case in ("rule", "one without"):
+        step = resolve(str(tmp_path / case.replace(" ", "-")))
+        _write_step(step, 4)  # (model.v: 5 rows over 4 ranks, rank 3's shard empty)
+        if case == "one without":
+            _edit_part(step, 1, lambda index: index["sharded"].__setitem__(5, None))
+        md = _commit(step, 4)[1]
+        counts[case] = [list(c.sizes) for c in md.state_dict_metadata["model.v"].chunks]
+    assert counts == {"rule": [[2, 2], [2, 2], [1, 2]], "one without": [[2, 2], [2, 2], [1, 2], [0, 2]]}
