@@ -184,3 +184,20 @@ def test_verify_reads_metadata_and_compares_the_load_index_with_it(tmp_path):
     code, out = _verify(step)
     assert code == 1
     assert [(p["what"], p["key"]) for p in out["problems"]] == [("load index does not say what .metadata says", "extra.plain")]
+
+
+@pytest.mark.parametrize("entry", [
+    ["x", "d", ["__1_0.distcp"]], [True, "d", ["__1_0.distcp"]], [-1, "d", ["__1_0.distcp"]], [10, 5, ["__1_0.distcp"]],
+    [10, "d", "__1_0.distcp"], [10, "d", [1]], [10, "d", ["__0_0.distcp"]], [(256 << 20) + 1, "d", ["__1_0.distcp"]], [10, "d"],
+])
+def test_a_commit_record_whose_ranks_manifest_files_are_malformed_is_damaged(tmp_path, entry):
+    """Every loading rank checks the whole table of manifest files (one a rank) before it uses one."""
+    step = resolve(str(tmp_path / "step-7"))
+    step.makedirs()
+    good = {"__0.manifest": [10, "d", ["__0_0.distcp"]], "__1.manifest": [10, "d", ["__1_0.distcp"]]}
+    for table in (good, {**good, "__1.manifest": entry}):
+        step.child(steps.COMMIT_FILE).write_bytes(steps.commit_record(7, 2, {"manifest": {"algorithm": "xxh3_64", "manifests": table}}))
+        if table is good:
+            assert steps.read_commit_record(step)["world_size"] == 2
+    with pytest.raises(CorruptCheckpointError, match="its manifest is malformed"):
+        steps.read_commit_record(step)

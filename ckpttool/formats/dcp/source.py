@@ -49,6 +49,10 @@ class DcpSource(Source):
     format = "dcp"
 
     def __init__(self, location: Location, verify: bool = True, rank: int | None = None, by_index: bool = True):
+        with no_gc():  # (the commit record of a job of N ranks: a few objects per rank, no cycle)
+            self._open(location, verify, rank, by_index)
+
+    def _open(self, location: Location, verify: bool, rank: int | None, by_index: bool) -> None:
         super().__init__(location)
         self._md: tuple[Any, dict, int, str] | None = None  # (.metadata, its storage entries, size, digest) once read
         self._record: tuple[dict | None] | None = None  # (the commit record,) once read
