@@ -407,19 +407,9 @@ def child_commit(a: argparse.Namespace) -> dict[str, Any]:
         step_writer.MAX_METADATA_BYTES = 1 << 62
         manifest = step_writer.commit_metadata(loc, indexes)
     t2 = time.perf_counter()
-    record = {"manifest": manifest, **step_writer.step_bytes(indexes)}
-    record["phases"] = {str(index.rank): dict(index.phases) for index in indexes}
-    record["phases"]["0"]["commit"] = round(t2 - t1, 6)
-    per_rank = step_writer.per_rank_keys(indexes)
-    if per_rank:
-        record["per_rank"] = per_rank
-    buffers = step_writer.per_rank_buffer_keys(indexes)
-    if buffers:
-        record["per_rank_buffers"] = buffers
-    found = step_writer.step_health(loc, indexes)
-    if found is not None:
-        record["health"] = found
-        health.nonfinite_keys(found)  # (Saves._judge_health: nothing non-finite here)
+    record = step_writer.commit_fields(loc, indexes, manifest, t2 - t1)
+    if "health" in record:
+        health.nonfinite_keys(record["health"])  # (Saves._judge_health: nothing non-finite here)
     t3 = time.perf_counter()
     raw = steps.commit_record(STEP, a.n, record)
     loc.child(steps.COMMIT_FILE).write_bytes(raw)

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .bulk import no_gc
 from .checksums import ALGORITHM, DIGEST_CHARS, block_count, new_hasher
 from .errors import CkptError, CorruptCheckpointError, StepTooLargeError
 from .storage import Location
@@ -104,8 +105,9 @@ def commit_record(step: int, world_size: int, extra: dict | None = None) -> byte
         "committed_at": time.time(),
     }
     record.update(extra or {})
-    record["checksum"] = {"algorithm": ALGORITHM, "digest": _digest(record)}
-    raw = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    with no_gc():  # (sorting a dict's keys makes tuples: at 16,384 ranks, collections of everything rank 0 holds)
+        record["checksum"] = {"algorithm": ALGORITHM, "digest": _digest(record)}
+        raw = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     if len(raw) > MAX_COMMIT_BYTES:  # (read_commit_record refuses it: never commit what cannot be loaded)
         raise StepTooLargeError(f"the commit record of step {step} would hold {len(raw)} bytes, more than the "
                                 f"{MAX_COMMIT_BYTES >> 20} MiB ckpttool reads", where=step_name(step),

@@ -287,20 +287,9 @@ class Saves:
         indexes = step_writer.read_rank_indexes(tmp, world_size, self.o.commit_timeout, step, self.roll)
         started = time.perf_counter()  # (the commit's own time: the wait for the others is theirs)
         manifest = step_writer.commit_metadata(tmp, indexes)
-        record = {"manifest": manifest, **step_writer.step_bytes(indexes)}  # bytes written, and shared with the step before
-        # each rank's seconds per phase (rank 0's commit up to here): inspect names the slowest rank
-        record["phases"] = {str(index.rank): dict(index.phases) for index in indexes}
-        record["phases"]["0"]["commit"] = round(time.perf_counter() - started, 6)
-        per_rank = step_writer.per_rank_keys(indexes)
-        if per_rank:
-            record["per_rank"] = per_rank  # keys of extra whose values differ between ranks: each rank's own is kept
-        buffers = step_writer.per_rank_buffer_keys(indexes)
-        if buffers:
-            record["per_rank_buffers"] = buffers  # the model's buffers whose values differ between ranks: idem
-        found = step_writer.step_health(tmp, indexes)
-        if found is not None:
-            record["health"] = found
-            self._judge_health(step, found)
+        record = step_writer.commit_fields(tmp, indexes, manifest, time.perf_counter() - started)
+        if "health" in record:
+            self._judge_health(step, record["health"])
         self._publish(step, tmp, final, world_size, record)
 
     def _after_commit(self) -> None:

@@ -631,12 +631,15 @@ def read_rank_indexes(step_dir: Location, world_size: int, timeout: float, step:
     part failed ends the wait, named; with ``roll``, so does a dead one)."""
     indexes = []
     doing = "writing its part of the step" if step is None else f"writing its part of step {step}"
-    for r, part in enumerate(rendezvous.await_parts(step_dir, world_size, timeout, doing, roll, step)):
-        fragment = part.pop(rendezvous.TAIL)
-        try:
-            indexes.append(RankIndex(**part, fragment=fragment))
-        except TypeError as exc:
-            raise CorruptCheckpointError(f"a rank's index is damaged ({exc})", where=step_dir.child(rendezvous.part_name(r)).url) from None
+    parts = rendezvous.await_parts(step_dir, world_size, timeout, doing, roll, step)
+    with no_gc():  # (an object a rank, no cycle)
+        for r, part in enumerate(parts):
+            fragment = part.pop(rendezvous.TAIL)
+            try:
+                indexes.append(RankIndex(**part, fragment=fragment))
+            except TypeError as exc:
+                raise CorruptCheckpointError(f"a rank's index is damaged ({exc})",
+                                             where=step_dir.child(rendezvous.part_name(r)).url) from None
     return indexes
 
 
@@ -676,6 +679,28 @@ def per_rank_buffer_keys(indexes: list[RankIndex]) -> list[str]:
     commit_metadata): each rank's own is kept."""
     return sorted({key for index in indexes for key, (names, _) in index.per_rank_buffers.items()
                    if any(n in index.tensors for n in names)})
+
+
+def commit_fields(step_dir: Location, indexes: list[RankIndex], manifest: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """Rank 0: the commit record's fields from the ranks' indexes (its manifest, bytes, every
+    rank's phase times with rank 0's commit ``seconds`` so far, the keys kept per rank, the
+    step's health). Built with the collector held off: a dict or two a rank, no cycle, beside
+    every rank's index (a collection would walk them all, again and again)."""
+    with no_gc():
+        record = {"manifest": manifest, **step_bytes(indexes)}  # bytes written, and shared with the step before
+        # each rank's seconds per phase (rank 0's commit up to here): inspect names the slowest rank
+        record["phases"] = {str(index.rank): dict(index.phases) for index in indexes}
+        record["phases"]["0"]["commit"] = round(seconds, 6)
+        per_rank = per_rank_keys(indexes)
+        if per_rank:
+            record["per_rank"] = per_rank  # keys of extra whose values differ between ranks: each rank's own is kept
+        buffers = per_rank_buffer_keys(indexes)
+        if buffers:
+            record["per_rank_buffers"] = buffers  # the model's buffers whose values differ between ranks: idem
+        found = step_health(step_dir, indexes)
+        if found is not None:
+            record["health"] = found
+    return record
 
 
 def step_health(step_dir: Location, indexes: list[RankIndex]) -> dict[str, Any] | None:
