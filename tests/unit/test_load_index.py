@@ -91,9 +91,9 @@ def test_a_rank_reads_the_manifest_files_of_the_ranks_it_overlaps_only(tmp_path)
     got = torch.empty(3, 3)
     source.read_tensor("model.w", ((6, 0), (3, 3)), out=got)
     assert torch.equal(got, torch.arange(18.0, 27.0).reshape(3, 3))
-    assert set(source._located) == {2}
+    assert source.located_ranks == {2}
     assert [c.location.relative_path for c, _ in entry.chunks_in(((5, 0), (2, 3)))] == ["__1_0.distcp", "__2_0.distcp"]
-    assert set(source._located) == {1, 2}
+    assert source.located_ranks == {1, 2}
     assert not source.metadata_read
 
 

@@ -115,6 +115,12 @@ class DcpSource(Source):
     def metadata_read(self) -> bool:
         return self._md is not None
 
+    @property
+    def located_ranks(self) -> set[int]:
+        """The ranks whose manifest file this source read to find where their records of the load
+        index's sharded keys lie (a rank's load reads those of the ranks it overlaps only)."""
+        return set(self._located)
+
     def _locate(self, rank: int, number: int) -> Any:
         """Where rank ``rank``'s record of the load index's sharded key ``number`` lies: its
         manifest file says (read and checked once), inside its data file."""
