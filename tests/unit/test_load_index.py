@@ -158,10 +158,11 @@ def test_a_rank_manifest_that_places_a_record_past_its_file_or_too_short_is_refu
     _rewrite(step, "__1.manifest", at(lambda flat: flat.__setitem__(1, 8)))
     with pytest.raises(CorruptCheckpointError, match="rank 1's record of chunk at \\[4, 0\\] holds 8 bytes"):
         DcpSource(step).read_tensor("model.w")
-    step = _committed(tmp_path, 3, name="u")
-    _rewrite(step, "__2.manifest", at(lambda flat: flat.pop()))
-    with pytest.raises(CorruptCheckpointError, match="rank 2's manifest file does not say where"):
-        DcpSource(step).read_tensor("model.w")
+    for name, edit in (("u", lambda flat: flat.pop()), ("v", lambda flat: flat.__setitem__(2, 1 << 64))):
+        step = _committed(tmp_path, 3, name=name)
+        _rewrite(step, "__2.manifest", at(edit))
+        with pytest.raises(CorruptCheckpointError, match="rank 2's manifest file does not say where"):
+            DcpSource(step).read_tensor("model.w")
 
 
 def _verify(step) -> tuple[int, dict]:

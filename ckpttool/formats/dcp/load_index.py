@@ -252,7 +252,8 @@ def check_locations(entry: Any, index: LoadIndex, rank: int, where: str) -> list
     """Rank ``rank``'s manifest entry ``sharded``, checked against the index: the same keys, the
     same N, a start and a length for each key; returns the flat list."""
     if not (isinstance(entry, list) and len(entry) == 3 and entry[0] == index.digest and entry[1] == index.world_size
-            and isinstance(entry[2], list) and len(entry[2]) == 2 * index.count and all(map(_count, entry[2]))):
+            and isinstance(entry[2], list) and len(entry[2]) == 2 * index.count
+            and all(_count(x) and x < 1 << 62 for x in entry[2])):  # (held as int64)
         raise CorruptCheckpointError(f"rank {rank}'s manifest file does not say where its records of the load index's "
                                      f"{index.count} sharded keys lie", where=where, hint=_HINT)
     return entry[2]
