@@ -567,10 +567,10 @@ def _read_part(loc: Location) -> dict[str, Any]:
     size = loc.size()
     if size > MAX_PART_BYTES:
         raise CorruptCheckpointError("a rank's index is too large", where=loc.url)
-    data = loc.read_bytes(0, PART_HEAD) if size > PART_HEAD else loc.read_bytes()
+    data = loc.read_bytes(0, min(size, PART_HEAD))
     cut = data.find(b"\0")
     if cut < 0 and len(data) < size:
-        data = loc.read_bytes()
+        data = loc.read_bytes(0, size)
         cut = data.find(b"\0")
     raw, tail = (data, b"") if cut < 0 else (data[:cut], Tail(loc, cut + 1, max(0, size - cut - 1), memoryview(data)[cut + 1:]))
     try:

@@ -149,6 +149,7 @@ class Sections:
         self.tail = tail if isinstance(tail, Tail) else Tail(None, 0, len(tail), tail)
         if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[3], list) and len(entry[3]) == 3
                 and all(isinstance(n, int) and n >= 0 for n in entry[3]) and sum(entry[3]) == len(self.tail)
+                and isinstance(entry[1], int) and entry[1] >= 0 and isinstance(entry[2], int) and entry[2] >= 0
                 and isinstance(entry[4], list) and len(entry[4]) == 2):
             raise self._damaged()
 
@@ -181,7 +182,7 @@ def _sections(index: Any, where: str) -> Sections | None:
 def _declared(raw: memoryview, entry: list[Any], rank: int, where: str) -> list[list[Any]]:
     try:
         declared = json.loads(bytes(raw))
-    except ValueError:
+    except (ValueError, RecursionError):
         declared = None
     if not (isinstance(declared, list) and len(declared) == entry[1] and hash_bytes(raw) == entry[0] and all(
             isinstance(d, list) and len(d) == 3 and isinstance(d[0], str) and isinstance(d[1], list)

@@ -707,7 +707,7 @@ def step_health(step_dir: Location, indexes: list[RankIndex]) -> dict[str, Any] 
     """Rank 0: the commit record's ``health`` from every rank's findings (``health.merge_ranks``)."""
     try:
         return merge_ranks([index.health for index in indexes], [index.names for index in indexes])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"a rank's index is damaged (its health findings: {exc})", where=step_dir.url) from None
 
 
@@ -770,14 +770,14 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
     if size > MAX_METADATA_BYTES:  # (read_metadata_bytes refuses it: never commit what cannot be loaded)
         raise StepTooLargeError(f".metadata would hold {size} bytes, more than the {MAX_METADATA_BYTES >> 30} GiB ckpttool "
                                 "reads", where=step_dir.url, hint="the step is not committed")
+    written = _write_pieces(step_dir.child(METADATA_FILE), pieces())
     files = {}
-    if fragments is not None and table.rule == len(indexes) and len({index.compress for index in indexes}) == 1:
+    if fragments is not None and table.rule == len(indexes) and all(index.compress == indexes[0].compress for index in indexes):
         by_rule = load_index.index_bytes(described, table.rule, indexes[0].sharded[0], table.names, table.shapes, table.dtypes,
                                          transform_names(indexes[0].compress))
         if by_rule is not None:
             step_dir.child(load_index.INDEX_FILE).write_bytes(by_rule)
             files[load_index.INDEX_FILE] = [len(by_rule), hash_bytes(by_rule)]
-    written = _write_pieces(step_dir.child(METADATA_FILE), pieces())
     for index in indexes:
         step_dir.child(rendezvous.part_name(index.rank)).remove()
     return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "manifests": manifests, "files": {METADATA_FILE: written, **files}}

@@ -132,6 +132,10 @@ def test_a_damaged_load_index_is_refused_named(tmp_path):
     (lambda b: b.replace(b'["model.w",[10,3],"float32"]', b'["model.w",[10,-3],"float32"]'), "malformed sharded key"),
     (lambda b: b.replace(b'["model.w",[10,3],"float32"]', b'["model.w",[10,3],"float32"],["model.w",[10,3],"float32"]'),
      "does not list each of its keys once"),
+    (lambda b: b.replace(b'["model.w",[10,3],"float32"]', b'["model.w",[1099511627776,1099511627776],"float32"]'),
+     "malformed sharded key"),
+    (lambda b: b.replace(b'["model.w",[10,3],"float32"]', b'["model.w",[10,3],["float32"]]'), "malformed sharded key"),
+    (lambda b: b.replace(b'"extra.plain":[[4],"float32"', b'"extra.plain":[[4],{"a":1}'), "malformed entry of tensor"),
 ])
 def test_a_hostile_load_index_is_refused(tmp_path, edit, match):
     step = _committed(tmp_path, 3)
@@ -202,3 +206,31 @@ def test_a_commit_record_whose_ranks_manifest_files_are_malformed_is_damaged(tmp
             assert steps.read_commit_record(step)["world_size"] == 2
     with pytest.raises(CorruptCheckpointError, match="its manifest is malformed"):
         steps.read_commit_record(step)
+
+
+def test_a_rank_data_file_that_links_out_of_the_step_is_refused(tmp_path):
+    step = _committed(tmp_path, 3)
+    outside = tmp_path / "elsewhere"
+    outside.write_bytes((tmp_path / "s" / "__2_0.distcp").read_bytes())
+    (tmp_path / "s" / "__2_0.distcp").unlink()
+    (tmp_path / "s" / "__2_0.distcp").symlink_to(outside)
+    source = DcpSource(step)
+    assert torch.equal(source.read_tensor("model.w", ((0, 0), (4, 3))), torch.arange(12.0).reshape(4, 3))  # (ranks 0, 1)
+    with pytest.raises(CkptError, match="symlink that leads out of the checkpoint"):
+        source.read_tensor("model.w")
+
+
+def test_verify_walks_metadata_when_the_load_index_cannot_be_read(tmp_path):
+    step = _committed(tmp_path, 3)
+    _rewrite(step, INDEX_FILE, lambda b: b.replace(b'["__0_0.distcp",', b'["../x",', 1))
+    code, out = _verify(step)
+    assert code == 1
+    assert [p["what"] for p in out["problems"]] == ["load index cannot be read: names a path outside the checkpoint: '../x'"]
+    assert out["tensors_checked"] == 3  # (.metadata's walk went on: model.w, model.v, extra.plain)
+
+
+def test_a_sharded_key_larger_than_its_records_is_refused_before_anything_is_allocated(tmp_path):
+    step = _committed(tmp_path, 3)
+    _rewrite(step, INDEX_FILE, lambda b: b.replace(b'["model.w",[10,3],"float32"]', b'["model.w",[68719476736,3],"float32"]'))
+    with pytest.raises(CorruptCheckpointError, match="rank 0's record of chunk at \\[0, 0\\] holds"):
+        DcpSource(step).read_tensor("model.w")  # (768 GB: an allocation first would fail otherwise, or take the memory)

@@ -84,6 +84,9 @@ def _compare_load_index(source: DcpSource, by_index: Any, index: Any, report: Re
     same keys in the same order, paths, shapes, dtypes, and every chunk at the same record."""
     url = source.location.child(INDEX_FILE).url
     hint = "loads read the load index: the step cannot be trusted; load an earlier one"
+    if isinstance(by_index, CkptError):
+        report.add(f"load index cannot be read: {by_index.what}", by_index.where, None, hint=by_index.hint)
+        return
     if list(by_index) != list(index):
         report.add("load index lists other keys than .metadata, or in another order", url, None, hint=hint)
         return

@@ -31,8 +31,8 @@ from typing import Any
 from ...checksums import ALGORITHM, hash_bytes
 from ...dtypes import PLAIN, dtype_size
 from ...errors import CorruptCheckpointError
-from ...index import Chunk, Index, ObjectEntry, TensorEntry
-from ...layout import shard_range
+from ...index import Chunk, Index, ObjectEntry, TensorEntry, plausible_shape
+from ...layout import MAX_WORLD_SIZE, shard_range
 from ...storage import Location
 from .metadata_types import _StorageInfo
 from .transforms import check_descriptors
@@ -86,7 +86,11 @@ def _count(x: Any) -> bool:
 
 
 def _shape(x: Any) -> bool:
-    return isinstance(x, list) and all(map(_count, x))
+    return isinstance(x, list) and plausible_shape(x)
+
+
+def _dtype(x: Any) -> bool:
+    return isinstance(x, str) and x in PLAIN
 
 
 def _record(x: Any) -> bool:
@@ -140,7 +144,7 @@ class RuleChunks(Sequence[Chunk]):
 class LoadIndex:
     """A step's load index, read and checked: :meth:`entries` gives the Index a DcpSource serves."""
 
-    def __init__(self, body: dict[str, Any], loc: Location, world_size: Any):
+    def __init__(self, body: dict[str, Any], loc: Location, world_size: Any, manifests: int):
         where = loc.child(INDEX_FILE).url
         self.where = where
 
@@ -150,8 +154,10 @@ class LoadIndex:
         if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") != VERSION:
             raise bad("is not one ckpttool writes")
         n = body.get("world_size")
-        if not (_count(n) and n >= 1 and n == world_size):
+        if not (_count(n) and 1 <= n <= MAX_WORLD_SIZE and n == world_size):
             raise bad(f"is for {n!r} ranks, the commit record says {world_size!r}")
+        if n != manifests:  # (every rank of the rule wrote a manifest file, which says where its records lie)
+            raise bad(f"is for {n} ranks, the commit record names {manifests} ranks' manifest files")
         keys, paths = body.get("keys"), body.get("paths")
         if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys) and len(set(keys)) == len(keys)
                 and isinstance(paths, list) and len(paths) == len(keys)
@@ -164,13 +170,13 @@ class LoadIndex:
             raise bad("is malformed")
         rule = sharded["keys"]
         if not all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and _shape(e[1]) and e[1]
-                   and e[2] in PLAIN for e in rule):
+                   and _dtype(e[2]) for e in rule):
             raise bad("has a malformed sharded key (each is [name, shape of one dim or more, dtype])")
         self.transforms = sharded.get("transforms")
         if self.transforms is not None:
             check_descriptors(self.transforms, where)
         for key, t in tensors.items():
-            if not (isinstance(t, list) and len(t) == 3 and _shape(t[0]) and t[1] in PLAIN and isinstance(t[2], list)
+            if not (isinstance(t, list) and len(t) == 3 and _shape(t[0]) and _dtype(t[1]) and isinstance(t[2], list)
                     and all(isinstance(c, list) and len(c) == 3 and _shape(c[0]) and _shape(c[1])
                             and len(c[0]) == len(c[1]) == len(t[0]) and _record(c[2]) for c in t[2])):
                 raise bad(f"has a malformed entry of tensor {key!r}")
@@ -238,14 +244,14 @@ def read(loc: Location, record: dict[str, Any] | None) -> LoadIndex | None:
     size = target.size()
     if size != entry[0] or size > MAX_INDEX_BYTES:
         raise CorruptCheckpointError(f"load index holds {size} bytes, the commit record says {entry[0]}", where=where, hint=_HINT)
-    raw = target.read_bytes()
+    raw = target.read_bytes(0, size + 1)
     if len(raw) != entry[0] or hash_bytes(raw) != entry[1]:
         raise CorruptCheckpointError("load index does not match the commit record's checksum of it", where=where, hint=_HINT)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
         raise CorruptCheckpointError("load index is not JSON", where=where, hint=_HINT) from None
-    return LoadIndex(body, loc, (record or {}).get("world_size"))
+    return LoadIndex(body, loc, (record or {}).get("world_size"), len(manifest.get("manifests") or {}))
 
 
 def check_locations(entry: Any, index: LoadIndex, rank: int, where: str) -> list[int]:

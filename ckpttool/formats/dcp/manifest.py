@@ -76,9 +76,12 @@ class Manifest:
         loaded, finding = self._rank_file(name)
         return (loaded[1][name], None) if loaded is not None else ({}, finding)
 
-    def sharded_of(self, name: str) -> tuple[Any, Finding | None]:
+    def sharded_of(self, name: str, owner: str) -> tuple[Any, Finding | None]:
         """The ``sharded`` entry of the rank's manifest file that holds data file ``name``'s rows
-        (``load_index.py``; None where it has none), or what is wrong with that file."""
+        (``load_index.py``; None where it has none, or where that file is not ``owner``, the
+        rank's own), or what is wrong with that file."""
+        if (self._split.get(name) or ("",))[0] != owner:
+            return None, None
         loaded, finding = self._rank_file(name)
         return (loaded[2], None) if loaded is not None else (None, finding)
 

@@ -16,9 +16,9 @@ from ...bulk import no_gc
 from ...checksums import hash_bytes
 from ...errors import CkptError, CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
-from ...layout import Box, relative
+from ...layout import Box, relative, whole
 from ...storage import Location, RangeReader
-from ...steps import COMMIT_FILE, read_commit_record
+from ...steps import COMMIT_FILE, manifest_file_name, read_commit_record
 from ..base import Source
 from ..torchzip import REMOTE_RECORD, REMOTE_SPAN, Archive, load_object_record, read_archive, read_tensor_box
 from .transforms import ARCHIVE_SLACK, MAX_OBJECT_BYTES, MAX_ZSTD_RATIO, DecodedRecord, check_descriptors
@@ -127,12 +127,14 @@ class DcpSource(Source):
         name = data_file_name(rank)
         flat = self._located.get(rank)
         if flat is None:
+            self.location.inside(name, f"{self.location.url} (rank {rank}'s data file)")  # (no symlink out of the step)
             manifest = self._manifest()
-            entry, finding = manifest.sharded_of(name) if manifest is not None else (None, None)
+            entry, finding = manifest.sharded_of(name, manifest_file_name(rank)) if manifest is not None else (None, None)
             if finding is not None:
                 raise finding.error(None, f" on rank {self.rank}" if self.rank is not None else "")
-            flat = self._located[rank] = array("q", load_index.check_locations(entry, self._rule, rank, self.location.url))
+            flat = array("q", load_index.check_locations(entry, self._rule, rank, self.location.child(manifest_file_name(rank)).url))
             self.reader(name).check_range(0, max((a + b for a, b in zip(flat[::2], flat[1::2])), default=0))
+            self._located[rank] = flat  # (kept once checked)
         return _StorageInfo(name, flat[2 * number], flat[2 * number + 1], self._rule.transforms)
 
     def read_by_metadata(self) -> Index | None:
@@ -140,10 +142,13 @@ class DcpSource(Source):
         load index's Index where the source served that one (for ``verify`` to compare)."""
         if self.by_index is None:
             return None
-        by_index = self.index()
-        self.by_index, self._index = None, None
+        self._metadata_parts()  # (first: a .metadata that cannot be read fails here, the source as it was)
+        try:
+            by_index: Any = self.index()
+        except CkptError as exc:  # (a load index that cannot be read: verify says so, and walks .metadata)
+            by_index = exc
+        self.by_index, self._index, self._chunk_sizes, self._spans = None, None, None, {}
         self._checked.clear()
-        self._metadata_parts()
         return by_index
 
     def _manifest(self) -> Manifest | None:
@@ -365,8 +370,12 @@ class DcpSource(Source):
             self.reader(chunk.location.relative_path).check_range(chunk.location.offset, chunk.location.length)
 
     def read_tensor(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        entry = self.entry(key, TensorEntry, checked=True)
+        # every chunk the box needs, first: one the load index's rule makes is placed and checked against
+        # its rank's file here, before anything is allocated for the box
+        parts = list(entry.chunks_in(box if box is not None else whole(entry.shape)))
         entry, box, out = self._destination(key, box, out)
-        for chunk, part in entry.chunks_in(box):
+        for chunk, part in parts:
             dst = out[relative(part, box)]
             if self.checks is not None and not self.checks.done(chunk.location):
                 if self.checks.straight(key, entry, chunk, part, dst):
