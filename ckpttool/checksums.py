@@ -98,27 +98,28 @@ class BlockHasher:
     """The manifest's digests of consecutive ``HASH_BLOCK``-byte blocks of a byte stream fed in
     pieces of any size; :meth:`finish` returns them concatenated (16 hex digits per block)."""
 
-    __slots__ = ("_digests", "_partial", "_fill")
+    __slots__ = ("_digests", "_partial", "_fill", "_block")
 
-    def __init__(self) -> None:
+    def __init__(self, block: int = HASH_BLOCK) -> None:
         self._digests: list[str] = []
         self._partial: Any = None
         self._fill = 0
+        self._block = block
 
     def update(self, view: memoryview) -> None:
-        at, n = 0, len(view)
+        at, n, block = 0, len(view), self._block
         while at < n:
-            if self._fill == 0 and n - at >= HASH_BLOCK:  # a whole block in hand: one call
-                self._digests.append(hex64(xxhash.xxh3_64_intdigest(view[at:at + HASH_BLOCK])))
-                at += HASH_BLOCK
+            if self._fill == 0 and n - at >= block:  # a whole block in hand: one call
+                self._digests.append(hex64(xxhash.xxh3_64_intdigest(view[at:at + block])))
+                at += block
                 continue
             if self._partial is None:
                 self._partial = new_hasher()
-            take = min(HASH_BLOCK - self._fill, n - at)
+            take = min(block - self._fill, n - at)
             self._partial.update(view[at:at + take])
             self._fill += take
             at += take
-            if self._fill == HASH_BLOCK:
+            if self._fill == block:
                 self._digests.append(self._partial.hexdigest())
                 self._partial, self._fill = None, 0
 
@@ -135,11 +136,72 @@ def hash_bytes(data: bytes) -> str:
     return h.hexdigest()
 
 
-def hash_range(reader: Any, offset: int, length: int, buf: memoryview) -> str:
-    """The manifest hash (hex) of ``length`` bytes at ``offset``."""
-    h = new_hasher()
+def hash_range(reader: Any, offset: int, length: int, buf: memoryview, extra: Any = None, block: int = HASH_BLOCK) -> str:
+    """The manifest hash (hex) of the record of ``length`` bytes at ``offset`` whose manifest row
+    has ``extra`` as its fourth element (:class:`RecordHasher`; None: the xxh3 of the bytes)."""
+    h = RecordHasher(extra, block)
     scan(reader, offset, length, buf, crc_span=(offset, offset), hasher=h)
     return h.hexdigest()
+
+
+# --- a record's digest, as its manifest row defines it ---------------------------------------------
+
+#: A tensor record's manifest row saying that its digest is :func:`parts_digest` of the digests of
+#: its parts (the bytes around its data, and its data's blocks) rather than the xxh3 of the record
+#: as one stream: the writer then hashes each data byte once, not twice. Written by ckpttool's own
+#: training save since the issue "one pass over each byte"; rows without it are hashed whole.
+PARTS = "parts"
+
+
+def parts_digest(rest: str, blocks: str) -> str:
+    """A record's digest from its parts' digests: the xxh3 of ``rest`` and ``blocks`` (hex) joined."""
+    return hash_bytes(f"{rest}/{blocks}".encode("ascii"))
+
+
+def by_parts(extra: Any) -> bool:
+    """Whether a manifest row's fourth element (``extra``; None for a row of three) says the
+    record's digest is :func:`parts_digest` of its parts."""
+    return isinstance(extra, dict) and extra.get("digest") == PARTS
+
+
+class RecordHasher:
+    """The digest of one record as its manifest row defines it, fed the record's bytes front to
+    back in pieces of any size (``update``), from its first byte: the xxh3 of every byte, or (a row
+    :func:`by_parts`) :func:`parts_digest` of the xxh3 of the bytes around the data ``[start,
+    start + nbytes)`` and the data's ``block``-byte blocks."""
+
+    __slots__ = ("_whole", "_rest", "_blocks", "_lo", "_hi", "_pos")
+
+    def __init__(self, extra: Any = None, block: int = HASH_BLOCK):
+        if by_parts(extra):
+            self._whole = None
+            self._rest, self._blocks = new_hasher(), BlockHasher(block)
+            self._lo, self._hi = extra["data"][0], extra["data"][0] + extra["data"][1]
+        else:
+            self._whole = new_hasher()
+        self._pos = 0
+
+    def update(self, view: Any) -> None:
+        if self._whole is not None:
+            self._whole.update(view)
+            return
+        view = memoryview(view).cast("B")
+        n = view.nbytes
+        a, b = max(0, self._lo - self._pos), min(n, self._hi - self._pos)
+        if a >= b:
+            self._rest.update(view)
+        else:
+            if a > 0:
+                self._rest.update(view[:a])
+            self._blocks.update(view[a:b])
+            if b < n:
+                self._rest.update(view[b:])
+        self._pos += n
+
+    def hexdigest(self) -> str:
+        if self._whole is not None:
+            return self._whole.hexdigest()
+        return parts_digest(self._rest.hexdigest(), self._blocks.finish())
 
 
 # --- one CRC-32 from pieces read apart (by several ranks) ----------------------------------------

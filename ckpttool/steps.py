@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .bulk import no_gc
-from .checksums import ALGORITHM, DIGEST_CHARS, block_count, new_hasher
+from .checksums import ALGORITHM, DIGEST_CHARS, PARTS, block_count, new_hasher
 from .errors import CkptError, CorruptCheckpointError, StepTooLargeError
 from .storage import Location
 
@@ -179,15 +179,18 @@ def parse_manifest_file(raw: bytes, block: int | None, files: list[str]) -> tupl
 
 def _rows_ok(records: Any, block: int | None) -> bool:
     """Manifest rows by file: ``[offset, length, digest]``, a tensor record's with a fourth
-    element ``{"data": [start, bytes], "rest": digest, "blocks": digests}`` whose data lies inside
-    the record and whose block digests are as many as ``block`` bytes of data make."""
+    element ``{"data": [start, bytes], "rest": digest, "blocks": digests}`` (and ``"digest":
+    "parts"`` where the record's digest is of those: ``checksums.RecordHasher``) whose data lies
+    inside the record and whose block digests are as many as ``block`` bytes of data make."""
 
     def counts(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
     def blocks_ok(row: list[Any]) -> bool:
         extra = row[3]
-        if block is None or not isinstance(extra, dict) or set(extra) != {"data", "rest", "blocks"}:
+        if block is None or not isinstance(extra, dict) or set(extra) - {"digest"} != {"data", "rest", "blocks"}:
+            return False
+        if "digest" in extra and extra["digest"] != PARTS:  # (the record's digest is of its parts: checksums.py)
             return False
         data, rest, digests = extra["data"], extra["rest"], extra["blocks"]
         return (isinstance(data, list) and len(data) == 2 and all(map(counts, data)) and data[0] + data[1] <= row[1]

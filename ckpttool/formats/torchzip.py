@@ -447,18 +447,19 @@ class ArchiveWriter:
     def __exit__(self, *exc: Any) -> None:
         pass  # (an archive that raised is garbage: its output is discarded whole)
 
-    def new_tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_Placeholder, IO[bytes]]:
+    def new_tensor(self, dtype: torch.dtype, shape: tuple[int, ...], crc: bool = True) -> tuple[_Placeholder, IO[bytes]]:
         """Open the record for a new tensor; write its C-order bytes into the returned stream, close it,
-        and put the placeholder where the tensor goes in the object passed to :meth:`finish`."""
+        and put the placeholder where the tensor goes in the object passed to :meth:`finish`
+        (``crc=False``: no CRC-32 computed for its data, see ``ZipOut.open``)."""
         key = str(self._next_key)
         self._next_key += 1
         p = _Placeholder(key, dtype, shape)
         nbytes = dtype_size(dtype)
         for size in shape:
             nbytes *= size
-        return p, self._open_record(f"data/{key}", nbytes)
+        return p, self._open_record(f"data/{key}", nbytes, crc)
 
-    def _open_record(self, name: str, nbytes: int) -> IO[bytes]:
+    def _open_record(self, name: str, nbytes: int, crc: bool = True) -> IO[bytes]:
         info = zipfile.ZipInfo(f"{self._name}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
         info.file_size = nbytes
         zip64 = nbytes * 1.05 > zipfile.ZIP64_LIMIT
@@ -466,7 +467,7 @@ class ArchiveWriter:
         header = 30 + len(info.filename.encode()) + (20 if zip64 else 0)
         pad = (-(pos + header + 4)) % ALIGN
         info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # 'FB': torch's own padding id
-        return self._zip.open(info, zip64)
+        return self._zip.open(info, zip64, crc)
 
     def write_bytes_record(self, name: str, data: bytes) -> None:
         with self._open_record(name, len(data)) as f:

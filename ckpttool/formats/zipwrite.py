@@ -35,8 +35,10 @@ class ZipOut:
         self.entries: list[zipfile.ZipInfo] = []
         self.writing = False
 
-    def open(self, info: zipfile.ZipInfo, zip64: bool) -> _Entry:
-        """Start ``info``'s entry (its name, date, extra field set) and return its data stream."""
+    def open(self, info: zipfile.ZipInfo, zip64: bool, crc: bool = True) -> _Entry:
+        """Start ``info``'s entry (its name, date, extra field set) and return its data stream
+        (``crc=False``: its CRC-32 is not computed, 0 stands in its place, as torch writes with
+        ``torch.serialization.set_crc32_options(False)``: the caller proves the bytes otherwise)."""
         if self.writing:
             raise ValueError("an entry is still open")
         info.compress_type = zipfile.ZIP_STORED
@@ -46,7 +48,7 @@ class ZipOut:
         info.header_offset = self.out.tell()
         self.out.write(info.FileHeader(zip64))
         self.writing = True
-        return _Entry(self, info, zip64)
+        return _Entry(self, info, zip64, crc)
 
     def close(self) -> None:
         """The central directory and the end records."""
@@ -97,15 +99,18 @@ def _without_zip64(extra: bytes) -> bytes:
 
 
 class _Entry:
-    """One entry's data: every byte through :func:`crc32`; ``close`` records sizes and CRC."""
+    """One entry's data: every byte through :func:`crc32` (unless ``crc`` is off); ``close``
+    records sizes and CRC."""
 
-    def __init__(self, zip_out: ZipOut, info: zipfile.ZipInfo, zip64: bool):
+    def __init__(self, zip_out: ZipOut, info: zipfile.ZipInfo, zip64: bool, crc: bool = True):
         self.zip, self.info, self.zip64 = zip_out, info, zip64
         self.crc, self.size, self.closed = 0, 0, False
+        self._checked = crc
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
-        self.crc = crc32(view, self.crc)
+        if self._checked:
+            self.crc = crc32(view, self.crc)
         self.zip.out.write(view)
         self.size += len(view)
         return len(view)

@@ -26,7 +26,8 @@ import torch
 from .. import rendezvous
 from ..buffers import tensor_buffer
 from ..bulk import no_gc
-from ..checksums import ALGORITHM, HASH_BLOCK, BlockHasher, hash_bytes, hash_range, new_block, new_hasher
+from ..checksums import (ALGORITHM, HASH_BLOCK, PARTS, BlockHasher, hash_bytes, hash_range, new_block, new_hasher,
+                         parts_digest)
 from ..compat import DCP_VERSION, local_shard_box
 from ..errors import CkptError, CorruptCheckpointError, StepTooLargeError
 from ..formats.dcp import load_index, metadata_emit
@@ -130,11 +131,11 @@ class _HashingWriter(io.RawIOBase):
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         self._out.write(view)
-        if self._hasher is not None:
+        if self._data is not None:  # a tensor record's data and what follows: hashed once, by parts
+            self._split(view)
+        elif self._hasher is not None:
             self._hasher.update(view)
-            if self._data is not None:
-                self._split(view)
-            elif len(self._head) < _HEAD_MAX:  # a record's header, kept for the rest's digest should data follow
+            if len(self._head) < _HEAD_MAX:  # a record's header, kept for the rest's digest should data follow
                 self._head += view
         self._pos += view.nbytes
         return view.nbytes
@@ -159,7 +160,9 @@ class _HashingWriter(io.RawIOBase):
         self._head = bytearray()
 
     def data(self, nbytes: int) -> None:
-        """The next ``nbytes`` written are the record's tensor data: hash them in blocks."""
+        """The next ``nbytes`` written are the record's tensor data: hash them in blocks, and the
+        record's other bytes apart; the record's digest is then :func:`parts_digest` of the two
+        (each byte hashed once), and the record is written without a CRC-32 (its row says so)."""
         if len(self._head) != self._pos - self._start:
             raise AssertionError("a record's header outgrew what the writer keeps")  # pragma: no cover - a writer bug
         self._rest = new_hasher()
@@ -176,9 +179,13 @@ class _HashingWriter(io.RawIOBase):
         """The record's manifest row, ended: ``[offset, length, digest]``, and for a tensor record
         with blocks ``{"data": [start in the record, bytes], "rest": digest, "blocks": digests}``."""
         data, blocks, rest = self._data, self._blocks, self._rest
-        row: list[Any] = [start, length, self.digest()]
-        if data is not None:
-            row.append({"data": [data[0] - start, data[1]], "rest": rest.hexdigest(), "blocks": blocks.finish()})
+        if data is None:
+            row: list[Any] = [start, length, self.digest()]
+        else:
+            self._hasher = None
+            rest_digest, block_digests = rest.hexdigest(), blocks.finish()
+            row = [start, length, parts_digest(rest_digest, block_digests),
+                   {"data": [data[0] - start, data[1]], "rest": rest_digest, "blocks": block_digests, "digest": PARTS}]
         self._data = self._blocks = self._rest = None
         self._head = bytearray()
         return row
@@ -484,7 +491,7 @@ def _intact(src: Location, previous: Written) -> str | None:
         try:
             buf = new_block()
             for key, _offsets, _sizes, _dtype, row in previous.records:
-                if hash_range(reader, row[0], row[1], buf) != row[2]:
+                if hash_range(reader, row[0], row[1], buf, row[3] if len(row) > 3 else None) != row[2]:
                     return f"the record of {key!r} at byte {row[0]} does not match its digest"
         finally:
             reader.close()
@@ -618,7 +625,7 @@ def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[i
     out.begin()
     # (a compressed record is checked whole: its data is not a byte range of the file)
     blocks = None if index.compress is not None else (lambda: out.data(math.prod(box[1]) * dtype_size(local.dtype)))
-    start, length = write_tensor(out, local.dtype, box[1], index.compress, fill, blocks)
+    start, length = write_tensor(out, local.dtype, box[1], index.compress, fill, blocks, crc=blocks is None)
     entry["chunks"].append([list(box[0]), list(box[1]), start, length])
     index.records.append(out.row(start, length))
     if tally is not None:

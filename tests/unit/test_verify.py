@@ -237,9 +237,11 @@ def test_manifest_of_a_ckpttool_step_catches_changed_objects(tmp_path):
     assert any(p.key == "extra.note" and "manifest" in p.what for p in report.problems)
 
 
-def test_manifest_and_crc_both_catch_a_flip_in_tensor_data_read_once(tmp_path):
-    """The single read of a record feeds both checksums: a flip in tensor data fails both, for that key only,
-    and a flip in the record's zip header (outside the tensor data, so no CRC covers it) fails the manifest."""
+def test_the_manifest_catches_a_flip_in_tensor_data_of_records_written_without_a_crc(tmp_path):
+    """ckpttool's save hashes each data byte once (its manifest's block digests) and writes no CRC-32: a flip
+    in tensor data fails the manifest, for that key only, and no CRC-32 is compared (there is none); a flip in
+    the record's zip header fails the manifest too. Without the commit record (no manifest) the record's
+    empty CRC-32 is a difference whose hint says why."""
     from ckpttool import Checkpointer
 
     torch.manual_seed(0)
@@ -255,7 +257,7 @@ def test_manifest_and_crc_both_catch_a_flip_in_tensor_data_read_once(tmp_path):
     report = verify_path(str(step))
     assert {p.key for p in report.problems} == {key}
     whats = [p.what for p in report.problems]
-    assert any("CRC-32" in w for w in whats) and any("manifest" in w for w in whats)
+    assert not any("CRC-32" in w for w in whats) and any("manifest" in w for w in whats)
 
     flip_bit(step / fname, start + (end - start) // 3, 2)  # undo
     assert verify_path(str(step)).ok
@@ -264,6 +266,12 @@ def test_manifest_and_crc_both_catch_a_flip_in_tensor_data_read_once(tmp_path):
     flip_bit(step / fname, record.offset + 20, 0)  # inside the record's first zip local header: its name
     report = verify_path(str(step))
     assert any(p.key == key and "manifest" in p.what for p in report.problems)
+    flip_bit(step / fname, record.offset + 20, 0)  # undo
+
+    (step / ".ckpttool-commit.json").rename(tmp_path / "record")
+    report = verify_path(str(step))
+    crcs = [p for p in report.problems if "CRC-32" in p.what]
+    assert crcs and all("stored 00000000" in p.what and "carry no CRC-32" in p.hint for p in crcs)
 
 
 def _step_with_manifest(tmp_path) -> str:
@@ -287,7 +295,14 @@ def _read_error(step: str) -> CkptError:
 def test_the_one_checker_tells_a_read_and_verify_the_same(tmp_path, damage):
     """formats/dcp/manifest.py finds; a read raises what it found, verify reports it: the same text
     (the key named in the read's message, in its own column in verify's) and the same hint."""
-    step = _step_with_manifest(tmp_path)
+    if damage == "crc":  # no manifest: torch's CRC-32 is what checks (ckpttool's save writes none: it has its manifest)
+        import torch.distributed.checkpoint as dcp
+
+        torch.manual_seed(0)
+        step = str(tmp_path / "plain")
+        dcp.save({"model": torch.nn.Linear(64, 32).state_dict()}, checkpoint_id=step, no_dist=True)
+    else:
+        step = _step_with_manifest(tmp_path)
     file, start, end, key = next(s for s in tensor_data_spans(step) if s[3] == "model.weight")
     if damage == "metadata":  # the same length: only the manifest can tell
         path = os.path.join(step, ".metadata")
@@ -297,10 +312,6 @@ def test_the_one_checker_tells_a_read_and_verify_the_same(tmp_path, damage):
             f.write(data.replace(b"model.bias", b"model.bia_"))
         said = ".metadata does not match the manifest written at commit"
     else:
-        if damage == "crc":  # no manifest: torch's CRC-32 is what checks
-            record = json.load(open(os.path.join(step, ".ckpttool-commit.json")))
-            os.remove(os.path.join(step, ".ckpttool-commit.json"))
-            assert record["manifest"]
         flip_bit(os.path.join(step, file), (start + end) // 2)
         said = "does not match its CRC-32" if damage == "crc" else "does not match the manifest's checksum"
     error = _read_error(step)

@@ -17,7 +17,7 @@ import math
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...buffers import SlabBuffers, tensor_buffer
-from ...checksums import DIGEST_CHARS, HASH_BLOCK, block_count, crc32, hash_range, new_block, new_hasher, scan
+from ...checksums import DIGEST_CHARS, HASH_BLOCK, RecordHasher, block_count, crc32, new_block, new_hasher, scan
 from ...errors import ChecksumError
 from ...index import Chunk, TensorEntry, dtype_size
 from ...layout import Box, relative
@@ -105,7 +105,7 @@ class RecordChecks:
             reader = source.record(info, key)[0]
             self._compare_crc(key, chunk, scan(reader, storage.offset, storage.nbytes, self._block), storage.crc32)
         else:  # the manifest's hash of the record as stored (compressed or not)
-            hasher = new_hasher()
+            hasher = self._hasher(info)
             scan(source.reader(info.relative_path), info.offset, info.length, self._block, crc_span=(info.offset, info.offset),
                  hasher=hasher)
             self._compare_digest(key, info, hasher.hexdigest())
@@ -135,7 +135,7 @@ class RecordChecks:
         check_ref(ref, storage, where)
         reader = source.record(info, key)[0]
         if stream is None:
-            stream = self._streams[name] = _Stream(key, entry, chunk, new_hasher() if self.manifest is not None else None)
+            stream = self._streams[name] = _Stream(key, entry, chunk, self._hasher(info) if self.manifest is not None else None)
             if stream.hasher is not None:
                 stream.hasher.update(reader.read(info.offset, storage.offset - info.offset))
         data = tensor_buffer(dst)
@@ -196,10 +196,13 @@ class RecordChecks:
         elif packed:  # the manifest hashed the compressed bytes: hash them as stored, and check the CRC too
             if self._block is None:
                 self._block = new_block()
-            self._compare_digest(key, info, hash_range(source.reader(info.relative_path), info.offset, info.length, self._block))
+            hasher = self._hasher(info)
+            scan(source.reader(info.relative_path), info.offset, info.length, self._block, crc_span=(info.offset, info.offset),
+                 hasher=hasher)
+            self._compare_digest(key, info, hasher.hexdigest())
             self._compare_crc(key, chunk, crc32(data), storage.crc32)
         else:
-            h = new_hasher()
+            h = self._hasher(info)
             h.update(reader.read(info.offset, storage.offset - info.offset))
             h.update(data)
             end = storage.offset + storage.nbytes
@@ -305,10 +308,17 @@ class RecordChecks:
     def check_object(self, key: str, info: Any) -> None:
         """The manifest's hash of an object's record (its pickle's CRC-32 is checked as it is read)."""
         if self.manifest is not None and not self.done(info):
-            h = new_hasher()
+            h = self._hasher(info)
             h.update(self.source.reader(info.relative_path).read(info.offset, info.length))
             self._compare_digest(key, info, h.hexdigest())
             self._done.add((info.relative_path, info.offset))
+
+    def _hasher(self, info: Any) -> RecordHasher:
+        """The hasher of the record at ``info`` as its manifest row defines its digest (a record
+        the manifest does not know: the whole record's, and the comparison names it)."""
+        rows, _ = self.manifest.rows_of(info.relative_path)
+        row = rows.get(info.offset)
+        return RecordHasher(row[2] if row is not None else None, self.block)
 
     def _compare_crc(self, key: str, chunk: Chunk, crc: int, stored: int) -> None:
         if crc == stored:

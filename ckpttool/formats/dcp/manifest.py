@@ -182,6 +182,9 @@ def check_crc(offsets: Any, crc: int, stored: int, url: str) -> Finding | None:
     """A chunk's tensor data (its CRC-32 as read) against the CRC-32 torch stored with it."""
     if crc == stored:
         return None
+    hint = "the bytes changed after they were written (bit rot, a bad copy); restore the file or use another step"
+    if stored == 0:  # (torch's set_crc32_options(False), and ckpttool's training save, write none)
+        hint = ("the record may carry no CRC-32 (ckpttool's save writes none: the commit record's manifest proves its bytes); "
+                f"check the step with its {COMMIT_FILE}, or " + hint)
     return Finding("{subject} does not match its CRC-32 " + f"(stored {stored:08x}, computed {crc:08x})",
-                   f"tensor data of {{key}} (chunk at {list(offsets)})", f"tensor data of the chunk at {list(offsets)}", url,
-                   "the bytes changed after they were written (bit rot, a bad copy); restore the file or use another step")
+                   f"tensor data of {{key}} (chunk at {list(offsets)})", f"tensor data of the chunk at {list(offsets)}", url, hint)

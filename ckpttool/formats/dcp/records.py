@@ -46,17 +46,20 @@ def write_object(out: IO[bytes], value: Any, compress: str | None) -> tuple[int,
 
 
 def write_tensor(out: IO[bytes], dtype: torch.dtype, shape: tuple[int, ...], compress: str | None,
-                 fill: Callable[[Callable[[Any], Any]], None], before_data: Callable[[], None] | None = None) -> tuple[int, int]:
+                 fill: Callable[[Callable[[Any], Any]], None], before_data: Callable[[], None] | None = None,
+                 crc: bool = True) -> tuple[int, int]:
     """One tensor's record (a C-order tensor of ``shape`` and ``dtype``) at ``out``'s position:
     ``fill(write)`` writes its data bytes in order; ``before_data()`` runs once the header is
-    written and the data comes next. Returns (start, length)."""
+    written and the data comes next. ``crc=False``: the data's CRC-32 is not computed, 0 stands in
+    its place (torch's ``set_crc32_options(False)``; torch's reader never checks it): for a writer
+    whose manifest proves every byte. Returns (start, length)."""
     start = out.tell()
     template = _template(dtype, tuple(shape)) if compress is None else None
     if template is not None:
-        template.write(out, fill, before_data)
+        template.write(out, fill, before_data, crc)
         return start, out.tell() - start
     with record_stream(out, compress) as rec, ArchiveWriter(rec) as writer:
-        placeholder, stream = writer.new_tensor(dtype, shape)
+        placeholder, stream = writer.new_tensor(dtype, shape, crc)
         if before_data is not None:
             before_data()
         with stream:
@@ -73,7 +76,7 @@ class _Template:
         self.head, self.tail, self.nbytes, self.crc_at = head, tail, nbytes, crc_at
 
     def write(self, out: IO[bytes], fill: Callable[[Callable[[Any], Any]], None],
-              before_data: Callable[[], None] | None) -> None:
+              before_data: Callable[[], None] | None, checked: bool = True) -> None:
         out.write(self.head)
         if before_data is not None:
             before_data()
@@ -82,7 +85,8 @@ class _Template:
         def write(data: Any) -> int:
             nonlocal crc, size
             view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
-            crc = crc32(view, crc)
+            if checked:
+                crc = crc32(view, crc)
             out.write(view)
             size += len(view)
             return len(view)
