@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from ckpttool.training.background import Worker
 
@@ -77,3 +78,21 @@ def test_the_interpreter_waits_for_a_pending_job_but_not_for_an_idle_worker(tmp_
     subprocess.run([sys.executable, "-c", "import ckpttool.training.background"], check=True, timeout=60, cwd=os.getcwd())
     bare = time.perf_counter() - t
     assert took < bare + 1.0 + 1.5  # the job's second and some slack; never the 60 s timeout
+
+
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info() or torch.get_num_threads() < 2,
+                    reason="torch's threads of this build are not OpenMP's, or there is one already")
+def test_a_worker_runs_torch_operators_on_its_own_thread_and_leaves_the_others_alone():
+    """A worker's torch operators run on its thread alone (an OpenMP team would spin on training's
+    cores after each one: background.py), set for that thread only: the caller's and threads
+    started afterwards keep torch's count."""
+    before = torch.get_num_threads()
+    seen = []
+    worker = Worker("ckpttool-test")
+    worker.submit(lambda: seen.append(torch.get_num_threads())).wait()
+    worker.close()
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert seen == [1] and torch.get_num_threads() == before and later == [before]
