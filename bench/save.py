@@ -28,9 +28,12 @@ callback. Raw writes build their buffers before the clock; 2 streams start toget
 start to the last end.
 
 The loop case runs, after the warm-up, --loop-saves (default 20) pairs of blocks of --loop-block (default 3) steps: a save block
-starts with an async save() (keep_last=2), a plain block has none. Cost per save = (save blocks - plain blocks) / saves: the
+starts with an async save() (keep_last=2) and ends with its wait() (issue 50's measure; before it, a save could run on
+into the next plain block), a plain block has none. Cost per save = (save blocks - plain blocks) / saves: the
 loop against itself without saves, alternated so the machine's drift cancels (the median block difference beside it).
-"spilled": saves still running at the end of their block (their cost leaks into the next plain block). Also: save() + fence
+"spilled": saves still running after their block's steps (the wait() then takes the rest). The CPU a save takes: the
+process CPU seconds (every thread) of a save block minus its plain block, the median pair, the slower rank; its floor: the
+seconds that rank takes to copy its state into ready buffers and hash every byte once (floor_cpu), in the same processes. Also: save() + fence
 per save (median, worst), the background CPU per save (process CPU minus the training thread's, save blocks against plain), the
 training thread's extra run-queue wait, the staging buffers against the rank's state, the peak over all saves minus training's
 own peak over --steps steps after the loop (training's peak grows by itself, +330 MiB a rank in 120 steps at 1 GB: the peak
@@ -74,7 +77,8 @@ PHASE_LABELS = {"state": "get_state_dict (training_state)", "stage": "stage copy
 RANK_OPTS = ("steps", "batch_size", "prior_saves", "loop_saves", "loop_block", "loop_sync", "writer_nice")
 #: a save case's figures taken from the slowest rank (the highest); the rest are rank 0's (each rank's: "ranks")
 SLOWEST = ("blocking_s", "fence_s", "ref_step_s", "k_steps", "overlap_s", "extra_s", "wait_s", "commit_s", "rank_state_bytes",
-           "build_s", "loop_cost_s", "loop_cost_median_s", "bg_cpu_s", "main_cpu_extra_s", "main_runq_extra_s", "staging_bytes")
+           "build_s", "loop_cost_s", "loop_cost_median_s", "bg_cpu_s", "main_cpu_extra_s", "main_runq_extra_s", "staging_bytes",
+           "save_cpu_s", "floor_cpu_s")
 
 
 def rank_case(args) -> None:
@@ -221,6 +225,7 @@ def loop_case(args, ck, model, optimizer, train_step, events: list) -> dict[str,
             _d, still = train_step((lambda: ck.saving) if save_step is not None else None)
         if save_step is not None:
             spilled.append(still)
+            ck.wait()  # (issue 50's measure: steps that start with an async save and end with its wait())
         return {"wall_s": time.perf_counter() - w, "cpu_s": time.process_time() - p, "main_cpu_s": time.thread_time() - t,
                 "main_runq_s": run_delay() - q, "blocking_s": blocking}
 
@@ -235,6 +240,7 @@ def loop_case(args, ck, model, optimizer, train_step, events: list) -> dict[str,
         pair_hwm.append(proc_status("VmHWM") or 0)
     wait_s, hwm = timed(ck.wait), max(pair_hwm + [proc_status("VmHWM") or 0])
     staging_bytes = sum({s.data_ptr(): s.nbytes() for s in (b.untyped_storage() for b in ck.staging.buffers.values())}.values())
+    floor = floor_cpu(list(ck.staging.buffers.values()))
     ck.close()  # frees the staging buffers (one mapping: at once) before training's own peak after the loop
     after_hwm, sync_s = peak_of_steps(), []
     for j in range(args.loop_sync):  # the denominator, in the same processes: a sync save, waited by every rank
@@ -251,10 +257,40 @@ def loop_case(args, ck, model, optimizer, train_step, events: list) -> dict[str,
             "plain_block_s": med(p["wall_s"] for p in plain_blocks), "blocking_s": med(s["blocking_s"] for s in save_blocks),
             "fence_s": med(fences), "stall_all_s": [s["blocking_s"] + fc for s, fc in zip(save_blocks, fences)],
             "bg_cpu_s": per_save(lambda b: b["cpu_s"] - b["main_cpu_s"]), "main_cpu_extra_s": per_save(lambda b: b["main_cpu_s"]),
+            "save_cpu_s": med(s["cpu_s"] - p["cpu_s"] for s, p in pairs), "floor_cpu_s": floor,
             "main_runq_extra_s": per_save(lambda b: b["main_runq_s"]), "spilled": sum(1 for x in spilled if x), "rss_after_kib": rss_kib,
             "pair_hwm_kib": pair_hwm, "save_hwm_kib": hwm, "loop_base_hwm_kib": base_hwm, "loop_after_hwm_kib": after_hwm,
             "staging_bytes": staging_bytes, "wait_s": wait_s, "sync_in_loop_s": sync_s,
             "timeline": timeline(events, min((e[1] for e in events), default=0.0))}  # the last save's, from its first phase
+
+
+def floor_cpu(buffers: list, rounds: int = 3) -> float:
+    """The floor of what a save's CPU can be (issue 50): the process CPU seconds to copy the rank's state into ready
+    buffers and hash every byte once (xxh3 in 64 KiB blocks, as the manifest), on one thread as ckpttool's background
+    threads run (background.Worker); the median of ``rounds`` after one untimed round (the ready buffers' pages faulted
+    in). The source is the staging buffers: the rank's state, the same bytes at the same size."""
+    import torch
+    from ckpttool.buffers import tensor_buffer
+    from ckpttool.checksums import BlockHasher
+    from ckpttool.training.background import Worker
+
+    ready = [torch.empty_like(b) for b in buffers]
+
+    def once() -> None:
+        for dst, src in zip(ready, buffers):
+            dst.copy_(src)
+            hasher = BlockHasher()
+            hasher.update(tensor_buffer(dst.reshape(-1).view(torch.uint8)))
+            hasher.finish()
+
+    worker, times = Worker("bench-floor"), []
+    worker.submit(once).wait()
+    for _ in range(rounds):
+        start = time.process_time()
+        worker.submit(once).wait()
+        times.append(time.process_time() - start)
+    worker.close()
+    return statistics.median(times)
 
 
 def run_delay() -> float:
@@ -409,7 +445,8 @@ def derive_loop(c: dict[str, Any], sync_case_s: float | None) -> tuple[dict[str,
     drift = statistics.mean(pairs[-half:]) - statistics.mean(pairs[1:1 + half]) if len(pairs) > 2 else None
     row = {"case": LOOP, "label": LOOP_LABEL, "saves": n, "block": c["loop_block"], "sync_s": sync_s, "sync_in_loop_s": in_loop,
            **{k: c[k] for k in ("plain_block_s", "loop_cost_s", "loop_cost_median_s", "blocking_s", "fence_s", "stall_max_s", "bg_cpu_s",
-                                "spilled")},
+                                "spilled", "save_cpu_s", "floor_cpu_s")},
+           "cpu_x_floor": c["save_cpu_s"] / c["floor_cpu_s"] if c.get("floor_cpu_s") else None,
            "cost_x_sync": c["loop_cost_s"] / sync_s if sync_s else None,
            "cost_x_sync_in_loop": c["loop_cost_s"] / in_loop if in_loop else None, "stall_s": stall,
            "stall_pct_sync": 100 * stall / sync_s if sync_s else None, "added_mib": c["added_kib"] / 1024,
@@ -426,6 +463,10 @@ def derive_loop(c: dict[str, Any], sync_case_s: float | None) -> tuple[dict[str,
                    check("async save() plus the fence block <= 1% of sync save (median of the loop's saves)", case,
                          f"{c['blocking_s']:.3f} + {c['fence_s']:.3f} s = {row['stall_pct_sync']:.2f}% of {sync_s:.2f} s "
                          f"(worst {c['stall_max_s']:.3f} s)", row["stall_pct_sync"] <= 1)]
+    if row["cpu_x_floor"] is not None:
+        checks.append(check("the CPU a save takes from training <= 1.3x the floor (copy into ready buffers + hash every byte once)",
+                            case, f"{c['save_cpu_s']:.3f} s per save (median pair, slower rank, every thread) = "
+                                  f"{row['cpu_x_floor']:.2f}x of {c['floor_cpu_s']:.3f} s", row["cpu_x_floor"] <= 1.3))
     more = "" if drift is None else f", peak per save {drift:+.0f} MiB from the first to the second half"
     return row, checks + [check("async adds <= 1 copy of the rank's state (+5%), over all the loop's saves", case,
                                 f"+{row['added_mib']:.0f} MiB = {row['added_x_state']:.2f}x of {row['rank_state_mib']:.0f} MiB over "
@@ -456,7 +497,8 @@ LOOP_COLUMNS = [
     Column("plain block s", "plain_block_s"),
     Column("loop cost per save s (median block)", lambda r: f"{r['loop_cost_s']:+.2f} ({r['loop_cost_median_s']:+.2f})", ""),
     Column("× sync save", "cost_x_sync"), Column("× sync save (same processes)", "cost_x_sync_in_loop"),
-    Column("background CPU s per save", "bg_cpu_s"),
+    Column("background CPU s per save", "bg_cpu_s"), Column("CPU s per save (× floor)", lambda r: (
+        f"{r['save_cpu_s']:.3f} ({r['cpu_x_floor']:.2f}x of {r['floor_cpu_s']:.3f})" if r.get("cpu_x_floor") else None), ""),
     Column("save() + fence s (worst)", lambda r: f"{r['stall_s']:.3f} ({r['stall_max_s']:.3f})", ""), Column("% of sync", "stall_pct_sync"),
     Column("spilled", "spilled", "d"), Column("added MiB (× rank state)", added, ""),
     Column("staging buffers × state", "staging_x_state", ".3f"), Column("peak per save: drift MiB", "pair_drift_mib", "+.0f")]
