@@ -10,9 +10,9 @@ takes the cores only when the training threads do not want them.
 
 A worker runs torch's CPU operators on its own thread alone (:func:`one_intraop_thread`). With
 torch's OpenMP backend, every thread that runs a parallel operator gets a team of OpenMP threads,
-and those spin for a while after each operator before they sleep: with the writer's NaN counts,
-one every few MiB between waits on the disk, a 512 MiB write in a worker took 0.60 s of CPU, 0.26 s
-on one thread (docs/benchmarks.md, issue 50).
+and those spin for a while after each operator before they sleep, on the cores training wants:
+the writer calls one (a NaN count) every few MiB between waits on the disk, so its team spun through
+the waits (what it cost: docs/benchmarks.md).
 """
 
 from __future__ import annotations
