@@ -128,37 +128,44 @@ def one_intraop_thread() -> bool:
     """Make torch's CPU operators called from the calling thread run on it alone, leaving every
     other thread's as it was; returns whether they now do. With torch's OpenMP backend the number
     of threads of a parallel region is a per-thread setting (OpenMP's ``nthreads-var``, which
-    ``torch.get_num_threads`` reads), set here through the OpenMP runtime torch loaded: not
-    ``torch.set_num_threads``, which would also change it for threads started later. Elsewhere (another
-    backend, no runtime found) nothing changes."""
+    ``torch.get_num_threads`` reads), set here through the OpenMP runtime torch uses: not
+    ``torch.set_num_threads``, which would also change it for threads started later. torch sets a
+    thread's count up the first time the thread asks for it (to what ``torch.set_num_threads`` last
+    set, if anything did), so it is asked first. Elsewhere (another backend, no runtime found)
+    nothing changes, and the debug log says so."""
     if "torch" not in sys.modules:  # (its OpenMP runtime is loaded with it)
-        return False
-    setter = _omp_set_num_threads()
-    if setter is None:
         return False
     import torch
 
-    try:
-        setter(1)
-    except Exception as exc:  # noqa: BLE001 - an odd runtime: the thread keeps torch's threads
-        log.debug("could not set OpenMP threads for %s: %s", threading.current_thread().name, exc)
-        return False
-    return torch.get_num_threads() == 1
+    if torch.get_num_threads() == 1:
+        return True
+    for setter in _omp_setters():
+        try:
+            setter(1)
+        except Exception:  # noqa: BLE001 - an odd runtime: try the next
+            continue
+        if torch.get_num_threads() == 1:
+            return True
+    log.debug("ckpttool: %s runs torch's operators on %d threads (no OpenMP runtime of torch's found)",
+              threading.current_thread().name, torch.get_num_threads())
+    return False
 
 
 @functools.lru_cache(maxsize=1)
-def _omp_set_num_threads() -> Any:
-    """``omp_set_num_threads`` of the OpenMP runtime loaded in this process (libgomp, LLVM's libomp,
-    Intel's libiomp5), found among the mapped files (Linux); None where there is none."""
+def _omp_setters() -> tuple[Any, ...]:
+    """``omp_set_num_threads`` of each OpenMP runtime loaded in this process (libgomp, LLVM's
+    libomp, Intel's libiomp5), found among the mapped files (Linux): torch's is the one whose call
+    changes ``torch.get_num_threads``. Empty where there is none."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if len(line.split()) >= 6}
     except OSError:
-        return None
+        return ()
+    setters = []
     for path in sorted(paths):
         if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp")):
             try:
-                return ctypes.CDLL(path).omp_set_num_threads
+                setters.append(ctypes.CDLL(path).omp_set_num_threads)
             except (OSError, AttributeError):
                 continue
-    return None
+    return tuple(setters)

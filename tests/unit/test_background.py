@@ -87,6 +87,7 @@ def test_a_worker_runs_torch_operators_on_its_own_thread_and_leaves_the_others_a
     cores after each one: background.py), set for that thread only: the caller's and threads
     started afterwards keep torch's count."""
     before = torch.get_num_threads()
+    torch.set_num_threads(before)  # (as a training script may: torch then sets each new thread's count to it)
     seen = []
     worker = Worker("ckpttool-test")
     worker.submit(lambda: seen.append(torch.get_num_threads())).wait()
