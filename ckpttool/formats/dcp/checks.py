@@ -17,7 +17,8 @@ import math
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...buffers import SlabBuffers, tensor_buffer
-from ...checksums import DIGEST_CHARS, HASH_BLOCK, RecordHasher, block_count, crc32, new_block, new_hasher, scan
+from ...checksums import (DIGEST_CHARS, HASH_BLOCK, RecordHasher, block_count, crc32, hash_range, new_block, new_hasher,
+                          scan)
 from ...errors import ChecksumError
 from ...index import Chunk, TensorEntry, dtype_size
 from ...layout import Box, relative
@@ -105,10 +106,8 @@ class RecordChecks:
             reader = source.record(info, key)[0]
             self._compare_crc(key, chunk, scan(reader, storage.offset, storage.nbytes, self._block), storage.crc32)
         else:  # the manifest's hash of the record as stored (compressed or not)
-            hasher = self._hasher(info)
-            scan(source.reader(info.relative_path), info.offset, info.length, self._block, crc_span=(info.offset, info.offset),
-                 hasher=hasher)
-            self._compare_digest(key, info, hasher.hexdigest())
+            self._compare_digest(key, info, hash_range(source.reader(info.relative_path), info.offset, info.length, self._block,
+                                                       self._extra(info), self.block))
         self._done.add((info.relative_path, info.offset))
         self._streams.pop((info.relative_path, info.offset), None)
 
@@ -196,10 +195,8 @@ class RecordChecks:
         elif packed:  # the manifest hashed the compressed bytes: hash them as stored, and check the CRC too
             if self._block is None:
                 self._block = new_block()
-            hasher = self._hasher(info)
-            scan(source.reader(info.relative_path), info.offset, info.length, self._block, crc_span=(info.offset, info.offset),
-                 hasher=hasher)
-            self._compare_digest(key, info, hasher.hexdigest())
+            self._compare_digest(key, info, hash_range(source.reader(info.relative_path), info.offset, info.length, self._block,
+                                                       self._extra(info), self.block))
             self._compare_crc(key, chunk, crc32(data), storage.crc32)
         else:
             h = self._hasher(info)
@@ -313,12 +310,15 @@ class RecordChecks:
             self._compare_digest(key, info, h.hexdigest())
             self._done.add((info.relative_path, info.offset))
 
+    def _extra(self, info: Any) -> Any:
+        """The fourth element of the manifest's row of the record at ``info`` (None: a row of three,
+        or a record the manifest does not know, whose comparison then names it)."""
+        row = self.manifest.rows_of(info.relative_path)[0].get(info.offset)
+        return row[2] if row is not None else None
+
     def _hasher(self, info: Any) -> RecordHasher:
-        """The hasher of the record at ``info`` as its manifest row defines its digest (a record
-        the manifest does not know: the whole record's, and the comparison names it)."""
-        rows, _ = self.manifest.rows_of(info.relative_path)
-        row = rows.get(info.offset)
-        return RecordHasher(row[2] if row is not None else None, self.block)
+        """The hasher of the record at ``info`` as its manifest row defines its digest."""
+        return RecordHasher(self._extra(info), self.block)
 
     def _compare_crc(self, key: str, chunk: Chunk, crc: int, stored: int) -> None:
         if crc == stored:

@@ -224,9 +224,9 @@ def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, ma
                        crc_span=(storage.offset, storage.offset + storage.nbytes), hasher=hasher)
         else:
             crc = scan(source.reader(info.relative_path), storage.offset, storage.nbytes, buf)
-        # a record hashed by parts carries no CRC-32 (its digests prove it), nor may one whose row
-        # cannot be had (a problem said already): a CRC-32 of 0 there is no second finding
-        if not (row is not None and by_parts(row[2])) and not (manifest is not None and row is None and not storage.crc32):
+        proven = row is not None and by_parts(row[2])  # a record hashed by parts carries no CRC-32: its digests prove it
+        unknown = manifest is not None and row is None and not storage.crc32  # nor may one whose row is missing (said)
+        if not (proven or unknown):
             _add(report, check_crc(chunk.offsets, crc, storage.crc32, url), key)
         if hasher is not None:
             _compare_digest(manifest, hasher.hexdigest(), info, url, key, report)
