@@ -71,17 +71,28 @@ def _speaks() -> bool:
 
 
 nproc_option = click.option("--nproc", type=click.IntRange(1, 256), default=1, show_default=True,
-                            help="Split the work between N local worker processes (gloo); the output is byte-identical. "
+                            help="Split the work between up to N local worker processes (gloo); the output is byte-identical. "
+                                 "Fewer start (or none) where the cores or the input's size say they would not pay for "
+                                 "their start, and a line on stderr says so; CKPTTOOL_SPLIT=always starts N. "
                                  "Under torchrun (torchrun ... -m ckpttool ...) torchrun's processes are the workers.")
 
 
-def _spread(ctx: click.Context, nproc: int, dst: str | None, storage_options: tuple[str, ...]) -> None:
-    """With ``--nproc N`` (and not already a worker): run this command line as N workers and exit
+def _spread(ctx: click.Context, nproc: int, src: str, dst: str | None, storage_options: tuple[str, ...]) -> None:
+    """With ``--nproc N`` (and not already a worker): run this command line as the workers that pay
+    for their start (:func:`parallel.workers_for`; saying so on stderr when fewer than N) and exit
     with its code. Otherwise return, and the command runs here."""
-    from .parallel import launch, launched
+    from .parallel import ENV_SPLIT, launch, launched, workers_for
 
-    if nproc > 1 and not launched():
-        ctx.exit(launch(nproc, sys.argv[1:], dst, _storage_options(storage_options)))
+    if nproc <= 1 or launched():
+        return
+    options = _storage_options(storage_options)
+    workers, why = workers_for(nproc, src, dst, options)
+    if why is not None and not _quiet(ctx):
+        ran = "in one process" if workers == 1 else f"{workers} workers"
+        click.echo(f"ckpttool: --nproc {nproc}: running {ran}: {why} ({ENV_SPLIT}=always starts {nproc})", err=True)
+    if workers > 1:
+        ctx.exit(launch(workers, sys.argv[1:], dst, options))  # (a worker's count is WORLD_SIZE, not --nproc)
+
 
 
 class _Group(click.Group):
@@ -296,7 +307,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str | None, only: str | 
     if any("=" not in rule for rule in key_map):
         raise click.BadParameter("takes REGEX=REPLACEMENT", param_hint="--key-map")
     rules = dict(rule.split("=", 1) for rule in key_map) or None
-    _spread(ctx, nproc, dst, storage_options)
+    _spread(ctx, nproc, src, dst, storage_options)
     report = _write(ctx, "convert", as_json, lambda progress, many: run_convert(
         src, dst, to=to, only=only, dtype=dtype, max_shard_size=max_shard_size, compress=compress, memory_budget=memory_budget,
         force=force, storage_options=_storage_options(storage_options), progress=progress, parallel=many, like=like,
@@ -400,7 +411,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
     """
     from .offline.reshard import reshard as run_reshard
 
-    _spread(ctx, nproc, dst, storage_options)
+    _spread(ctx, nproc, src, dst, storage_options)
     report = _write(ctx, "reshard", as_json, lambda progress, many: run_reshard(
         src, dst, world_size=world_size, mesh=mesh, tp_colwise=tp_colwise, tp_rowwise=tp_rowwise, like=like, only=only,
         parallel=many, compress=compress, to=to, memory_budget=memory_budget, force=force,
@@ -458,7 +469,7 @@ def verify(ctx: click.Context, path: str, other: str | None, only: str | None, a
 
     if other and (nproc > 1 or launched()):
         raise UsageError("--against runs in one process", hint="split integrity checks only: verify PATH --nproc N")
-    _spread(ctx, nproc, None, storage_options)
+    _spread(ctx, nproc, path, None, storage_options)
     progress = Progress("verify", not _quiet(ctx) and not as_json and _speaks())
     opts = _storage_options(storage_options)
     try:

@@ -28,6 +28,16 @@ from datetime import timedelta
 ENV_INIT = "CKPTTOOL_INIT_METHOD"  # set by launch(): the file store the workers meet at
 ENV_STAGING = "CKPTTOOL_STAGING"  # set by launch(): the hidden name the output is staged under
 ENV_TIMEOUT = "CKPTTOOL_WORKER_TIMEOUT"  # seconds a worker waits for the others (default a day)
+ENV_SPLIT = "CKPTTOOL_SPLIT"  # "always": --nproc N starts N workers whatever the work (tests, benchmarks)
+#: what starting the workers costs beyond one process, in seconds: an interpreter each, importing
+#: torch, and the gloo group (1.4-2.7 s wall for N = 2 here, docs/benchmarks.md "--nproc")
+START_S = 2.5
+#: bytes one process moves per second, on local files (cold here: reshard 0.3 GB/s, verify 1 GB/s)
+#: and on an object store (whose requests wait on the network)
+RATE = {"local": 0.5e9, "remote": 0.1e9}
+#: the cores a worker on local files keeps busy: it reads ahead in one thread while it writes and
+#: hashes in another (on 2 cores, 2 workers took 1.2-3.3x one process's time at 0.1-2 GB)
+CORES_PER_WORKER = 2
 #: how long the others may take to stop after one worker failed with an error it reported
 GRACE_S = 30.0
 #: whether this process joined a group of workers (:func:`workers`): the CLI then ends it with os._exit
@@ -97,6 +107,50 @@ class Terminated(BaseException):
 
 def _terminate(signum: int, frame: object) -> None:
     raise Terminated()
+
+
+def plan_workers(nproc: int, input_bytes: Callable[[int], int], cores: int, remote: bool) -> tuple[int, str | None]:
+    """How many of ``--nproc N``'s workers to start, and why not N (None when N).
+
+    Workers pay where each has the cores it keeps busy (on an object store, where they wait on the
+    network, every one does) and where the time they save, the one process's time over the input
+    less its share of it, is more than their start costs. ``input_bytes(enough)`` counts the
+    input's bytes, and may stop once they reach ``enough``."""
+    fit = nproc if remote else min(nproc, cores // CORES_PER_WORKER)
+    if fit <= 1:
+        return 1, f"this machine has {cores} cores, and a worker on local files keeps {CORES_PER_WORKER} busy"
+    pays_from = START_S * RATE["remote" if remote else "local"] * fit / (fit - 1)
+    have = input_bytes(int(pays_from))
+    if have < pays_from:
+        return 1, (f"{_gb(have)} of input does not pay for starting {fit} workers (about {START_S:g} s; "
+                   f"{'on an object store' if remote else 'on local files'} splitting pays from {_gb(pays_from)})")
+    if fit < nproc:
+        return fit, f"this machine has {cores} cores, and a worker on local files keeps {CORES_PER_WORKER} busy"
+    return nproc, None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def workers_for(nproc: int, src: str, dst: str | None, storage_options: dict | None = None) -> tuple[int, str | None]:
+    """:func:`plan_workers` for a command reading ``src`` (and writing ``dst``) on this machine;
+    ``CKPTTOOL_SPLIT=always`` starts ``nproc`` whatever the work. An input that cannot be sized (it
+    is missing, say) runs in one process, with nothing to say: the command's own error follows."""
+    from .errors import CkptError
+    from .storage import resolve
+
+    if nproc <= 1 or os.environ.get(ENV_SPLIT) == "always":
+        return nproc, None
+    try:
+        source = resolve(src, storage_options)
+        if not source.exists():
+            return 1, None
+        remote = source.batch_reads or (dst is not None and resolve(dst, storage_options).batch_reads)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return plan_workers(nproc, source.bytes_under, cores, remote)
+    except CkptError:
+        return 1, None
 
 
 def staging_name() -> str | None:

@@ -52,6 +52,11 @@ class Backend(ABC):
         """Sorted names inside a directory; [] when it is missing or not a directory."""
 
     @abstractmethod
+    def bytes_under(self, path: str, enough: int) -> int:
+        """The bytes of the file, or of every file below the directory, counted until ``enough``
+        (a sum that reaches it may stop there; :mod:`ckpttool.parallel` sizes a command's input)."""
+
+    @abstractmethod
     def read_bytes(self, path: str, start: int | None, end: int | None) -> bytes: ...
 
     @abstractmethod
@@ -132,6 +137,20 @@ class LocalDisk(Backend):
             return sorted(os.listdir(path))
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def bytes_under(self, path: str, enough: int) -> int:
+        if not os.path.isdir(path):
+            return os.path.getsize(path)
+        total = 0
+        for top, dirs, files in os.walk(path):  # symbolic links to directories are not followed
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(top, name)).st_size
+                except FileNotFoundError:  # removed while counting
+                    continue
+            if total >= enough:
+                break
+        return total
 
     def read_bytes(self, path: str, start: int | None, end: int | None) -> bytes:
         with self.open_read(path) as f:
@@ -301,6 +320,9 @@ class Fsspec(Backend):
 
     def size(self, path: str) -> int:
         return int(self.fs.size(path))
+
+    def bytes_under(self, path: str, enough: int) -> int:
+        return int(self.fs.du(path, total=True))  # one listing of everything below (an object store's is)
 
     def version(self, path: str) -> tuple | None:
         info = self.fs.info(path)

@@ -115,6 +115,10 @@ class Location:
     def size(self) -> int:
         return int(self._call(self._backend.size, missing="file does not exist"))
 
+    def bytes_under(self, enough: int) -> int:
+        """The bytes of this file, or of the files below this directory, counted until ``enough``."""
+        return int(self._call(self._backend.bytes_under, enough))
+
     def listdir(self) -> list[str]:
         """Names (not paths) of the entries directly inside this directory, sorted."""
         return self._call(self._backend.listdir)

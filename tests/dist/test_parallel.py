@@ -23,6 +23,13 @@ CKPTTOOL = [sys.executable, "-m", "ckpttool"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ckpttool"]
 
 
+@pytest.fixture(autouse=True)
+def _split_always(monkeypatch):
+    """These test the workers on small checkpoints, which --nproc would otherwise read in one
+    process (tests/unit/test_split.py tests that choice)."""
+    monkeypatch.setenv("CKPTTOOL_SPLIT", "always")
+
+
 def run(argv, timeout=180, **env):
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
 
