@@ -30,13 +30,18 @@ ENV_STAGING = "CKPTTOOL_STAGING"  # set by launch(): the hidden name the output 
 ENV_TIMEOUT = "CKPTTOOL_WORKER_TIMEOUT"  # seconds a worker waits for the others (default a day)
 ENV_SPLIT = "CKPTTOOL_SPLIT"  # "always": --nproc N starts N workers whatever the work (tests, benchmarks)
 #: what starting the workers costs beyond one process, in seconds: an interpreter each, importing
-#: torch, and the gloo group (1.4-2.7 s wall for N = 2 here, docs/benchmarks.md "--nproc")
+#: torch, and the gloo group (1.2-1.9 s wall for N = 2 at 0.1 GB here, docs/benchmarks.md "--nproc")
 START_S = 2.5
-#: bytes one process moves per second, on local files (cold here: reshard 0.3 GB/s, verify 1 GB/s)
-#: and on an object store (whose requests wait on the network)
-RATE = {"local": 0.5e9, "remote": 0.1e9}
-#: the cores a worker on local files keeps busy: it reads ahead in one thread while it writes and
-#: hashes in another (on 2 cores, 2 workers took 1.2-3.3x one process's time at 0.1-2 GB)
+#: bytes one process moves per second: on local files (cold here: reshard 0.3 GB/s, verify 1 GB/s),
+#: and reading or writing an object store (moto_server on loopback, the one measured here: 0.1 GB
+#: reshard S3 -> S3 in 17-26 s, verify in 12-22 s, 4-8 MB/s; one 4 MiB read of it ran at 78-231 MB/s,
+#: so a single read does not tell a command's speed). A faster store makes this split where one
+#: process would have been quicker, which costs at most the workers' start; the opposite error
+#: costs minutes.
+RATE = {"local": 0.5e9, "object store": 10e6}
+#: the cores a worker on local files can keep busy: it reads ahead in one thread while it writes and
+#: hashes in another. On this machine's 2 cores, 2 workers were slower than one process in every
+#: case measured, 0.1-4 GB (docs/benchmarks.md, "--nproc")
 CORES_PER_WORKER = 2
 #: how long the others may take to stop after one worker failed with an error it reported
 GRACE_S = 30.0
@@ -119,11 +124,13 @@ def plan_workers(nproc: int, input_bytes: Callable[[int], int], cores: int, remo
     fit = nproc if remote else min(nproc, cores // CORES_PER_WORKER)
     if fit <= 1:
         return 1, f"this machine has {cores} cores, and a worker on local files keeps {CORES_PER_WORKER} busy"
-    pays_from = START_S * RATE["remote" if remote else "local"] * fit / (fit - 1)
+    speed = RATE["object store" if remote else "local"]
+    pays_from = START_S * speed * fit / (fit - 1)
     have = input_bytes(int(pays_from))
     if have < pays_from:
+        where = f"at {speed / 1e6:.0f} MB/s {'from an object store' if remote else 'on local files'}"
         return 1, (f"{_gb(have)} of input does not pay for starting {fit} workers (about {START_S:g} s; "
-                   f"{'on an object store' if remote else 'on local files'} splitting pays from {_gb(pays_from)})")
+                   f"{where}, splitting pays from {_gb(pays_from)})")
     if fit < nproc:
         return fit, f"this machine has {cores} cores, and a worker on local files keeps {CORES_PER_WORKER} busy"
     return nproc, None

@@ -52,10 +52,11 @@ def test_size_decides_where_the_cores_allow():
 
 
 def test_object_stores_split_whatever_the_cores():
-    pays_from = START_S * RATE["remote"] * 2
+    pays_from = START_S * RATE["object store"] * 2
+    assert pays_from < START_S * RATE["local"] * 2
     assert plan_workers(2, sized(int(pays_from))[0], cores=1, remote=True) == (2, None)
     n, why = plan_workers(2, sized(int(pays_from) - 1)[0], cores=1, remote=True)
-    assert n == 1 and "object store" in why
+    assert n == 1 and "from an object store" in why
 
 
 def test_bytes_under_counts_below_and_stops(tmp_path):
@@ -80,7 +81,11 @@ def test_bytes_under_counts_below_and_stops(tmp_path):
 def test_workers_for(tmp_path, monkeypatch):
     monkeypatch.delenv(parallel.ENV_SPLIT, raising=False)
     n, why = workers_for(2, str(FIXTURE), "memory://split-test/out")  # writing to an object store
-    assert n == 1 and "object store" in why
+    assert n == 1 and f"at {RATE['object store'] / 1e6:.0f} MB/s from an object store" in why
+    src = resolve("memory://split-test/src")
+    src.child("__0_0.distcp").write_bytes(b"6" * 3000)
+    n, why = workers_for(2, src.url, None)  # reading an object store
+    assert n == 1 and "from an object store" in why
     assert workers_for(2, str(tmp_path / "missing"), None) == (1, None)  # the command's own error follows
     assert workers_for(1, str(FIXTURE), None) == (1, None)
     monkeypatch.setenv(parallel.ENV_SPLIT, "always")
