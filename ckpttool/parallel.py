@@ -29,19 +29,18 @@ ENV_INIT = "CKPTTOOL_INIT_METHOD"  # set by launch(): the file store the workers
 ENV_STAGING = "CKPTTOOL_STAGING"  # set by launch(): the hidden name the output is staged under
 ENV_TIMEOUT = "CKPTTOOL_WORKER_TIMEOUT"  # seconds a worker waits for the others (default a day)
 ENV_SPLIT = "CKPTTOOL_SPLIT"  # "always": --nproc N starts N workers whatever the work (tests, benchmarks)
+# The figures below are measured, with the runs behind them, in docs/benchmarks.md ("Issue 50,
+# part 5").
 #: what starting the workers costs beyond one process, in seconds: an interpreter each, importing
-#: torch, and the gloo group (1.2-1.9 s wall for N = 2 at 0.1 GB here, docs/benchmarks.md "--nproc")
+#: torch, and the gloo group
 START_S = 2.5
-#: bytes one process moves per second: on local files (cold here: reshard 0.3 GB/s, verify 1 GB/s),
-#: and reading or writing an object store (moto_server on loopback, the one measured here: 0.1 GB
-#: reshard S3 -> S3 in 17-26 s, verify in 12-22 s, 4-8 MB/s; one 4 MiB read of it ran at 78-231 MB/s,
-#: so a single read does not tell a command's speed). A faster store makes this split where one
-#: process would have been quicker, which costs at most the workers' start; the opposite error
-#: costs minutes.
+#: bytes one process moves per second, on local files and on an object store. The object store's
+#: is the slow end on purpose: against a faster store it splits where one process would have been
+#: quicker, which costs at most the workers' start, where the opposite error costs minutes. (One
+#: read's speed, tried as a probe, did not tell a command's speed.)
 RATE = {"local": 0.5e9, "object store": 10e6}
 #: the cores a worker on local files can keep busy: it reads ahead in one thread while it writes and
-#: hashes in another. On this machine's 2 cores, 2 workers were slower than one process in every
-#: case measured, 0.1-4 GB (docs/benchmarks.md, "--nproc")
+#: hashes in another
 CORES_PER_WORKER = 2
 #: how long the others may take to stop after one worker failed with an error it reported
 GRACE_S = 30.0

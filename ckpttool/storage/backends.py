@@ -142,7 +142,7 @@ class LocalDisk(Backend):
         if not os.path.isdir(path):
             return os.path.getsize(path)
         total = 0
-        for top, dirs, files in os.walk(path):  # symbolic links to directories are not followed
+        for top, _, files in os.walk(path):  # symbolic links to directories are not followed
             for name in files:
                 try:
                     total += os.lstat(os.path.join(top, name)).st_size
