@@ -74,6 +74,13 @@ class _Window(io.RawIOBase):
         self._head: bytes | None = None
         self._span = tail
 
+    def fetched(self) -> list[tuple[int, bytes]]:
+        """The (file offset, bytes) spans read so far: the whole archive, or its head and tail."""
+        if self._buf is not None:
+            return [(self._start, self._buf)]
+        spans = [] if self._head is None else [(self._start, self._head)]
+        return spans + ([] if self._tail is None else [(self._start + self._len - len(self._tail), self._tail)])
+
     def seekable(self) -> bool:
         return True
 
@@ -113,11 +120,13 @@ class _Window(io.RawIOBase):
 
 
 def read_archive(reader: RangeReader, start: int = 0, length: int | None = None, where: str = "",
-                 whole_up_to: int = 0) -> Archive:
+                 whole_up_to: int = 0, fetched: list[tuple[int, bytes]] | None = None) -> Archive:
     """Parse the archive at ``[start, start+length)``: its pickle (allow-listed) and its storages.
 
     An archive up to ``whole_up_to`` bytes is fetched in one read and kept by the reader for the
     data reads that follow (DCP records on an object store: one request per record, not three).
+    ``fetched``, if given, receives the (offset, bytes) spans the parse read, for a caller that
+    needs those bytes again (a record's hash) without reading them twice.
     """
     where = where or reader.where
     if length is None:
@@ -141,6 +150,8 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
                                      hint="the file is damaged or in another format") from None
     if byteorder != "little":
         raise FormatError(f"byte order {byteorder!r}", where=where, hint="only little-endian checkpoints are supported")
+    if fetched is not None:
+        fetched.extend(window.fetched())
     obj = _REFS.get(pkl)
     if obj is None:
         obj = load_torch_pickle(pkl, where)

@@ -199,11 +199,11 @@ class RecordChecks:
                                                        self._extra(info), self.block))
             self._compare_crc(key, chunk, crc32(data), storage.crc32)
         else:
-            h = self._hasher(info)
-            h.update(reader.read(info.offset, storage.offset - info.offset))
+            h = self._hasher(info)  # the record's head and tail as its parse read them: not read again
+            h.update(source.record_bytes(info, info.offset, storage.offset - info.offset))
             h.update(data)
             end = storage.offset + storage.nbytes
-            h.update(reader.read(end, info.offset + info.length - end))
+            h.update(source.record_bytes(info, end, info.offset + info.length - end))
             self._compare_digest(key, info, h.hexdigest())
         self._done.add((info.relative_path, info.offset))
 
@@ -302,13 +302,18 @@ class RecordChecks:
                                     where=url,
                                     hint="the bytes changed after the save committed; restore the file or use another step")
 
-    def check_object(self, key: str, info: Any) -> None:
-        """The manifest's hash of an object's record (its pickle's CRC-32 is checked as it is read)."""
-        if self.manifest is not None and not self.done(info):
-            h = self._hasher(info)
-            h.update(self.source.reader(info.relative_path).read(info.offset, info.length))
-            self._compare_digest(key, info, h.hexdigest())
-            self._done.add((info.relative_path, info.offset))
+    def check_object(self, key: str, info: Any) -> bytes | None:
+        """The manifest's hash of an object's record (its pickle's CRC-32 is checked as it is read):
+        the record's bytes once checked, for the caller to unpickle (one read, and the very bytes
+        the hash proved), or None where nothing was read here."""
+        if self.manifest is None or self.done(info):
+            return None
+        h = self._hasher(info)
+        data = self.source.reader(info.relative_path).read(info.offset, info.length)
+        h.update(data)
+        self._compare_digest(key, info, h.hexdigest())
+        self._done.add((info.relative_path, info.offset))
+        return data
 
     def _extra(self, info: Any) -> Any:
         """The fourth element of the manifest's row of the record at ``info`` (None: a row of three,

@@ -182,10 +182,17 @@ def _check_object(source: DcpSource, key: str, info: Any, manifest: Manifest | N
     url = source.file(info.relative_path).url
     row = _manifest_row(manifest, info, url, key, report)
     try:
-        if row is not None:
-            _compare_digest(manifest, hash_range(source.reader(info.relative_path), info.offset, info.length, buf, row[2],
-                                                 manifest.block), info, url, key, report)
-        source.read_object(key)
+        if row is not None and not source.transformed(info):  # read once: hashed, then unpickled from the same bytes
+            record = source.reader(info.relative_path).read(info.offset, info.length)
+            hasher = RecordHasher(row[2], manifest.block)
+            hasher.update(record)
+            _compare_digest(manifest, hasher.hexdigest(), info, url, key, report)
+            source.parse_object(key, record)
+        else:
+            if row is not None:
+                _compare_digest(manifest, hash_range(source.reader(info.relative_path), info.offset, info.length, buf, row[2],
+                                                     manifest.block), info, url, key, report)
+            source.read_object(key)
         report.objects_checked += 1
     except UnsafePickleError as exc:  # a value ckpttool refuses to read: unreadable input, not damage
         report.add(exc.what, exc.where or url, key, exc.hint, unreadable=True)

@@ -17,7 +17,7 @@ from ...checksums import hash_bytes
 from ...errors import CkptError, CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ...layout import Box, relative, whole
-from ...storage import Location, RangeReader
+from ...storage import BytesReader, Location, RangeReader
 from ...steps import COMMIT_FILE, manifest_file_name, read_commit_record
 from ..base import Source
 from ..torchzip import REMOTE_RECORD, REMOTE_SPAN, Archive, load_object_record, read_archive, read_tensor_box
@@ -75,6 +75,7 @@ class DcpSource(Source):
         self._readers: dict[str, RangeReader] = {}
         self._files: dict[str, Location] = {}  # data file name -> its Location (one a file, not one a read)
         self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
+        self._fetched: tuple[tuple[str, int], list[tuple[int, bytes]]] | None = None  # the last parse's reads (record_bytes)
         self._decoded: OrderedDict[tuple[str, int], DecodedRecord] = OrderedDict()  # compressed records, decoded
         self._chunk_sizes: dict[tuple[str, int], int] | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # per data file: its plain records' (offset, length), sorted
@@ -314,11 +315,22 @@ class DcpSource(Source):
                 if self.location.batch_reads and length <= REMOTE_RECORD and not reader.holds(offset, length):
                     self._fetch_span(reader, info)
             whole = 0 if self.transformed(info) else REMOTE_RECORD if self.location.batch_reads else LOCAL_RECORD
-            arch = read_archive(reader, offset, length, self.record_where(info, key), whole_up_to=whole)
+            fetched: list[tuple[int, bytes]] = []
+            arch = read_archive(reader, offset, length, self.record_where(info, key), whole_up_to=whole, fetched=fetched)
+            self._fetched = (cache_key, fetched) if not self.transformed(info) else None
             self._archives[cache_key] = arch
             if len(self._archives) > 4096:
                 self._archives.popitem(last=False)
         return arch
+
+    def record_bytes(self, info: Any, offset: int, length: int) -> bytes:
+        """``length`` bytes of the file at ``offset``, inside the record at ``info``: from what the
+        parse of that record (the last one parsed) read, else read now."""
+        if self._fetched is not None and self._fetched[0] == (info.relative_path, info.offset):
+            for start, data in self._fetched[1]:
+                if start <= offset and offset + length <= start + len(data):
+                    return data[offset - start: offset - start + length]
+        return self.reader(info.relative_path).read(offset, length)
 
     def _fetch_span(self, reader: RangeReader, info: Any) -> None:
         """On an object store, fetch a record together with the records that follow it in its file
@@ -405,10 +417,17 @@ class DcpSource(Source):
 
     def read_object(self, key: str) -> Any:
         info = self.entry(key, ObjectEntry).location
-        if self.checks is not None:
-            self.checks.check_object(key, info)
+        checked = self.checks.check_object(key, info) if self.checks is not None else None
+        if checked is not None and not self.transformed(info):  # parsed from the bytes just checked: no second read
+            return self.parse_object(key, checked)
         reader, offset, length = self.record(info, key)
         return load_object_record(reader, offset, length, f"{self.file(info.relative_path).url} (object {key!r})")
+
+    def parse_object(self, key: str, record: bytes) -> Any:
+        """The value of object ``key`` from its (uncompressed) record's bytes, read and checked by
+        the caller: the value comes from the very bytes the check proved."""
+        where = f"{self.file(self.entry(key, ObjectEntry).location.relative_path).url} (object {key!r})"
+        return load_object_record(BytesReader(record, where), 0, len(record), where)
 
     def _check_in_parts(self) -> None:
         if self.checks is not None:
