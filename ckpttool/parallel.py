@@ -1,9 +1,10 @@
 """Offline commands spread over workers: torch.distributed (gloo) processes that split one output.
 
 A worker is a process of a gloo group. Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment,
-any number of nodes) a command joins the group torchrun set up; ``--nproc N`` starts N local
-workers itself (:func:`launch`), with a file-store rendezvous (no port to pick) and the name of the
-output's staging directory chosen up front, so that a worker killed mid-run leaves nothing behind.
+any number of nodes) a command joins the group torchrun set up; ``--nproc N`` starts up to N local
+workers itself (:func:`launch`; as many as pay for their start, :func:`workers_for`), with a
+file-store rendezvous (no port to pick) and the name of the output's staging directory chosen up
+front, so that a worker killed mid-run leaves nothing behind.
 
 What is split is the output's files (a reshard's target ranks, a sharded convert's shards) and a
 verify's entries: worker ``w`` of ``n`` takes the ``w``-th contiguous run of them (neighbouring files
@@ -143,7 +144,6 @@ def workers_for(nproc: int, src: str, dst: str | None, storage_options: dict | N
     """:func:`plan_workers` for a command reading ``src`` (and writing ``dst``) on this machine;
     ``CKPTTOOL_SPLIT=always`` starts ``nproc`` whatever the work. An input that cannot be sized (it
     is missing, say) runs in one process, with nothing to say: the command's own error follows."""
-    from .errors import CkptError
     from .storage import resolve
 
     if nproc <= 1 or os.environ.get(ENV_SPLIT) == "always":
@@ -155,7 +155,7 @@ def workers_for(nproc: int, src: str, dst: str | None, storage_options: dict | N
         remote = source.batch_reads or (dst is not None and resolve(dst, storage_options).batch_reads)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         return plan_workers(nproc, source.bytes_under, cores, remote)
-    except CkptError:
+    except Exception:  # noqa: BLE001 - sizing is advice: the command itself says what is wrong with its input
         return 1, None
 
 

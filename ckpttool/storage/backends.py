@@ -141,13 +141,22 @@ class LocalDisk(Backend):
     def bytes_under(self, path: str, enough: int) -> int:
         if not os.path.isdir(path):
             return os.path.getsize(path)
-        total = 0
-        for top, _, files in os.walk(path):  # symbolic links to directories are not followed
+        total, seen = 0, set()
+
+        def fail(exc: OSError) -> None:  # an unreadable directory: an error, not an empty one
+            raise exc
+
+        # links to directories are not followed; a link to a file counts as the file (formats read
+        # through it), once
+        for top, _, files in os.walk(path, onerror=fail):
             for name in files:
                 try:
-                    total += os.lstat(os.path.join(top, name)).st_size
-                except FileNotFoundError:  # removed while counting
+                    st = os.stat(os.path.join(top, name))
+                except FileNotFoundError:  # removed while counting, or a dangling link
                     continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
             if total >= enough:
                 break
         return total
@@ -322,7 +331,9 @@ class Fsspec(Backend):
         return int(self.fs.size(path))
 
     def bytes_under(self, path: str, enough: int) -> int:
-        return int(self.fs.du(path, total=True))  # one listing of everything below (an object store's is)
+        total = int(self.fs.du(path, total=True))  # one listing of everything below (an object store's is)
+        self.fs.invalidate_cache(path)  # (listdir refreshes a directory, not those below it: files written later must show)
+        return total
 
     def version(self, path: str) -> tuple | None:
         info = self.fs.info(path)
