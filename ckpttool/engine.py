@@ -54,6 +54,11 @@ def plan_entries(source: Source, only: str | None = None, dtype: torch.dtype | N
     """Apply select and cast to the source's index; objects are read here (they are small)."""
     index = source.index()
     selected = strip_prefix(index.paths, only) if only is not None else {k: (k, index.path(k)) for k in index}
+    # a run reads every record it selects, mostly in file order: a format may fetch neighbours together.
+    # (All records, also with --only: naming the selected ones would walk every chunk of a large step's
+    # rule-made index. A top-level key's records lie together in a file, so what spans fetch past
+    # the selection is about one span per file.)
+    source.will_read(None)
     entries: list[TensorSpec | ObjectSpec] = []
     source_key: dict[str, str] = {}
     for key, (out_key, path) in selected.items():

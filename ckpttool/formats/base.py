@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from typing import IO, TYPE_CHECKING, Any, ClassVar
@@ -222,6 +222,11 @@ class Source(ABC):
 
     def _check_in_parts(self) -> None:
         pass
+
+    def will_read(self, locations: Iterable[Any] | None) -> None:
+        """The records the caller is about to read (chunk and object locations; None: all of them),
+        so that a format can fetch neighbours together (a DCP file's adjacent small records in one
+        read). Reads outside them are served as ever."""
 
     def _settle(self) -> None:
         pass

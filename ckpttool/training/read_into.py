@@ -33,6 +33,10 @@ def load_into(source: Source, flat: dict[str, Any]) -> None:
     # Everything that can be checked without the tensor data is checked before the first tensor
     # is written: each tensor's chunks (coverage, records inside their files) and every object.
     tensors = {key: source.entry(key, TensorEntry, checked=True) for key, value in flat.items() if isinstance(value, torch.Tensor)}
+    # the records this rank reads: a format may fetch adjacent small ones together
+    index = source.index()
+    source.will_read([*(chunk.location for key, entry in tensors.items() for chunk, _ in entry.chunks_in(local_shard_box(flat[key])[1])),
+                      *(getattr(index[key], "location", None) for key in flat if key not in tensors and key in index)])
     objects = {key: source.read_object(key) for key in flat if key not in tensors}
     flat.update(objects)
     for key, entry in tensors.items():

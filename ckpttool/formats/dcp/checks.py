@@ -309,6 +309,7 @@ class RecordChecks:
         if self.manifest is None or self.done(info):
             return None
         h = self._hasher(info)
+        self.source.prefetch(info)
         data = self.source.reader(info.relative_path).read(info.offset, info.length)
         h.update(data)
         self._compare_digest(key, info, h.hexdigest())

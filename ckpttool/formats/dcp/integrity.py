@@ -38,6 +38,7 @@ def check_integrity(source: DcpSource, report: Report, only: str | None, progres
     by_index = source.read_by_metadata()  # (the walk below is .metadata's; the load index is compared with it)
     manifest = _load_manifest(source, whole)  # first: it says whether .metadata itself is the one saved
     index = source.index()
+    source.will_read(None)  # every record (a share: those of its entries; a span's neighbours may be another's)
     if by_index is not None and (share is None or share[0] == 0):
         _compare_load_index(source, by_index, index, whole)
     keys = index.under(only)
@@ -183,6 +184,7 @@ def _check_object(source: DcpSource, key: str, info: Any, manifest: Manifest | N
     row = _manifest_row(manifest, info, url, key, report)
     try:
         if row is not None and not source.transformed(info):  # read once: hashed, then unpickled from the same bytes
+            source.prefetch(info)
             record = source.reader(info.relative_path).read(info.offset, info.length)
             hasher = RecordHasher(row[2], manifest.block)
             hasher.update(record)

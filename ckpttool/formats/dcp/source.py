@@ -10,6 +10,7 @@ import bisect
 import math
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ...bulk import no_gc
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 #: read whole in one read and its later reads (header, data, the rest) served from it: a reshard
 #: of many small records otherwise made five reads of each, each part read apart
 LOCAL_RECORD = 68 << 10
+#: on a local disk, adjacent records up to LOCAL_RECORD that the caller will read (``will_read``) are
+#: fetched together, in one read of at most this many bytes
+LOCAL_SPAN = 1 << 20
+#: ... in each of the last this many files read (so at most LOCAL_HELD * LOCAL_SPAN bytes held)
+LOCAL_HELD = 8
 
 
 class DcpSource(Source):
@@ -79,6 +85,9 @@ class DcpSource(Source):
         self._decoded: OrderedDict[tuple[str, int], DecodedRecord] = OrderedDict()  # compressed records, decoded
         self._chunk_sizes: dict[tuple[str, int], int] | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # per data file: its plain records' (offset, length), sorted
+        self._wanted: set[tuple[str, int]] | bool = False  # will_read's records (True: all); False: none said
+        self._holding: OrderedDict[str, RangeReader] = OrderedDict()  # files whose reader may hold a span, oldest first
+        self._spanned: dict[str, list[list[int]]] = {}  # per data file: the [start, end) ranges fetched in spans, merged
         self._index: Index | None = None
         if verify:
             from . import checks  # (only a checking reader needs it; verify opens without)
@@ -308,12 +317,7 @@ class DcpSource(Source):
         arch = self._archives.get(cache_key)
         if arch is None:
             reader, offset, length = self.record(info, key)
-            if not self.transformed(info):
-                for other in self._readers.values():  # at most one span of records held in memory per source
-                    if other is not reader:
-                        other.release()
-                if self.location.batch_reads and length <= REMOTE_RECORD and not reader.holds(offset, length):
-                    self._fetch_span(reader, info)
+            self.prefetch(info)
             whole = 0 if self.transformed(info) else REMOTE_RECORD if self.location.batch_reads else LOCAL_RECORD
             fetched: list[tuple[int, bytes]] = []
             arch = read_archive(reader, offset, length, self.record_where(info, key), whole_up_to=whole, fetched=fetched)
@@ -332,11 +336,38 @@ class DcpSource(Source):
                     return data[offset - start: offset - start + length]
         return self.reader(info.relative_path).read(offset, length)
 
-    def _fetch_span(self, reader: RangeReader, info: Any) -> None:
-        """On an object store, fetch a record together with the records that follow it in its file
-        (back to back, each small enough to be fetched whole; up to REMOTE_SPAN bytes) and hold
-        them: a convert reads them next, and each would otherwise cost a request (a round trip).
-        A span of one record is left to read_archive."""
+    def will_read(self, locations: Iterable[Any] | None) -> None:
+        self._wanted = True if locations is None else {(i.relative_path, i.offset) for i in locations
+                                                         if getattr(i, "relative_path", None) is not None}
+
+    def prefetch(self, info: Any) -> None:
+        """Before a plain record is read: hold it, with the records after it that will be read too
+        (:meth:`_fetch_span`), where that saves reads: on an object store always (each read is a
+        request), on a local disk among the records ``will_read`` named (each read a syscall, and
+        records nobody reads are not fetched)."""
+        if self.transformed(info):
+            return
+        reader = self.reader(info.relative_path)
+        # spans held in memory: one per source on an object store (up to REMOTE_SPAN), one in each of
+        # the LOCAL_HELD files read last on a local disk (a tensor's chunks alternate between files)
+        self._holding.pop(info.relative_path, None)
+        self._holding[info.relative_path] = reader
+        while len(self._holding) > (1 if self.location.batch_reads else LOCAL_HELD):
+            self._holding.popitem(last=False)[1].release()
+        if reader.holds(info.offset, info.length):
+            return
+        if self.location.batch_reads:
+            if info.length <= REMOTE_RECORD:
+                self._fetch_span(reader, info, REMOTE_RECORD, REMOTE_SPAN, True)
+        elif self._wanted and info.length <= LOCAL_RECORD and (self._wanted is True or (info.relative_path, info.offset) in self._wanted):
+            self._fetch_span(reader, info, LOCAL_RECORD, LOCAL_SPAN, self._wanted)
+
+    def _fetch_span(self, reader: RangeReader, info: Any, record_max: int, span_max: int,
+                    wanted: set[tuple[str, int]] | bool) -> None:
+        """Fetch a record together with the records that follow it in its file (back to back, each
+        up to ``record_max`` bytes and in ``wanted``, or any with ``True``; up to ``span_max``
+        bytes) and hold them: a convert reads them next, and each would otherwise cost a request
+        (a round trip on an object store). A span of one record is left to read_archive."""
         runs = self._spans.get(info.relative_path)
         if runs is None and self.by_index is not None:  # (every record of the file, from its manifest: not .metadata)
             manifest = self._manifest()
@@ -347,14 +378,20 @@ class DcpSource(Source):
                 (i.offset, i.length) for i in self._storage.values()
                 if i.relative_path == info.relative_path and not self.transformed(i))
         at = bisect.bisect_left(runs, (info.offset, info.length))
-        end = info.offset + info.length
-        for offset, length in runs[at + 1:]:
-            if offset != end or length > REMOTE_RECORD or offset + length - info.offset > REMOTE_SPAN:
+        end, size = info.offset + info.length, reader.size()
+        spanned = self._spanned.setdefault(info.relative_path, [])
+        for offset, length in runs[at + 1:]:  # (a record past the file's end is left to its own read, which says so)
+            if offset != end or length > record_max or offset + length - info.offset > span_max or offset + length > size:
+                break
+            if wanted is not True and (info.relative_path, offset) not in wanted:
+                break
+            if _within(spanned, offset):  # fetched before (records read out of file order): not again
                 break
             end = offset + length
         if end > info.offset + info.length:
             reader.check_range(info.offset, end - info.offset)
             reader.hold(info.offset, reader.read(info.offset, end - info.offset))
+            _add_range(spanned, info.offset, end)
 
     def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk):
         """(reference, storage) of a chunk's record, checked against what ``.metadata`` says."""
@@ -420,6 +457,7 @@ class DcpSource(Source):
         checked = self.checks.check_object(key, info) if self.checks is not None else None
         if checked is not None and not self.transformed(info):  # parsed from the bytes just checked: no second read
             return self.parse_object(key, checked)
+        self.prefetch(info)
         reader, offset, length = self.record(info, key)
         return load_object_record(reader, offset, length, f"{self.file(info.relative_path).url} (object {key!r})")
 
@@ -441,6 +479,24 @@ class DcpSource(Source):
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+        self._holding.clear()
         for d in self._decoded.values():
             d.close()
         self._decoded.clear()
+
+
+def _within(ranges: list[list[int]], offset: int) -> bool:
+    """Whether ``offset`` lies in one of the sorted, disjoint ``[start, end)`` ``ranges``."""
+    at = bisect.bisect_right(ranges, [offset, float("inf")]) - 1
+    return at >= 0 and ranges[at][0] <= offset < ranges[at][1]
+
+
+def _add_range(ranges: list[list[int]], start: int, end: int) -> None:
+    """Add ``[start, end)`` to the sorted, disjoint ``ranges``, merging it with those it touches."""
+    at = bisect.bisect_left(ranges, [start, start])
+    if at > 0 and ranges[at - 1][1] >= start:
+        at -= 1
+    while at < len(ranges) and ranges[at][0] <= end:
+        start, end = min(start, ranges[at][0]), max(end, ranges[at][1])
+        del ranges[at]
+    ranges.insert(at, [start, end])
