@@ -630,8 +630,8 @@ def refuse_step(step_dir: Location, error: BaseException, roll: Roll | None = No
     if roll is not None:
         with contextlib.suppress(Exception):
             roll.store.set(outcome_key(roll, step_dir), json.dumps(said))
-    with contextlib.suppress(Exception):
-        step_dir.child(REFUSED_FILE).write_bytes(json.dumps(said).encode())
+    with contextlib.suppress(Exception):  # in one step: a rank that sees the file reads all of it
+        step_dir.child(REFUSED_FILE).replace_bytes(json.dumps(said).encode())
 
 
 def await_commit(step_dir: Location, commit_record: Location, step: int | None, timeout: float,
@@ -641,7 +641,7 @@ def await_commit(step_dir: Location, commit_record: Location, step: int | None, 
     that ``wait()`` and ``close()`` tell every rank whether the step counts. Raises
     :class:`StepNotCommittedError` with rank 0's reason (a :class:`RankDeadError` where rank 0
     found a rank dead, or with ``roll`` finds rank 0 dead), or after ``timeout`` seconds."""
-    from .errors import CkptError, RankDeadError, StepNotCommittedError
+    from .errors import RankDeadError, StepNotCommittedError
 
     marker = step_dir.child(REFUSED_FILE)
     told: dict[str, Any] = {}
@@ -666,11 +666,8 @@ def await_commit(step_dir: Location, commit_record: Location, step: int | None, 
             raise
     if told.get("committed") or (not told and commit_record.exists()):
         return
-    try:
-        said = told or json.loads(marker.read_bytes()[:1 << 16])
-        reason = said.get("error", "no reason given")
-    except (ValueError, AttributeError, CkptError):
-        said, reason = {}, "its reason could not be read"
+    said = told or _refusal(marker)
+    reason = said.get("error", "no reason given") if said else "its reason could not be read"
     dead = said.get("dead") if isinstance(said, dict) else None
     # (the refusal file is in storage: its shape is checked before it names anyone)
     if (isinstance(dead, list) and len(dead) == 3 and isinstance(dead[0], list) and all(isinstance(r, int) for r in dead[0])
@@ -679,6 +676,29 @@ def await_commit(step_dir: Location, commit_record: Location, step: int | None, 
         raise RankDeadError(dead[0], {int(r): p for r, p in dead[1].items()}, dead[2], where=commit_record.parent.url)
     raise StepNotCommittedError(f"step {step} was not committed: {reason}", where=commit_record.parent.url,
                                 error_type=said.get("error_type") if isinstance(said.get("error_type"), str) else None)
+
+
+#: how long a rank waits for a refusal it saw appear to become readable
+REFUSAL_READ_S = 2.0
+
+
+def _refusal(marker: Location) -> dict[str, Any]:
+    """Rank 0's refusal of a step (:func:`refuse_step`) from the step's refusal file; a file seen
+    mid-write (a storage that cannot replace a file in one step, or an older ckpttool's) is read
+    again for up to :data:`REFUSAL_READ_S`. Empty when it could not be read."""
+    from .errors import CkptError
+
+    deadline = time.monotonic() + REFUSAL_READ_S
+    while True:
+        try:
+            said = json.loads(marker.read_bytes()[:1 << 16])
+            if isinstance(said, dict):
+                return said
+        except (ValueError, CkptError):
+            pass
+        if time.monotonic() >= deadline:
+            return {}
+        time.sleep(0.05)
 
 
 _FAILS: dict[str, int] = {}

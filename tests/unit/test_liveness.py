@@ -5,6 +5,7 @@ with short times and each rule on its own."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import timedelta
 
@@ -133,3 +134,45 @@ def test_a_rank_told_of_a_death_another_rank_found_raises_the_same_rank_dead_err
     assert got[0] is found
     assert type(got[1]) is RankDeadError and got[1].ranks == [5]
     assert got[1].phases == {5: "write of step 4, 1.0 MiB written"} and got[1].doing == "writing its part of step 4"
+
+
+def test_a_refusal_seen_mid_write_is_read_once_whole_and_names_the_dead_rank(tmp_path):
+    """Rank 0 refuses a step because rank 1 died; rank 2, waiting for the commit, sees the refusal
+    file appear before its bytes are in (a torn write: an older writer, or a storage that cannot
+    replace a file in one step). It reads it again until it is whole, and names rank 1."""
+    import threading
+
+    from ckpttool import rendezvous
+    from ckpttool.storage import resolve
+
+    step_dir = resolve(str(tmp_path / "step-4.tmp"))
+    step_dir.makedirs()
+    marker = step_dir.child(rendezvous.REFUSED_FILE)
+    marker.write_bytes(b"")  # seen, not yet written
+    dead = RankDeadError([1], {1: "write"}, "writing its part of step 4")
+
+    def finish() -> None:
+        time.sleep(0.3)
+        refused = resolve(str(tmp_path / "whole"))
+        refused.makedirs()
+        rendezvous.refuse_step(refused, dead)
+        marker.write_bytes(refused.child(rendezvous.REFUSED_FILE).read_bytes())
+
+    threading.Thread(target=finish).start()
+    with pytest.raises(RankDeadError) as raised:
+        rendezvous.await_commit(step_dir, step_dir.child("commit.json"), 4, timeout=10)
+    assert raised.value.ranks == [1] and "write" in str(raised.value)
+
+
+def test_refuse_step_replaces_the_file_in_one_step(tmp_path):
+    from ckpttool import rendezvous
+    from ckpttool.storage import resolve
+
+    step_dir = resolve(str(tmp_path / "step-4.tmp"))
+    step_dir.makedirs()
+    rendezvous.refuse_step(step_dir, OSError("disk full"))
+    marker = os.path.join(str(tmp_path / "step-4.tmp"), rendezvous.REFUSED_FILE)
+    inode = os.stat(marker).st_ino
+    rendezvous.refuse_step(step_dir, OSError("disk still full"))
+    assert os.stat(marker).st_ino != inode  # a new file renamed over the old: never seen half written
+    assert sorted(os.listdir(str(tmp_path / "step-4.tmp"))) == [rendezvous.REFUSED_FILE]
