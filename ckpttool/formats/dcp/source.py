@@ -87,7 +87,7 @@ class DcpSource(Source):
         self._spans: dict[str, list[tuple[int, int]]] = {}  # per data file: its plain records' (offset, length), sorted
         self._wanted: set[tuple[str, int]] | bool = False  # will_read's records (True: all); False: none said
         self._holding: OrderedDict[str, RangeReader] = OrderedDict()  # files whose reader may hold a span, oldest first
-        self._spanned: dict[str, list[list[int]]] = {}  # per data file: the [start, end) ranges fetched in spans, merged
+        self._consumed: dict[str, list[list[int]]] = {}  # per data file: the [start, end) of records read, merged
         self._index: Index | None = None
         if verify:
             from . import checks  # (only a checking reader needs it; verify opens without)
@@ -321,7 +321,8 @@ class DcpSource(Source):
             whole = 0 if self.transformed(info) else REMOTE_RECORD if self.location.batch_reads else LOCAL_RECORD
             fetched: list[tuple[int, bytes]] = []
             arch = read_archive(reader, offset, length, self.record_where(info, key), whole_up_to=whole, fetched=fetched)
-            self._fetched = (cache_key, fetched) if not self.transformed(info) else None
+            # (kept for a checked read's hash of the record's head and tail: record_bytes)
+            self._fetched = (cache_key, fetched) if self.checks is not None and not self.transformed(info) else None
             self._archives[cache_key] = arch
             if len(self._archives) > 4096:
                 self._archives.popitem(last=False)
@@ -354,13 +355,13 @@ class DcpSource(Source):
         self._holding[info.relative_path] = reader
         while len(self._holding) > (1 if self.location.batch_reads else LOCAL_HELD):
             self._holding.popitem(last=False)[1].release()
-        if reader.holds(info.offset, info.length):
-            return
-        if self.location.batch_reads:
-            if info.length <= REMOTE_RECORD:
-                self._fetch_span(reader, info, REMOTE_RECORD, REMOTE_SPAN, True)
-        elif self._wanted and info.length <= LOCAL_RECORD and (self._wanted is True or (info.relative_path, info.offset) in self._wanted):
-            self._fetch_span(reader, info, LOCAL_RECORD, LOCAL_SPAN, self._wanted)
+        if not reader.holds(info.offset, info.length):
+            if self.location.batch_reads:
+                if info.length <= REMOTE_RECORD:
+                    self._fetch_span(reader, info, REMOTE_RECORD, REMOTE_SPAN, True)
+            elif self._wanted and info.length <= LOCAL_RECORD and (self._wanted is True or (info.relative_path, info.offset) in self._wanted):
+                self._fetch_span(reader, info, LOCAL_RECORD, LOCAL_SPAN, self._wanted)
+        _add_range(self._consumed.setdefault(info.relative_path, []), info.offset, info.offset + info.length)
 
     def _fetch_span(self, reader: RangeReader, info: Any, record_max: int, span_max: int,
                     wanted: set[tuple[str, int]] | bool) -> None:
@@ -373,25 +374,28 @@ class DcpSource(Source):
             manifest = self._manifest()
             rows = manifest.rows_of(info.relative_path)[0] if manifest is not None else {}
             runs = self._spans[info.relative_path] = sorted((off, row[0]) for off, row in rows.items())
-        if runs is None:
-            runs = self._spans[info.relative_path] = sorted(
-                (i.offset, i.length) for i in self._storage.values()
-                if i.relative_path == info.relative_path and not self.transformed(i))
+        if runs is None:  # every file's records from .metadata, in one pass over its entries
+            by_file: dict[str, list[tuple[int, int]]] = {}
+            for i in self._storage.values():
+                if not self.transformed(i):
+                    by_file.setdefault(i.relative_path, []).append((i.offset, i.length))
+            for name, records in by_file.items():
+                self._spans.setdefault(name, sorted(records))
+            runs = self._spans.setdefault(info.relative_path, [])
         at = bisect.bisect_left(runs, (info.offset, info.length))
         end, size = info.offset + info.length, reader.size()
-        spanned = self._spanned.setdefault(info.relative_path, [])
+        consumed = self._consumed.get(info.relative_path, [])
         for offset, length in runs[at + 1:]:  # (a record past the file's end is left to its own read, which says so)
             if offset != end or length > record_max or offset + length - info.offset > span_max or offset + length > size:
                 break
             if wanted is not True and (info.relative_path, offset) not in wanted:
                 break
-            if _within(spanned, offset):  # fetched before (records read out of file order): not again
+            if _within(consumed, offset):  # read before (records read out of file order): not fetched again
                 break
             end = offset + length
         if end > info.offset + info.length:
             reader.check_range(info.offset, end - info.offset)
             reader.hold(info.offset, reader.read(info.offset, end - info.offset))
-            _add_range(spanned, info.offset, end)
 
     def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk):
         """(reference, storage) of a chunk's record, checked against what ``.metadata`` says."""
