@@ -307,6 +307,11 @@ class RangeReader:
     def release(self) -> None:
         self._held = None
 
+    @property
+    def held_bytes(self) -> int:
+        """The bytes held in memory for later reads (0: none)."""
+        return 0 if self._held is None else len(self._held[1])
+
     def holds(self, offset: int, length: int) -> bool:
         """Whether ``[offset, offset+length)`` is served from the held bytes (no request)."""
         return self._held is not None and self._held[0] <= offset and offset + length <= self._held[0] + len(self._held[1])

@@ -188,17 +188,19 @@ def test_records_left_in_a_lost_span_are_fetched_together_again(tmp_path, monkey
     assert len(data) <= 10, data  # 46 records of 58 KB: 1 MiB spans of 17 or so, and the few before
 
 
-def test_spans_are_held_in_at_most_local_held_files(tmp_path):
+def test_spans_are_held_in_at_most_local_held_files(tmp_path, monkeypatch):
     from ckpttool.offline.reshard import reshard
 
     torch.manual_seed(0)
     Checkpointer(str(tmp_path / "run")).save(1, torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(4)]))
     reshard(str(tmp_path / "run" / "step-1"), str(tmp_path / "w12"), world_size=12)  # each weight's rows in 12 files
+    reads = _reads(monkeypatch)
     with open_source(str(tmp_path / "w12")) as source:
         source.will_read(None)
         holding = 0
         for key in source.index():
             if isinstance(source.index()[key], TensorEntry):
                 source.read_tensor(key)
-                holding = max(holding, sum(r.holds(r._held[0], 1) for r in source._readers.values() if r._held))
-        assert len(source._readers) == 12 and 1 < holding <= LOCAL_HELD  # (memory: LOCAL_HELD spans at most)
+                holding = max(holding, source.held_spans())
+    files = {name for name, _, _ in reads if name.endswith(".distcp")}
+    assert len(files) == 12 and 1 < holding <= LOCAL_HELD  # (memory: LOCAL_HELD spans at most)

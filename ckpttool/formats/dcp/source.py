@@ -363,6 +363,10 @@ class DcpSource(Source):
                 self._fetch_span(reader, info, LOCAL_RECORD, LOCAL_SPAN, self._wanted)
         _add_range(self._consumed.setdefault(info.relative_path, []), info.offset, info.offset + info.length)
 
+    def held_spans(self) -> int:
+        """How many of its files hold a span of records in memory now (at most LOCAL_HELD locally)."""
+        return sum(1 for r in self._readers.values() if r.held_bytes)
+
     def _fetch_span(self, reader: RangeReader, info: Any, record_max: int, span_max: int,
                     wanted: set[tuple[str, int]] | bool) -> None:
         """Fetch a record together with the records that follow it in its file (back to back, each
