@@ -62,24 +62,22 @@ class Archive:
 
 
 class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``[start, start+length)`` of a file, for ``zipfile``."""
+    """A read-only, seekable view of ``[start, start+length)`` of a file, for ``zipfile``: served
+    from the spans it holds (given, or fetched here: its head and its tail once each), else read."""
 
-    def __init__(self, reader: RangeReader, start: int, length: int, prefetched: bytes | None = None, tail: int = _TAIL):
+    def __init__(self, reader: RangeReader, start: int, length: int, spans: list[tuple[int, bytes]] = (), tail: int = _TAIL):
         self._r = reader
         self._start = start
         self._len = length
         self._pos = 0
-        self._buf = prefetched
-        self._tail: bytes | None = None
-        self._head: bytes | None = None
+        # (offset in the window, bytes): the spans of the file given that lie inside the window
+        self._held = [(off - start, data) for off, data in spans if start <= off and off + len(data) <= start + length]
+        self._head = self._tail = False  # whether the head / the tail was fetched here
         self._span = tail
 
     def fetched(self) -> list[tuple[int, bytes]]:
-        """The (file offset, bytes) spans read so far: the whole archive, or its head and tail."""
-        if self._buf is not None:
-            return [(self._start, self._buf)]
-        spans = [] if self._head is None else [(self._start, self._head)]
-        return spans + ([] if self._tail is None else [(self._start + self._len - len(self._tail), self._tail)])
+        """The (file offset, bytes) spans held: those given and those read here (head, tail)."""
+        return [(self._start + off, data) for off, data in self._held]
 
     def seekable(self) -> bool:
         return True
@@ -95,38 +93,45 @@ class _Window(io.RawIOBase):
         self._pos = max(0, base + pos)
         return self._pos
 
+    def _from_held(self, end: int) -> bytes | None:
+        for off, data in self._held:
+            if off <= self._pos and end <= off + len(data):
+                return data[self._pos - off : end - off]
+        return None
+
     def read(self, n: int = -1) -> bytes:
         end = self._len if n is None or n < 0 else min(self._len, self._pos + n)
         if end <= self._pos:
             return b""
-        if self._buf is not None:
-            data = self._buf[self._pos : end]
-        elif end <= self._span and self._len > 2 * self._span:
-            # torch writes data.pkl and the small records first: fetch the head once as well
-            if self._head is None:
-                self._head = self._r.read(self._start, self._span)
-            data = self._head[self._pos : end]
-        elif self._pos >= self._len - self._span:
-            # zipfile reads the end record and the directory in many small reads: fetch the tail
-            # once (one request on an object store instead of dozens; a syscall less locally)
-            if self._tail is None:
-                self._tail = self._r.read(self._start + max(0, self._len - self._span), min(self._span, self._len))
-            base = self._len - len(self._tail)
-            data = self._tail[self._pos - base : end - base]
-        else:
-            data = self._r.read(self._start + self._pos, end - self._pos)
+        data = self._from_held(end)
+        if data is None:
+            fetch = None
+            if not self._head and end <= self._span and self._len > 2 * self._span:
+                # torch writes data.pkl and the small records first: fetch the head once as well
+                self._head, fetch = True, (0, self._span)
+            elif not self._tail and self._pos >= self._len - self._span:
+                # zipfile reads the end record and the directory in many small reads: fetch the tail
+                # once (one request on an object store instead of dozens; a syscall less locally)
+                self._tail, fetch = True, (max(0, self._len - self._span), min(self._span, self._len))
+            if fetch is not None:
+                self._held.append((fetch[0], self._r.read(self._start + fetch[0], fetch[1])))
+                data = self._from_held(end)
+            if data is None:
+                data = self._r.read(self._start + self._pos, end - self._pos)
         self._pos = end
         return data
 
 
 def read_archive(reader: RangeReader, start: int = 0, length: int | None = None, where: str = "",
-                 whole_up_to: int = 0, fetched: list[tuple[int, bytes]] | None = None) -> Archive:
+                 whole_up_to: int = 0, fetched: list[tuple[int, bytes]] | None = None,
+                 spans: list[tuple[int, bytes]] | None = None) -> Archive:
     """Parse the archive at ``[start, start+length)``: its pickle (allow-listed) and its storages.
 
     An archive up to ``whole_up_to`` bytes is fetched in one read and kept by the reader for the
     data reads that follow (DCP records on an object store: one request per record, not three).
     ``fetched``, if given, receives the (offset, bytes) spans the parse read, for a caller that
-    needs those bytes again (a record's hash) without reading them twice.
+    needs those bytes again (a record's hash) without reading them twice; ``spans``, (offset, bytes)
+    of the file read before (a record's head and tail, read around its data), are not read again.
     """
     where = where or reader.where
     if length is None:
@@ -140,7 +145,7 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
     prefetched = reader.read(start, length) if length <= max(small, whole_up_to) else None
     if prefetched is not None and whole_up_to and not reader.holds(start, length):  # (a held span of records: kept)
         reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
-    window = _Window(reader, start, length, prefetched, tail)
+    window = _Window(reader, start, length, [(start, prefetched)] if prefetched is not None else spans or [], tail)
     try:
         pkl, byteorder, storages = _parse_zip(window, start, length, where)
     except CkptError:
@@ -385,7 +390,7 @@ class _Placeholder:
         self.key, self.dtype, self.shape = key, dtype, tuple(shape)
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)
@@ -413,7 +418,7 @@ class _ArchivePickler(pickle.Pickler):
             from ..compat import rebuild_tensor_v2, rebuild_tensor_v3
 
             numel = math.prod(obj.shape)
-            stride = _contiguous_stride(obj.shape)
+            stride = contiguous_stride(obj.shape)
             name = dtype_of(obj.dtype).name
             if name in LEGACY_STORAGE:
                 storage = _StorageToken(obj.key, LEGACY_STORAGE[name], numel)

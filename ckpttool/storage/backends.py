@@ -68,6 +68,17 @@ class Backend(ABC):
         """Fill ``out`` from ``offset`` as far as the file goes (``handle`` is ``open_read(path)``
         of a file of ``size`` bytes); returns the bytes read."""
 
+    def preadv(self, handle: Any, offset: int, outs: list[memoryview], path: str, size: int) -> int:
+        """Fill ``outs``, back to back, from ``offset`` as far as the file goes (one read where the
+        storage can scatter it); returns the bytes read."""
+        got = 0
+        for out in outs:
+            n = self.pread(handle, offset + got, out, path, size)
+            got += n
+            if n < out.nbytes:
+                break
+        return got
+
     @abstractmethod
     def open_write(self, path: str) -> Any:
         """A context manager yielding a binary file; on an exception inside it nothing is committed."""
@@ -180,12 +191,19 @@ class LocalDisk(Backend):
             raise
 
     def pread(self, handle: Any, offset: int, out: memoryview, path: str, size: int) -> int:
-        got, want, fd = 0, out.nbytes, handle.fileno()
-        while got < want:
-            n = os.preadv(fd, [out[got:]], offset + got)
+        return self.preadv(handle, offset, [out], path, size)
+
+    def preadv(self, handle: Any, offset: int, outs: list[memoryview], path: str, size: int) -> int:
+        bufs, got, fd = [out for out in outs if out.nbytes], 0, handle.fileno()
+        while bufs:  # one system call (a short one goes on where it stopped)
+            n = os.preadv(fd, bufs, offset + got)
             if n == 0:
                 break
             got += n
+            while bufs and n >= bufs[0].nbytes:
+                n -= bufs.pop(0).nbytes
+            if n:
+                bufs[0] = bufs[0][n:]
         return got
 
     @contextmanager

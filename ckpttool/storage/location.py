@@ -324,16 +324,21 @@ class RangeReader:
 
     def readinto(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes at ``offset``; a short file is a corrupt checkpoint."""
-        want = out.nbytes
+        if self.holds(offset, out.nbytes):
+            start, data = self._held
+            out[:] = memoryview(data)[offset - start : offset - start + out.nbytes]
+            return
+        self.readinto_parts(offset, [out])
+
+    def readinto_parts(self, offset: int, outs: list[memoryview]) -> None:
+        """Fill ``outs``, back to back, with the bytes from ``offset``: one read of adjacent ranges
+        (a record's head, its data straight into a tensor, its rest) where the storage allows."""
+        want = sum(out.nbytes for out in outs)
         if offset < 0:
             self.check_range(offset, want)
-        if self.holds(offset, want):
-            start, data = self._held
-            out[:] = memoryview(data)[offset - start : offset - start + want]
-            return
         if self._handle is None:
             self._handle = self.loc._call(self.loc._backend.open_read, missing="file does not exist", verb="read")
-        got = self.loc._backend.pread(self._handle, offset, out, self.loc.path, self.size())
+        got = self.loc._backend.preadv(self._handle, offset, outs, self.loc.path, self.size())
         if got != want:
             raise CorruptCheckpointError(
                 f"file is truncated: wanted bytes {offset}..{offset + want}, file ends at {offset + got}",

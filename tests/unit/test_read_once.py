@@ -5,11 +5,14 @@ tensor record's head and tail, read to parse it, are hashed from those reads."""
 from __future__ import annotations
 
 import collections
+import json
 import os
 
+import pytest
 import torch
 
 from ckpttool import Checkpointer, load
+from ckpttool.errors import ChecksumError
 from ckpttool.offline.verify import verify_path
 from ckpttool.formats import open_source
 from ckpttool.index import ObjectEntry, TensorEntry
@@ -20,13 +23,13 @@ from ckpttool.storage import LocalDisk, RangeReader
 def _reads(monkeypatch) -> collections.Counter:
     """Every (file name, offset, length) read from a local disk, counted."""
     seen: collections.Counter = collections.Counter()
-    pread = LocalDisk.pread
+    preadv = LocalDisk.preadv
 
-    def counted(self, handle, offset, out, path, size):
-        seen[(os.path.basename(path), offset, out.nbytes)] += 1
-        return pread(self, handle, offset, out, path, size)
+    def counted(self, handle, offset, outs, path, size):
+        seen[(os.path.basename(path), offset, sum(out.nbytes for out in outs))] += 1
+        return preadv(self, handle, offset, outs, path, size)
 
-    monkeypatch.setattr(LocalDisk, "pread", counted)
+    monkeypatch.setattr(LocalDisk, "preadv", counted)
     return seen
 
 
@@ -75,9 +78,9 @@ def test_an_object_record_is_read_once_by_a_load_and_by_verify(tmp_path, monkeyp
     assert results[1].ok
 
 
-def test_a_load_reads_a_large_tensor_record_in_three_reads(tmp_path, monkeypatch):
+def test_a_load_reads_a_large_tensor_record_in_one_read_its_parse_after_it(tmp_path, monkeypatch):
     torch.manual_seed(0)
-    model = torch.nn.Linear(1024, 300)  # 1.2 MB: parsed from its head and tail, not read whole
+    model = torch.nn.Linear(1024, 300)  # 1.2 MB: read by its manifest's layout, parsed after
     Checkpointer(str(tmp_path / "run")).save(1, model)
     step = str(tmp_path / "run" / "step-1")
     with open_source(step) as source:
@@ -91,7 +94,9 @@ def test_a_load_reads_a_large_tensor_record_in_three_reads(tmp_path, monkeypatch
     load(step, model)
     name, start, length = record
     inside = [r for r in reads.elements() if r[0] == name and start <= r[1] < start + length]
-    assert len(inside) == 3, inside  # the zip directory at its end, its head, its data: then hashed from them
+    # its head, its data (into the tensor) and its rest (pickle, zip directory) in one read, then
+    # parsed and hashed from those bytes
+    assert inside == [(name, start, length)], inside
     assert torch.equal(model.weight, expected["weight"])
 
 
@@ -204,3 +209,49 @@ def test_spans_are_held_in_at_most_local_held_files(tmp_path, monkeypatch):
                 holding = max(holding, source.held_spans())
     files = {name for name, _, _ in reads if name.endswith(".distcp")}
     assert len(files) == 12 and 1 < holding <= LOCAL_HELD  # (memory: LOCAL_HELD spans at most)
+
+
+def _forge_layout(step: str, name: str, offset: int, shift: int) -> None:
+    """Rewrite the manifest row of the record at ``offset`` of ``name`` to place its data ``shift``
+    bytes later than its zip directory does, every digest made to match (the manifest file's, the
+    commit record's own): a hostile step whose checksums all hold."""
+    from ckpttool.checksums import PARTS, BlockHasher, hash_bytes, parts_digest
+
+    with open(os.path.join(step, "__0.manifest"), "rb") as f:
+        manifest = json.loads(f.read())
+    row = next(r for r in manifest["records"][name] if r[0] == offset)
+    start, nbytes = row[3]["data"]
+    with open(os.path.join(step, name), "rb") as f:
+        f.seek(offset)
+        record = f.read(row[1])
+    start += shift
+    rest = hash_bytes(record[:start] + record[start + nbytes:])
+    blocks = BlockHasher(64 << 10)
+    blocks.update(memoryview(record)[start:start + nbytes])
+    block_digests = blocks.finish()
+    row[2:] = [parts_digest(rest, block_digests), {"data": [start, nbytes], "rest": rest, "blocks": block_digests, "digest": PARTS}]
+    raw = json.dumps(manifest, separators=(",", ":")).encode()
+    with open(os.path.join(step, "__0.manifest"), "wb") as f:
+        f.write(raw)
+    with open(os.path.join(step, ".ckpttool-commit.json"), "rb") as f:
+        commit = json.loads(f.read())
+    commit["manifest"]["manifests"]["__0.manifest"][:2] = [len(raw), hash_bytes(raw)]
+    del commit["checksum"]
+    commit["checksum"] = {"algorithm": "xxh3_64", "digest": hash_bytes(json.dumps(commit, sort_keys=True, separators=(",", ":")).encode())}
+    with open(os.path.join(step, ".ckpttool-commit.json"), "wb") as f:
+        f.write(json.dumps(commit, sort_keys=True, separators=(",", ":")).encode())
+
+
+def test_a_record_read_by_its_manifest_s_layout_is_refused_where_its_archive_places_the_data_elsewhere(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 300)  # a large record: read by its manifest's layout, parsed after
+    Checkpointer(str(tmp_path / "run")).save(1, model)
+    step = str(tmp_path / "run" / "step-1")
+    with open_source(step) as source:
+        (chunk,) = source.index()["model.weight"].chunks
+    load(step, torch.nn.Linear(1024, 300))  # (the step as saved loads)
+    _forge_layout(step, chunk.location.relative_path, chunk.location.offset, 64)
+    with pytest.raises(ChecksumError, match="not laid out as the manifest written at commit says"):
+        load(step, torch.nn.Linear(1024, 300))
+    report = verify_path(step)
+    assert not report.ok and "not laid out as the manifest written at commit says" in str(report.problems), report.problems

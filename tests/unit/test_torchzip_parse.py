@@ -49,7 +49,7 @@ def _by_zipfile(data: bytes) -> tuple[bytes, str, dict]:
 
 
 def _parse(data: bytes):
-    window = torchzip._Window(BytesReader(data, "x"), 0, len(data), data)
+    window = torchzip._Window(BytesReader(data, "x"), 0, len(data), [(0, data)])
     return torchzip._plain_entries(window, len(data)), torchzip._parse_zip(window, 0, len(data), "x")
 
 

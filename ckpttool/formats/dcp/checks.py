@@ -41,8 +41,12 @@ class RecordSource(Protocol):
     def file(self, relative_path: str) -> Any: ...
     def reader(self, relative_path: str) -> Any: ...
     def record(self, info: Any, key: str) -> tuple[Any, int, int]: ...
-    def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk) -> tuple[Any, Any]: ...
+    def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk, by_layout: bool = False) -> tuple[Any, Any]: ...
+    def confirm(self, key: str, entry: TensorEntry, chunk: Chunk) -> None: ...
     def transformed(self, info: Any) -> bool: ...
+    def record_bytes(self, info: Any, offset: int, length: int) -> bytes: ...
+    def read_data(self, info: Any, storage: Any, data: memoryview) -> None: ...
+    def prefetch(self, info: Any) -> None: ...
 
 class _Stream:
     """The check of a record being read in consecutive parts: the next data byte it expects and
@@ -136,7 +140,7 @@ class RecordChecks:
         if stream is None:
             stream = self._streams[name] = _Stream(key, entry, chunk, self._hasher(info) if self.manifest is not None else None)
             if stream.hasher is not None:
-                stream.hasher.update(reader.read(info.offset, storage.offset - info.offset))
+                stream.hasher.update(source.record_bytes(info, info.offset, storage.offset - info.offset))
         data = tensor_buffer(dst)
         reader.readinto(storage.offset + stream.next, data)
         if stream.hasher is not None:
@@ -150,7 +154,7 @@ class RecordChecks:
                 self._compare_crc(key, chunk, stream.crc, storage.crc32)
             else:
                 end = storage.offset + storage.nbytes
-                stream.hasher.update(reader.read(end, info.offset + info.length - end))
+                stream.hasher.update(source.record_bytes(info, end, info.offset + info.length - end))
                 self._compare_digest(key, info, stream.hasher.hexdigest())
             self._done.add(name)
         return True
@@ -164,7 +168,7 @@ class RecordChecks:
     def straight(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> bool:
         """Whether :meth:`read_chunk` reads ``chunk``'s record straight into ``dst`` (``part`` is the
         whole chunk, ``dst`` contiguous CPU memory of the stored dtype and the record's exact size)."""
-        ref, storage = self.source.tensor_record(key, entry, chunk)
+        ref, storage = self.source.tensor_record(key, entry, chunk, by_layout=True)
         return part == (chunk.offsets, chunk.sizes) and _plain(ref, storage, dst, dst.numel())
 
     def read_chunk(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> None:
@@ -173,7 +177,9 @@ class RecordChecks:
         import torch
 
         source, info = self.source, chunk.location
-        ref, storage = source.tensor_record(key, entry, chunk)
+        # (a large record of a ckpttool step by its manifest's layout: head, data, rest read in file
+        # order, then parsed from them: source.confirm)
+        ref, storage = source.tensor_record(key, entry, chunk, by_layout=True)
         check_ref(ref, storage, f"{source.file(info.relative_path).url} (key {key!r}, chunk at {list(chunk.offsets)})")
         reader = source.record(info, key)[0]
         packed = source.transformed(info)
@@ -183,11 +189,14 @@ class RecordChecks:
             return  # only the blocks the part touches were read, and each of them checked
         if straight:  # the common case: a rank loads the very shard it saved
             data = tensor_buffer(dst)
-            reader.readinto(storage.offset, data)
         else:
             raw = self._scratch.view((storage.nbytes,), torch.uint8, 0)
             data = tensor_buffer(raw)
+        if packed:
             reader.readinto(storage.offset, data)
+        else:  # (with the record's head and rest in the same read where its parse has not read them)
+            source.read_data(info, storage, data)
+        if not straight:
             full = raw[: storage.nbytes // item * item].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.storage_offset)
             dst.copy_(full[relative(part, (chunk.offsets, chunk.sizes))])
         if self.manifest is None:
@@ -199,12 +208,13 @@ class RecordChecks:
                                                        self._extra(info), self.block))
             self._compare_crc(key, chunk, crc32(data), storage.crc32)
         else:
-            h = self._hasher(info)  # the record's head and tail as its parse read them: not read again
+            h = self._hasher(info)  # the record's head and tail as its parse (or read_data) read them: not read again
             h.update(source.record_bytes(info, info.offset, storage.offset - info.offset))
             h.update(data)
             end = storage.offset + storage.nbytes
             h.update(source.record_bytes(info, end, info.offset + info.length - end))
             self._compare_digest(key, info, h.hexdigest())
+        source.confirm(key, entry, chunk)
         self._done.add((info.relative_path, info.offset))
 
     def read_blocks(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> bool:
@@ -225,7 +235,7 @@ class RecordChecks:
             row = rows.get(info.offset)
         if row is None or row[2] is None or source.transformed(info) or not chunk.sizes:
             return False
-        ref, storage = source.tensor_record(key, entry, chunk)
+        ref, storage = source.tensor_record(key, entry, chunk, by_layout=True)  # (confirmed once read: source.confirm)
         url = source.file(info.relative_path).url
         check_ref(ref, storage, f"{url} (key {key!r}, chunk at {list(chunk.offsets)})")
         item = dtype_size(ref.dtype)
@@ -238,7 +248,9 @@ class RecordChecks:
             raise ChecksumError(f"record of {key!r} at byte {info.offset} is not laid out as the manifest written at "
                                 f"commit says{self.on}", where=url, hint="the file or its .metadata changed after the save")
         reader = source.record(info, key)[0]
-        self._check_rest(key, info, reader, storage, row[2]["rest"])
+        name = (info.relative_path, info.offset)
+        if name not in self._rest_ok:  # the record's head before its blocks (file order); its check after them
+            source.record_bytes(info, info.offset, storage.offset - info.offset)
         rel = relative(part, (chunk.offsets, chunk.sizes))
         strides = [math.prod(chunk.sizes[i + 1:]) for i in range(len(chunk.sizes))]
         first = sum(sl.start * st for sl, st in zip(rel, strides))
@@ -254,24 +266,29 @@ class RecordChecks:
             reader.readinto(base + hi, memoryview(tail))
             pieces = [(blo, memoryview(head)), (lo, body), (hi, memoryview(tail))]
             self._check_blocks(key, chunk, url, pieces, blo, bhi, digests)
+            self._check_rest(key, info, storage, row[2]["rest"])
+            source.confirm(key, entry, chunk)
             return True
         raw = self._scratch.view((bhi - blo,), torch.uint8, 0)
         data = tensor_buffer(raw)
         reader.readinto(base + blo, data)
         self._check_blocks(key, chunk, url, [(blo, data)], blo, bhi, digests)
+        self._check_rest(key, info, storage, row[2]["rest"])
+        source.confirm(key, entry, chunk)
         whole = raw[: (bhi - blo) // item * item].view(ref.dtype)
         dst.copy_(whole.as_strided(part[1], strides, (lo - blo) // item))
         return True
 
-    def _check_rest(self, key: str, info: Any, reader: Any, storage: Any, expected: str) -> None:
-        """The manifest's digest of a record's bytes around its data (zip headers, pickle), once."""
+    def _check_rest(self, key: str, info: Any, storage: Any, expected: str) -> None:
+        """The manifest's digest of a record's bytes around its data (zip headers, pickle), once
+        (the bytes its parse read: not read again)."""
         name = (info.relative_path, info.offset)
         if name in self._rest_ok:
             return
         h = new_hasher()
-        h.update(reader.read(info.offset, storage.offset - info.offset))
+        h.update(self.source.record_bytes(info, info.offset, storage.offset - info.offset))
         end = storage.offset + storage.nbytes
-        h.update(reader.read(end, info.offset + info.length - end))
+        h.update(self.source.record_bytes(info, end, info.offset + info.length - end))
         if h.hexdigest() != expected:
             raise ChecksumError(f"the headers of the record of {key!r} at byte {info.offset} do not match the manifest's "
                                 f"checksum{self.on}", where=self.source.file(info.relative_path).url,

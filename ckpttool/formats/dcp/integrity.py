@@ -202,6 +202,22 @@ def _check_object(source: DcpSource, key: str, info: Any, manifest: Manifest | N
         report.add(exc.what, exc.where or url, key, exc.hint)
 
 
+def _hash_by_layout(source: DcpSource, info: Any, extra: dict, buf: memoryview, hasher: RecordHasher) -> list[tuple[int, bytes]]:
+    """Feed a record hashed by parts to ``hasher`` as its manifest row lays it out (its head, its
+    data in ``buf``-sized reads, its rest: in file order); returns the head and the rest, from
+    which the record is then parsed (its zip directory and pickle lie after its data)."""
+    source.prefetch(info)
+    reader = source.reader(info.relative_path)
+    start, nbytes = extra["data"]  # (inside the record: the manifest's rows are checked as they are read)
+    end = info.offset + start + nbytes
+    head = reader.read(info.offset, start)
+    hasher.update(head)
+    scan(reader, info.offset + start, nbytes, buf, crc_span=(end, end), hasher=hasher)
+    rest = reader.read(end, info.offset + info.length - end)
+    hasher.update(rest)
+    return [(info.offset, head), (end, rest)]
+
+
 def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, manifest: Manifest | None, report: Report,
                  buf: memoryview) -> None:
     """Decode the chunk's record header, then read the record once for its CRC-32 and manifest hash."""
@@ -210,7 +226,10 @@ def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, ma
     row = _manifest_row(manifest, info, url, key, report)
     hasher = RecordHasher(row[2], manifest.block) if row is not None else None
     try:
-        arch = source.archive(info, key)
+        laid = None  # (a record hashed by parts: read and hashed in file order first, then parsed from its head and rest)
+        if hasher is not None and by_parts(row[2]) and not source.transformed(info) and not source.read_whole(info):
+            laid = _hash_by_layout(source, info, row[2], buf, hasher)
+        arch = source.archive(info, key, spans=laid)
         ref = arch.obj
         if not hasattr(ref, "shape") or tuple(ref.shape) != tuple(chunk.sizes) or getattr(ref, "element_type", None) != entry.element_type:
             report.add(f"record at byte {info.offset} holds {getattr(ref, 'element_type', type(ref).__name__)}"
@@ -222,7 +241,14 @@ def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, ma
         if storage is None or storage.nbytes < need:
             report.add("record's data is shorter than its tensor", url, key)
             return
-        if source.transformed(info):  # the manifest covers the compressed bytes, the CRC-32 the decoded record
+        if laid is not None:
+            start, nbytes = row[2]["data"]
+            if storage.offset != info.offset + start or storage.nbytes != nbytes:
+                report.add(f"record at byte {info.offset} is not laid out as the manifest written at commit says", url, key,
+                           "the file or its .metadata changed after the save")
+                return
+            crc = 0  # (a record hashed by parts carries no CRC-32: its digests prove it)
+        elif source.transformed(info):  # the manifest covers the compressed bytes, the CRC-32 the decoded record
             if hasher is not None:
                 _compare_digest(manifest, hash_range(source.reader(info.relative_path), info.offset, info.length, buf, row[2],
                                                      manifest.block), info, url, key, report)

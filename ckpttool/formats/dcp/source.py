@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from ...bulk import no_gc
 from ...checksums import hash_bytes
-from ...errors import CkptError, CorruptCheckpointError, FormatError, NotFoundError
+from ...errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ...layout import Box, relative, whole
 from ...storage import BytesReader, Location, RangeReader
 from ...steps import COMMIT_FILE, manifest_file_name, read_commit_record
 from ..base import Source
-from ..torchzip import REMOTE_RECORD, REMOTE_SPAN, Archive, load_object_record, read_archive, read_tensor_box
+from ...refs import StorageRef, TensorRef
+from ..torchzip import (REMOTE_RECORD, REMOTE_SPAN, Archive, StoredStorage, contiguous_stride, load_object_record, read_archive,
+                        read_tensor_box)
 from .transforms import ARCHIVE_SLACK, MAX_OBJECT_BYTES, MAX_ZSTD_RATIO, DecodedRecord, check_descriptors
 from . import load_index
 from .manifest import Manifest
@@ -82,6 +84,8 @@ class DcpSource(Source):
         self._files: dict[str, Location] = {}  # data file name -> its Location (one a file, not one a read)
         self._archives: OrderedDict[tuple[str, int], Archive] = OrderedDict()
         self._fetched: tuple[tuple[str, int], list[tuple[int, bytes]]] | None = None  # the last parse's reads (record_bytes)
+        # records read by the layout their manifest rows give, not parsed yet (_manifest_layout, _confirm)
+        self._provisional: dict[tuple[str, int], tuple[TensorRef, StoredStorage]] = {}
         self._decoded: OrderedDict[tuple[str, int], DecodedRecord] = OrderedDict()  # compressed records, decoded
         self._chunk_sizes: dict[tuple[str, int], int] | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # per data file: its plain records' (offset, length), sorted
@@ -311,8 +315,9 @@ class DcpSource(Source):
                                  for c in e.chunks}
         return self._chunk_sizes
 
-    def archive(self, info: Any, key: str) -> Archive:
-        """The parsed record behind a storage entry (cached: many reads hit the same chunk)."""
+    def archive(self, info: Any, key: str, spans: list[tuple[int, bytes]] | None = None) -> Archive:
+        """The parsed record behind a storage entry (cached: many reads hit the same chunk);
+        ``spans``: (file offset, bytes) of it the caller read already (not read again)."""
         cache_key = (info.relative_path, info.offset)
         arch = self._archives.get(cache_key)
         if arch is None:
@@ -320,7 +325,11 @@ class DcpSource(Source):
             self.prefetch(info)
             whole = 0 if self.transformed(info) else REMOTE_RECORD if self.location.batch_reads else LOCAL_RECORD
             fetched: list[tuple[int, bytes]] = []
-            arch = read_archive(reader, offset, length, self.record_where(info, key), whole_up_to=whole, fetched=fetched)
+            # (what record_bytes read of it before, a read by its manifest's layout: not read again)
+            if spans is None and self._fetched is not None and self._fetched[0] == cache_key:
+                spans = self._fetched[1]
+            arch = read_archive(reader, offset, length, self.record_where(info, key), whole_up_to=whole, fetched=fetched,
+                                spans=spans)
             # (kept for a checked read's hash of the record's head and tail: record_bytes)
             self._fetched = (cache_key, fetched) if self.checks is not None and not self.transformed(info) else None
             self._archives[cache_key] = arch
@@ -330,12 +339,33 @@ class DcpSource(Source):
 
     def record_bytes(self, info: Any, offset: int, length: int) -> bytes:
         """``length`` bytes of the file at ``offset``, inside the record at ``info``: from what the
-        parse of that record (the last one parsed) read, else read now."""
-        if self._fetched is not None and self._fetched[0] == (info.relative_path, info.offset):
-            for start, data in self._fetched[1]:
-                if start <= offset and offset + length <= start + len(data):
-                    return data[offset - start: offset - start + length]
-        return self.reader(info.relative_path).read(offset, length)
+        parse of that record (the last one parsed) read, else read now (and kept for the parse of a
+        record read by its manifest's layout: :meth:`confirm`)."""
+        cache_key = (info.relative_path, info.offset)
+        held = self._fetched[1] if self._fetched is not None and self._fetched[0] == cache_key else None
+        for start, data in held or ():
+            if start <= offset and offset + length <= start + len(data):
+                return data[offset - start: offset - start + length]
+        data = self.reader(info.relative_path).read(offset, length)
+        if cache_key in self._provisional:
+            if held is None:
+                self._fetched = (cache_key, held := [])
+            held.append((offset, data))
+        return data
+
+    def read_data(self, info: Any, storage: StoredStorage, data: memoryview) -> None:
+        """A plain record's data (all of it) into ``data``; for a record read by its manifest's
+        layout, together with its head and rest, in one read (kept for record_bytes and its parse)."""
+        cache_key = (info.relative_path, info.offset)
+        reader = self.reader(info.relative_path)
+        if (cache_key not in self._provisional or reader.holds(storage.offset, storage.nbytes)
+                or (self._fetched is not None and self._fetched[0] == cache_key)):
+            reader.readinto(storage.offset, data)
+            return
+        end = storage.offset + storage.nbytes
+        head, rest = bytearray(storage.offset - info.offset), bytearray(info.offset + info.length - end)
+        reader.readinto_parts(info.offset, [memoryview(head), data, memoryview(rest)])
+        self._fetched = (cache_key, [(info.offset, bytes(head)), (end, bytes(rest))])
 
     def will_read(self, locations: Iterable[Any] | None) -> None:
         self._wanted = True if locations is None else {(i.relative_path, i.offset) for i in locations
@@ -401,8 +431,66 @@ class DcpSource(Source):
             reader.check_range(info.offset, end - info.offset)
             reader.hold(info.offset, reader.read(info.offset, end - info.offset))
 
-    def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk):
-        """(reference, storage) of a chunk's record, checked against what ``.metadata`` says."""
+    def tensor_record(self, key: str, entry: TensorEntry, chunk: Chunk, by_layout: bool = False):
+        """(reference, storage) of a chunk's record, checked against what ``.metadata`` says.
+        ``by_layout``: a large record of a ckpttool step may come as its manifest lays it out, not
+        parsed yet (:meth:`_manifest_layout`): the caller reads its head, data and rest, in file
+        order, and then calls :meth:`confirm`."""
+        cache_key = (chunk.location.relative_path, chunk.location.offset)
+        if by_layout:
+            laid = self._provisional.get(cache_key)
+            if laid is None and cache_key not in self._archives:
+                laid = self._manifest_layout(key, entry, chunk)
+            if laid is not None:
+                return laid
+        elif cache_key in self._provisional:
+            self.confirm(key, entry, chunk)
+        return self._parsed_record(key, entry, chunk)
+
+    def _manifest_layout(self, key: str, entry: TensorEntry, chunk: Chunk) -> tuple[TensorRef, StoredStorage] | None:
+        """(reference, storage) of a large record of a ckpttool step as its manifest row lays it out:
+        the chunk's elements in C order at the row's data range (the layout ckpttool writes). The
+        record's parse needs the bytes after its data (torch and ckpttool both write the pickle's and
+        the data's sizes only in the zip directory at the end): reading by this layout reads the
+        head, the data, then the rest, in file order, and :meth:`confirm` parses the record from
+        those bytes and holds it to the layout. None where the row gives no such layout."""
+        info = chunk.location
+        checks = self.checks
+        if checks is None or checks.manifest is None or self.transformed(info) or self.read_whole(info):
+            return None
+        rows, finding = checks.manifest.rows_of(info.relative_path)
+        row = rows.get(info.offset) if finding is None else None
+        extra = row[2] if row is not None and row[0] == info.length else None
+        numel = math.prod(chunk.sizes)
+        if not isinstance(extra, dict) or extra.get("data", [0, -1])[1] != numel * dtype_size(entry.element_type):
+            return None
+        start, nbytes = extra["data"]  # (inside the record: the manifest's rows are checked as they are read)
+        ref = TensorRef(StorageRef("0", entry.element_type, numel), entry.element_type, 0, tuple(chunk.sizes),
+                        contiguous_stride(tuple(chunk.sizes)))
+        laid = self._provisional[(info.relative_path, info.offset)] = (ref, StoredStorage(info.offset + start, nbytes, 0, "data/0"))
+        self.prefetch(info)
+        return laid
+
+    def read_whole(self, info: Any) -> bool:
+        """Whether a record is small enough to be read whole, in one read, its parse then served
+        from memory (with the records after it, where :meth:`prefetch` fetches a span)."""
+        return info.length <= (REMOTE_RECORD if self.location.batch_reads else LOCAL_RECORD)
+
+    def confirm(self, key: str, entry: TensorEntry, chunk: Chunk) -> None:
+        """Parse a record read by its manifest's layout (from the head and rest already read) and
+        hold it to that layout: data read by a layout its archive does not have is refused."""
+        info = chunk.location
+        laid = self._provisional.pop((info.relative_path, info.offset), None)
+        if laid is None:
+            return
+        ref, storage = self._parsed_record(key, entry, chunk)
+        if not (ref.is_contiguous() and ref.storage_offset == 0 and storage.offset == laid[1].offset
+                and storage.nbytes == laid[1].nbytes):
+            raise ChecksumError(f"record of {key!r} at byte {info.offset} is not laid out as the manifest written at commit "
+                                f"says{self.checks.on}", where=self.file(info.relative_path).url,
+                                hint="the file or its .metadata changed after the save")
+
+    def _parsed_record(self, key: str, entry: TensorEntry, chunk: Chunk):
         arch = self.archive(chunk.location, key)
         ref = arch.obj
         if tuple(getattr(ref, "shape", ())) != chunk.sizes or getattr(ref, "element_type", None) != entry.element_type:
