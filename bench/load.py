@@ -13,7 +13,7 @@ mesh, AdamW state made before any clock) timing, barrier to barrier (slowest ran
 cold (the page cache dropped before the ranks start, and by rank 0 before each later step), then
 warm in the same processes. Peak RSS per rank (VmHWM, reset before each step) and of the process
 tree (anonymous + shmem pages); bytes read: rchar (/proc/self/io) around the checked load, all
-ranks. Of ``--repeat`` runs, the one with the smallest load time is reported.
+ranks, and its read system calls (syscr: the files' and gloo's sockets'). Of ``--repeat`` runs, the one with the smallest load time is reported.
 
     .venv/bin/python bench/load.py --size 1 --md docs/bench/load.md --plot docs/img/bench-load.png
 
@@ -64,10 +64,11 @@ def rank_case(args) -> None:
         def step(key: str, fn, recool: bool = phase == "cold"):
             ph[key + "_cache_dropped"] = recool and dist.get_rank() == 0 and drop_caches()
             dist.barrier()
-            rss0, read0, t0 = reset_peak_rss(), proc_io()["rchar"], time.perf_counter()
+            rss0, io0, t0 = reset_peak_rss(), proc_io(), time.perf_counter()
             out = fn()
             dist.barrier()
-            ph[key + "_s"], ph[key + "_read_bytes"], hwm = time.perf_counter() - t0, proc_io()["rchar"] - read0, proc_status("VmHWM") or 0
+            t1, io1, hwm = time.perf_counter(), proc_io(), proc_status("VmHWM") or 0
+            ph[key + "_s"], ph[key + "_read_bytes"], ph[key + "_read_calls"] = t1 - t0, io1["rchar"] - io0["rchar"], io1["syscr"] - io0["syscr"]
             ph[key + "_hwm_kib"], ph[key + "_added_kib"] = hwm, hwm - rss0
             return out
 
@@ -98,7 +99,8 @@ def measure(run, case: str, steps: dict[str, str], cfg: dict[str, int], caches: 
                  rank_state_bytes=max(r["rank_state_bytes"] for r in ranks), rank_peak_kib=max(c["load_hwm_kib"], c["verify_hwm_kib"]),
                  tree_peak_kib=proc.peak_kib, process_wall_s=proc.wall_s,
                  # what the ranks' read calls returned in the checked load (page cache or disk) against what they hold
-                 read_bytes=sum(x["load_read_bytes"] for x in ph), needed_bytes=sum(r["rank_state_bytes"] for r in ranks))
+                 read_bytes=sum(x["load_read_bytes"] for x in ph), needed_bytes=sum(r["rank_state_bytes"] for r in ranks),
+                 read_calls=sum(x["load_read_calls"] for x in ph))  # (read system calls: files, and the sockets of gloo)
     return out
 
 
@@ -154,7 +156,7 @@ SPEC = Spec(
         ("load on", lambda r: mesh_label(r["mesh"]), None), ("saved on", lambda r: mesh_label(r["src"]), None), ("cache", "cache", None),
         ("load s", "load_s"), ("GB/s", "gbps"), ("dcp.load s", "dcp_s"), ("× dcp.load", "x_dcp"), ("unchecked s", "nocheck_s"),
         ("× unchecked", "x_nocheck"), ("× same layout", "x_matched"), (f"× load on {SAVED_ON}", "x_same2"), ("verify_loaded s", "verify_s"),
-        ("verify / load", "verify_x_load"), ("read / needed", "read_x_needed"),
+        ("verify / load", "verify_x_load"), ("read / needed", "read_x_needed"), ("read calls", "read_calls", ".0f"),
         ("peak RSS/rank MiB", lambda r: r["rank_peak_kib"] / 1024, ".0f"),
         ("added by load MiB/rank (rank state)", lambda r: f"+{r['load_added_kib'] / 1024:.0f} ({r['rank_state_bytes'] / MiB:.0f})", "s"),
         ("added by verify MiB", lambda r: r["verify_added_kib"] / 1024, "+.0f"),
