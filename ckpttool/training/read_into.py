@@ -39,7 +39,6 @@ def load_into(source: Source, flat: dict[str, Any]) -> None:
                       *(getattr(index[key], "location", None) for key in flat if key not in tensors and key in index)])
     objects = {key: source.read_object(key) for key in flat if key not in tensors}
     flat.update(objects)
-    reads = []
     for key, entry in tensors.items():
         local, box = local_shard_box(flat[key])
         if local.numel() == 0:
@@ -47,14 +46,12 @@ def load_into(source: Source, flat: dict[str, Any]) -> None:
         if checks is None:
             _read_plain(source, key, entry, local, box, scratch)
             continue
-        reads += [(key, entry, chunk, part, local[relative(part, box)]) for chunk, part in entry.chunks_in(box)]
-    # in each file's offset order, not the state's key order: the records of a file read front to back
-    reads.sort(key=lambda r: (getattr(r[2].location, "relative_path", None) or "", getattr(r[2].location, "offset", None) or 0))
-    for key, entry, chunk, part, dst in reads:
-        if checks.done(chunk.location):
-            _read_plain(source, key, entry, dst, part, scratch)
-        else:
-            checks.read_chunk(key, entry, chunk, part, dst)
+        for chunk, part in entry.chunks_in(box):
+            dst = local[relative(part, box)]
+            if checks.done(chunk.location):
+                _read_plain(source, key, entry, dst, part, scratch)
+            else:
+                checks.read_chunk(key, entry, chunk, part, dst)
 
 
 def _read_plain(source: Source, key: str, entry: TensorEntry, dst: torch.Tensor, box: Box, scratch: SlabBuffers) -> None:

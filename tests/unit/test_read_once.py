@@ -255,26 +255,3 @@ def test_a_record_read_by_its_manifest_s_layout_is_refused_where_its_archive_pla
         load(step, torch.nn.Linear(1024, 300))
     report = verify_path(step)
     assert not report.ok and "not laid out as the manifest written at commit says" in str(report.problems), report.problems
-
-
-def test_a_load_reads_each_file_s_tensor_records_in_offset_order(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(256, 512))
-    table = torch.randn(300, 200)
-    # a tensor of ``extra`` lies after the model's in the file, and a load fills ``extra`` first
-    Checkpointer(str(tmp_path / "run")).save(1, model, extra={"table": table})
-    step = str(tmp_path / "run" / "step-1")
-    with open_source(step) as source:
-        index = source.index()
-        starts = {(c.location.relative_path, c.location.offset) for k in index if isinstance(index[k], TensorEntry)
-                  for c in index[k].chunks}
-    reads = _reads(monkeypatch)
-    result = Checkpointer(str(tmp_path / "run")).load(model)
-    assert torch.equal(result.extra["table"], table)
-    by_file: dict[str, list[int]] = {}
-    for name, offset, _ in reads:  # (in the order they were issued): the reads that start at a tensor's record
-        if (name, offset) in starts:
-            by_file.setdefault(name, []).append(offset)
-    assert sum(map(len, by_file.values())) >= 4, by_file
-    for name, offsets in by_file.items():
-        assert offsets == sorted(offsets), (name, offsets)
