@@ -32,7 +32,8 @@ starts with an async save() (keep_last=2) and ends with its wait() (issue 50's m
 into the next plain block), a plain block has none. Cost per save = (save blocks - plain blocks) / saves: the
 loop against itself without saves, alternated so the machine's drift cancels (the median block difference beside it).
 "spilled": saves still running after their block's steps (the wait() then takes the rest). The CPU a save takes: the
-process CPU seconds (every thread) of a save block minus its plain block, the median pair, the slower rank; its floor: the
+process CPU seconds (every thread, and with --writer process the writer process's) of a save block minus its plain block, the
+median pair, the slower rank; its floor: the
 seconds that rank takes to copy its state into ready buffers and hash every byte once (floor_cpu), in the same processes. Also: save() + fence
 per save (median, worst), the background CPU per save (process CPU minus the training thread's, save blocks against plain), the
 training thread's extra run-queue wait, the staging buffers against the rank's state, the peak over all saves minus training's
@@ -74,7 +75,7 @@ FENCE = "fence: optimizer step waits for the copy (Stager.fence)"
 PHASE_LABELS = {"state": "get_state_dict (training_state)", "stage": "stage copy into host buffers (Stager.stage)", "fence": FENCE,
                 "prepare": "join the last save, lease, step dir, agreement (prepare)", "write": "write this rank's part (write_rank)",
                 "commit": "commit (wait for indexes, .metadata, record, rename)", "sync save": "sync save (all)", "wait": "wait()"}
-RANK_OPTS = ("steps", "batch_size", "prior_saves", "loop_saves", "loop_block", "loop_sync", "writer_nice")
+RANK_OPTS = ("steps", "batch_size", "prior_saves", "loop_saves", "loop_block", "loop_sync", "writer_nice", "writer")
 #: a save case's figures taken from the slowest rank (the highest); the rest are rank 0's (each rank's: "ranks")
 SLOWEST = ("blocking_s", "fence_s", "ref_step_s", "k_steps", "overlap_s", "extra_s", "wait_s", "commit_s", "rank_state_bytes",
            "build_s", "loop_cost_s", "loop_cost_median_s", "bg_cpu_s", "main_cpu_extra_s", "main_runq_extra_s", "staging_bytes",
@@ -128,7 +129,7 @@ def rank_case(args) -> None:
         pg = dist.new_group(backend="gloo")  # set-up, as a job would do once
     if method.startswith("ckpt_"):  # the loop case keeps 2 steps: its saves would fill the disk otherwise
         ck = Checkpointer(root, async_save=method in ("ckpt_async", LOOP), on_phase=on_phase,
-                          keep_last=2 if method == LOOP else None, writer_nice=args.writer_nice)
+                          keep_last=2 if method == LOOP else None, writer_nice=args.writer_nice, writer=args.writer)
     wait = ck.wait if ck is not None else lambda: fut is not None and fut.result()
 
     def start_save(step: int) -> None:
@@ -216,7 +217,7 @@ def loop_case(args, ck, model, optimizer, train_step, events: list) -> dict[str,
     save_blocks, plain_blocks, fences, spilled, rss_kib, pair_hwm = [], [], [], [], [], []
 
     def block(save_step: int | None) -> dict[str, Any]:
-        w, p, t, q = time.perf_counter(), time.process_time(), time.thread_time(), run_delay()
+        w, p, t, q = time.perf_counter(), time.process_time() + children_cpu(), time.thread_time(), run_delay()
         blocking = None
         if save_step is not None:
             ck.save(save_step, model, optimizer, extra={"step": save_step, "note": "bench/save.py loop"})
@@ -226,7 +227,7 @@ def loop_case(args, ck, model, optimizer, train_step, events: list) -> dict[str,
         if save_step is not None:
             spilled.append(still)
             ck.wait()  # (issue 50's measure: steps that start with an async save and end with its wait())
-        return {"wall_s": time.perf_counter() - w, "cpu_s": time.process_time() - p, "main_cpu_s": time.thread_time() - t,
+        return {"wall_s": time.perf_counter() - w, "cpu_s": time.process_time() + children_cpu() - p, "main_cpu_s": time.thread_time() - t,
                 "main_runq_s": run_delay() - q, "blocking_s": blocking}
 
     for i in range(n):
@@ -291,6 +292,20 @@ def floor_cpu(buffers: list, rounds: int = 3) -> float:
         times.append(time.process_time() - start)
     worker.close()
     return statistics.median(times)
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's running children so far (a writer process, ``--writer process``: a rank's CPU is
+    its own and its writer's), from /proc (10 ms ticks); 0 without children."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{pid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                    if int(fields[1]) == os.getpid():
+                        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def run_delay() -> float:
@@ -514,6 +529,8 @@ SPEC = Spec(
              "--loop-block": dict(type=int, default=3, help=f"{LOOP}: steps of a save block and of a plain block (default 3)"),
              "--loop-sizes": dict(default="smallest", help=f"sizes (GB, comma-separated) at which {LOOP} runs, or 'smallest' (default)"),
              "--writer-nice": dict(type=int, help="ckpttool cases: Checkpointer(writer_nice=N) (default: the training thread's)"),
+             "--writer": dict(default="thread", choices=["thread", "process"],
+                              help="ckpttool cases: Checkpointer(writer=...) (default thread; process: the CPU of a save counts the writer process's)"),
              "--loop-sync": dict(type=int, default=2, help=f"{LOOP}: sync saves at the end, in the same processes (default 2)")},
     columns=[Column("case", "label", None), Column("save() blocks s", "blocking_s", ".3f"), Column("fence s", "fence_s", ".3f"),
              Column("loop: ref ms/step × steps during save",

@@ -705,11 +705,12 @@ _FAILS: dict[str, int] = {}
 _HITS: dict[str, int] = {}
 
 
-def pause_point(name: str) -> None:
+def pause_point(name: str, who: int | None = None) -> None:
     """Crash tests stop a rank (or an offline command's worker) here (CKPTTOOL_PAUSE_AT=name, or
     name:N the Nth time it gets here) to kill it at a known moment, or slow it down (CKPTTOOL_DELAY_AT=name:seconds) to make a save
     still pending at a known moment; failure tests make the storage fail here as a full disk
-    does (CKPTTOOL_FAIL_AT=name, or name:N for the first N times)."""
+    does (CKPTTOOL_FAIL_AT=name, or name:N for the first N times). ``who``: the rank, where the
+    caller is not the rank's own process (its writer process)."""
     delay = os.environ.get("CKPTTOOL_DELAY_AT", "")
     if delay.partition(":")[0] == name:
         time.sleep(float(delay.partition(":")[2] or 1))
@@ -726,7 +727,7 @@ def pause_point(name: str) -> None:
     if nth and _HITS[name] < int(nth):
         return
     marker = os.environ.get("CKPTTOOL_PAUSE_FILE", "/tmp/ckpttool-paused")
-    with open(f"{marker}.{rank()}", "w") as f:
+    with open(f"{marker}.{rank() if who is None else who}", "w") as f:
         f.write(str(os.getpid()))
     while True:
         time.sleep(1)

@@ -22,6 +22,7 @@ import torch
 from .. import liveness, rendezvous
 from ..errors import NotFoundError, UsageError
 from ..formats.dcp import check_compress
+from . import writer_process
 from .lease import Lease
 from .load import LoadResult, load_committed
 from .state import Optimizers
@@ -60,6 +61,11 @@ class Checkpointer:
     named on every live rank (:class:`RankDeadError`), ranks that trail the rest by
     ``straggler_after`` seconds are logged by rank 0. ``tolerate_failures=K``: a failed save is
     logged on every rank and training goes on, up to K failed saves in a row (:meth:`save`).
+
+    ``writer="process"``: an async save's write (hashing, the data file, the rank's index) runs in a
+    process of this rank's own, reading the staged copy from shared memory; the background thread
+    only waits for it (and rank 0 commits). A writer process that dies fails that save, named; the
+    next save starts another. CPU tensors; the default ``"thread"`` writes in the background thread.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class Checkpointer:
         dead_after: float = liveness.DEAD_AFTER,
         straggler_after: float = liveness.STRAGGLER_AFTER,
         tolerate_failures: int = 0,
+        writer: str = "thread",
     ):
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1, got {keep_last}", hint="use None to keep every step")
@@ -97,6 +104,10 @@ class Checkpointer:
         if not isinstance(tolerate_failures, int) or tolerate_failures < 0:
             raise UsageError(f"tolerate_failures must be a non-negative int, got {tolerate_failures!r}",
                              hint="0 raises the first failed save, as by default")
+        if writer not in ("thread", "process"):
+            raise UsageError(f"writer must be 'thread' or 'process', got {writer!r}")
+        if writer == "process":
+            writer_process.available()
         check_compress(compress)
         self.root: Location = resolve(root, storage_options)
         self.storage_options = storage_options or {}
@@ -104,7 +115,8 @@ class Checkpointer:
         options = Options(keep_last=keep_last, keep_every=keep_every, storage_options=self.storage_options,
                           commit_timeout=commit_timeout, compress=compress, on_commit=on_commit, on_phase=on_phase,
                           writer_nice=writer_nice, incremental=incremental, on_nonfinite=on_nonfinite, health=health,
-                          dead_after=dead_after, straggler_after=straggler_after, tolerate_failures=tolerate_failures)
+                          dead_after=dead_after, straggler_after=straggler_after, tolerate_failures=tolerate_failures,
+                          writer=writer)
         # the root's lease: taken by rank 0 at the first save
         self._saves = Saves(self.root, options, Lease(self.root, stale_after=lease_stale_after))
 

@@ -29,6 +29,7 @@ from ..errors import (CkptError, LeaseError, OutputExistsError, RankDeadError, R
 from .lease import Lease
 from .state import extra_state
 from .staging import Stager
+from .writer_process import WriterProcess
 from .state import StateCache
 from ..steps import COMMIT_FILE, commit_record, list_root, parse_step, retention_victims, step_name
 from ..storage import Location, save_error
@@ -54,6 +55,7 @@ class Options:
     dead_after: float = liveness.DEAD_AFTER
     straggler_after: float = liveness.STRAGGLER_AFTER
     tolerate_failures: int = 0
+    writer: str = "thread"
 
 
 class Saves:
@@ -87,6 +89,8 @@ class Saves:
         # may wait for it), and the writer, at nice ``writer_nice`` (Linux: per thread)
         self.copier = Worker("ckpttool-stage")
         self.writer = Worker("ckpttool-save", nice=options.writer_nice)
+        # writer="process": an async save's write runs there (writer_process.py), this thread waits for it
+        self.process = WriterProcess(options.writer_nice) if options.writer == "process" else None
 
     # --- one save -------------------------------------------------------------------------------
 
@@ -148,6 +152,8 @@ class Saves:
                 self._announced = tmp
             return final.url
         rendezvous.pause_point("after-stage")
+        if own and self.process is not None:
+            self.process.start()  # (its start overlaps the copy)
         if own and self.stager.copying:
             self.copier.submit(self.stager.copy, name="ckpttool-stage")
         rank, world_size, phases = rendezvous.rank(), rendezvous.world_size(), self._phases
@@ -219,7 +225,7 @@ class Saves:
         try:
             self.stager.wait(run=False)  # the copies are in host memory (CUDA: issued on a side stream)
             with self.timing("write", step, phases):
-                self._write_own(staged, tmp, rank, final, step, phases, world_size)
+                self._write_own(staged, tmp, rank, final, step, phases, world_size, staged=True)
             if rank == 0:
                 with self.timing("commit", step, phases):
                     self._commit_own(step, tmp, final, world_size)
@@ -255,7 +261,9 @@ class Saves:
         self._after_commit()
 
     def _write_own(self, state: dict[str, Any], tmp: Location, rank: int, final: Location, step: int,
-                   phases: dict[str, float], world_size: int) -> None:
+                   phases: dict[str, float], world_size: int, staged: bool = False) -> None:
+        """This rank's part of the step (``staged``: an async save's staged state, written in the
+        writer process where there is one)."""
         previous = self._written
         if previous is not None and not previous.step_dir.child(COMMIT_FILE).exists():
             previous = None  # its step never committed, or retention removed it: nothing to share
@@ -265,12 +273,15 @@ class Saves:
         check = health.Check(self._trainable, last[2] if last else None, last[0] if last else None) if self.o.health else None
         self._written = None
         self._last_digests = None
+        progress = self.roll.wrote if self.roll is not None else None
+        kwargs = dict(compress=self.o.compress, frozen=self._frozen, previous=previous, buffers=self._buffers,
+                      phases={k: round(v, 6) for k, v in phases.items() if k in OWN_WORK}, world_size=world_size)
         try:
-            written = step_writer.write_rank(tmp, rank, state, pause=rendezvous.pause_point, compress=self.o.compress,
-                                            frozen=self._frozen, previous=previous, health=check, buffers=self._buffers,
-                                            progress=self.roll.wrote if self.roll is not None else None,
-                                            phases={k: round(v, 6) for k, v in phases.items() if k in OWN_WORK},
-                                            world_size=world_size)
+            if staged and self.process is not None:
+                written = self.process.write(self.stager.block, tmp, rank, state, step, progress, check, **kwargs)
+            else:
+                written = step_writer.write_rank(tmp, rank, state, pause=rendezvous.pause_point, health=check,
+                                                progress=progress, **kwargs)
             if written is not None:
                 written.step_dir = final  # where its files are once the step is committed
         except CkptError:
@@ -488,6 +499,8 @@ class Saves:
         self.stager = self._new_stager()
         self.copier.close()
         self.writer.close()  # joins a write still running (wait() interrupted): then the lease may go
+        if self.process is not None:
+            self.process.close()
         self.lease.release()
         rendezvous.destroy_group(self._group)
         self._group = None
@@ -507,7 +520,8 @@ class Saves:
 
     def _new_stager(self) -> Stager:
         # (a write that waits for the copy, an optimizer step or a guarded edit, is the phase "fence")
-        return Stager(lambda: rendezvous.pause_point("stage-copy"), on_fence=lambda start, end: self.phase("fence", start, end))
+        return Stager(lambda: rendezvous.pause_point("stage-copy"), on_fence=lambda start, end: self.phase("fence", start, end),
+                      shared=self.o.writer == "process")
 
     @contextlib.contextmanager
     def timing(self, name: str, step: int | None = None, phases: dict[str, float] | None = None) -> Iterator[None]:

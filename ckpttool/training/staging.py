@@ -40,6 +40,7 @@ from .snapshot import memory_span
 from ..compat import Box, dtensor_spec, local_shard_box, local_tensor, version_counter
 from ..errors import CorruptCheckpointError, SnapshotError
 from .step_writer import HostShard
+from .writer_process import SharedBlock
 
 
 _ALIGN = 64  # bytes: each buffer in the block starts at a multiple (any dtype's view, vector loads)
@@ -49,8 +50,10 @@ class Stager:
     """The host buffers of one Checkpointer's async saves, and the copy in flight."""
 
     def __init__(self, before_copy: Callable[[], None] | None = None,
-                 on_fence: Callable[[float, float], None] | None = None) -> None:
+                 on_fence: Callable[[float, float], None] | None = None, shared: bool = False) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        self.block: SharedBlock | None = None  # (``shared``) the CPU buffers' block, in shared memory for a writer process
+        self._shared = shared
         self._stream: Any = None  # the side CUDA stream, made on first use
         self._copied: Any = None  # the CUDA event recorded after the side-stream copies
         self._side: list[_Item] = []  # what the side stream copies, until fenced (its versions are checked then)
@@ -177,7 +180,11 @@ class Stager:
                 if not plan.cuda:
                     offsets[key] = total
                     total += -(-plan.shape.numel() * plan.dtype.itemsize // _ALIGN) * _ALIGN
-            block = torch.empty(total, dtype=torch.uint8)
+            if self._shared:
+                self.block = SharedBlock(total)
+                block = self.block.tensor
+            else:
+                block = torch.empty(total, dtype=torch.uint8)
             self._layout = {}
             for key, at in offsets.items():
                 plan = plans[key]

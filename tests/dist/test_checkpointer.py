@@ -57,11 +57,13 @@ def test_resume_is_as_if_never_interrupted(tmp_path):
     assert_same(straight["state"], second["state"], "6 straight vs 3 + resume 3")
 
 
-def test_async_trainer_resume_matches_straight_run(tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_async_trainer_resume_matches_straight_run(tmp_path, writer):
     straight = run_ranks(train_run, 2, steps=4)[0]
     root = str(tmp_path / "ck")
-    run_ranks(train_run, 2, steps=2, ckpt_dir=root, save_every=1, async_save=True, keep_last=1)
-    second = run_ranks(train_run, 2, steps=4, ckpt_dir=root, save_every=1, async_save=True, keep_last=2, keep_every=3)[0]
+    run_ranks(train_run, 2, steps=2, ckpt_dir=root, save_every=1, async_save=True, keep_last=1, writer=writer)
+    second = run_ranks(train_run, 2, steps=4, ckpt_dir=root, save_every=1, async_save=True, keep_last=2, keep_every=3,
+                       writer=writer)[0]
     assert second["start"] == 2
     assert_same(straight["state"], second["state"], "async saves, resumed")
     assert Checkpointer(root).steps() == [3, 4]

@@ -51,12 +51,12 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @contextlib.contextmanager
-def _async_run(tmp_path, device: str = "cpu"):
+def _async_run(tmp_path, device: str = "cpu", writer: str = "thread"):
     """A model stepped once and an async Checkpointer on tmp_path/run: (root, model, optimizer, ckpt)."""
     root = str(tmp_path / "run")
     model, optimizer = _model(device)
     _step(model, optimizer, device)
-    with Checkpointer(root, async_save=True) as ckpt:
+    with Checkpointer(root, async_save=True, writer=writer) as ckpt:
         yield root, model, optimizer, ckpt
 
 
@@ -77,8 +77,9 @@ def held_copy(monkeypatch):
     gate.set()
 
 
-def test_host_buffers_are_reused_and_the_snapshot_is_exact_when_training_goes_on_at_once(tmp_path):
-    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_host_buffers_are_reused_and_the_snapshot_is_exact_when_training_goes_on_at_once(tmp_path, writer):
+    with _async_run(tmp_path, writer=writer) as (root, model, optimizer, ckpt):
         expected1 = _snapshot_and_save(ckpt, 1, model, optimizer)
         first = {k: b.data_ptr() for k, b in ckpt.staging.buffers.items()}
         _step(model, optimizer)  # at once: forward (BatchNorm statistics), backward, step
@@ -107,7 +108,8 @@ def test_cuda_staging_is_pinned_host_memory_never_a_second_device_copy(tmp_path)
     _assert_same(_loaded(root, 1, "cuda"), expected)
 
 
-def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, held_copy, monkeypatch):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, held_copy, monkeypatch, writer):
     """save() returns while the CPU copy thread is held back, and the optimizer's next step
     finishes the copy first (the fence copies what the copy thread has not taken, and then
     releases the hold): the step saved is the state at the call, bit for bit."""
@@ -121,7 +123,7 @@ def test_the_background_copy_is_fenced_before_the_next_optimizer_step(tmp_path, 
             held_copy.set()
 
     monkeypatch.setattr(Stager, "before_write", before_write)
-    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+    with _async_run(tmp_path, writer=writer) as (root, model, optimizer, ckpt):
         expected = _snapshot_and_save(ckpt, 1, model, optimizer)
         assert ckpt.staging.copying  # save() did not wait for the copy
         _step(model, optimizer)  # at once: the step must wait for the copy
@@ -297,12 +299,13 @@ def test_async_saves_start_their_threads_once_and_write_at_the_writer_priority(t
         _assert_same(_loaded(root, step), want)
 
 
-def test_tensors_inside_an_object_are_a_snapshot_too(tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_tensors_inside_an_object_are_a_snapshot_too(tmp_path, writer):
     """A tuple of tensors is one object to DCP (pickled by the writer, later): what an async save
     writes is its value at the call, even when training changes the tensors at once."""
     first, second = torch.arange(3.0), torch.ones(2)
     extra = {"pair": (first, {"w": second}, [second]), "plain": (1, 2.0)}
-    with _async_run(tmp_path) as (root, model, optimizer, ckpt):
+    with _async_run(tmp_path, writer=writer) as (root, model, optimizer, ckpt):
         ckpt.save(1, model, optimizer, extra=extra)
         first.add_(10)  # at once, before the writer pickles the objects
         second.mul_(3)

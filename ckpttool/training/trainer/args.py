@@ -46,6 +46,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--async-save", action="store_true", help="save in the background (a snapshot; training goes on while it writes)"
     )
     parser.add_argument(
+        "--writer", choices=("thread", "process"), default="thread",
+        help="with --async-save: write in a background thread (default) or in a process of each rank's own",
+    )
+    parser.add_argument(
         "--freeze", action="append", default=[], metavar="PREFIX",
         help="freeze the parameters whose names start with PREFIX (repeatable; e.g. tok_embeddings, layers.0.): they do not train",
     )

@@ -119,7 +119,8 @@ def _checkpointer(args: argparse.Namespace) -> Any:
     from ..checkpointer import Checkpointer  # only needed when checkpointing
 
     return Checkpointer(args.ckpt_dir, keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save,
-                        incremental=args.incremental, on_commit=lambda step, url: print(f"committed step {step}: {url}", flush=True))
+                        incremental=args.incremental, writer=args.writer,
+                        on_commit=lambda step, url: print(f"committed step {step}: {url}", flush=True))
 
 
 def _build(args: argparse.Namespace, config: Any, world_size: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:

@@ -1,0 +1,263 @@
+"""An async save's write in a process of its own (``Checkpointer(writer="process")``).
+
+The background thread of an async save shares the training process's GIL and cores with the
+training thread: hashing every byte and writing it costs training more than its CPU time (the
+training thread waits for the GIL and the scheduler). Here the staged state stays where the
+stager put it: the CPU buffers are views of one block of shared memory (a ``memfd``: anonymous,
+gone with the last process that maps it, whatever kills them), which the writer process maps
+once (again when the stager allocates a new block); per save it is sent the state's structure,
+with each staged tensor as (offset, dtype, shape) in that block, and runs
+:func:`step_writer.write_rank` on it: the block digests, the writes and the rank's index. The
+training process's background thread waits for its answer (relaying its progress to the rank's
+beat) and does what follows (rank 0: the commit) as before.
+
+The writer process is started as ``python -c`` (not multiprocessing's spawn, which runs the
+training script's ``__main__`` again), over a socket pair; messages are plain pickles (a
+tensor outside the block goes by value: torch's sharing reductions, once registered by a
+DataLoader, would need multiprocessing's own processes). A writer process that dies is a failed
+save, named (:class:`WriterProcessError`), never a wait: the socket ends, and the next save starts
+a new process. It exits when the training process goes (its socket ends) and at
+``Checkpointer.close()``. Linux (``memfd_create``); CPU tensors: a CUDA tensor's pinned buffer is
+its own, not in the block, and is sent by value.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CkptError, StorageError, UsageError
+from .step_writer import HostShard, Written
+
+
+class WriterProcessError(StorageError):
+    """The writer process of this rank ended before it answered: the save failed."""
+
+
+@dataclass(frozen=True)
+class _InBlock:
+    """A staged tensor as the writer process finds it: ``nbytes`` at ``offset`` of the shared block."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    box: Any
+    global_shape: tuple[int, ...]
+    store: bool
+    plain: bool
+
+
+def available() -> None:
+    """Refuse ``writer="process"`` where it cannot run (no ``memfd_create``: not Linux)."""
+    if not hasattr(os, "memfd_create"):
+        raise UsageError("writer='process' needs Linux (memfd_create)", hint="use the default writer='thread'")
+
+
+class SharedBlock:
+    """``nbytes`` of shared memory (a memfd, zero-filled by the kernel: never uninitialised) and a
+    uint8 tensor over them; ``fd`` is handed to the writer process."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.fd = os.memfd_create("ckpttool-staging", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, nbytes)
+        self._map = mmap.mmap(self.fd, nbytes) if nbytes else None
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    def __del__(self) -> None:
+        fd, self.fd = getattr(self, "fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _map(value: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map(v, fn) for v in value]
+    if type(value) is tuple:
+        return tuple(_map(v, fn) for v in value)
+    return fn(value)
+
+
+def _encode(staged: dict[str, Any], block: SharedBlock | None) -> dict[str, Any]:
+    """The staged state with each HostShard whose copy is a view of ``block`` as an :class:`_InBlock`."""
+    base = block.tensor.untyped_storage().data_ptr() if block is not None and block.nbytes else None
+
+    def one(value: Any) -> Any:
+        if isinstance(value, HostShard) and value.local.device.type == "cpu" and value.local.is_contiguous() \
+                and value.local.untyped_storage().data_ptr() == base:
+            local = value.local
+            return _InBlock(local.storage_offset() * local.element_size(), local.numel() * local.element_size(), local.dtype,
+                            tuple(local.shape), value.box, value.shape, value.store, value.plain)
+        return value
+
+    return _map(staged, one)
+
+
+def _decode(encoded: dict[str, Any], block: torch.Tensor | None) -> dict[str, Any]:
+    def one(value: Any) -> Any:
+        if isinstance(value, _InBlock):
+            local = block[value.offset:value.offset + value.nbytes].view(value.dtype).view(value.shape)
+            return HostShard(local, value.box, value.global_shape, value.store, value.plain)
+        return value
+
+    return _map(encoded, one)
+
+
+class WriterProcess:
+    """One rank's writer process, started at its first write."""
+
+    def __init__(self, nice: int | None = None):
+        self._nice = nice
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._block: SharedBlock | None = None  # the block the process has mapped
+        self._lock = threading.Lock()
+
+    def write(self, block: SharedBlock | None, step_dir: Any, rank: int, staged: dict[str, Any], step: int,
+              progress: Callable[[int], None] | None, health: Any, **kwargs: Any) -> Written | None:
+        """:func:`step_writer.write_rank` of the staged state, in the writer process; ``health``'s
+        tally comes back filled as the write filled it there."""
+        with self._lock:
+            self._running()
+            try:
+                if block is not self._block and block is not None:
+                    self._send(("block", block.nbytes))
+                    send_handle(self._conn, block.fd, self._proc.pid)
+                    self._block = block
+                self._send(("write", (step_dir, rank, _encode(staged, block), health, progress is not None, kwargs)))
+                while True:
+                    kind, payload = pickle.loads(self._conn.recv_bytes())
+                    if kind == "progress":
+                        if progress is not None:
+                            progress(payload)
+                    elif kind == "done":
+                        written, tally = payload
+                        if health is not None:
+                            health.tally = tally
+                        return written
+                    else:
+                        raise payload
+            except (EOFError, OSError) as exc:
+                code = self._stop()
+                raise WriterProcessError(f"the writer process of rank {rank} ended while writing step {step} "
+                                         f"({_ended(code, exc)})", where=str(getattr(step_dir, "url", step_dir)),
+                                         hint="the step is not committed; the next save starts a new writer process") from None
+
+    def start(self) -> None:
+        """Start the writer process now, unless it runs (it imports torch: about a second, which the
+        first save's copy overlaps)."""
+        with self._lock:
+            self._running()
+
+    def _running(self) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            self._stop()
+            self._start()
+
+    def _send(self, message: Any) -> None:
+        self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (where ckpttool is imported from)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH")) if p))
+        code = f"from ckpttool.training.writer_process import serve; serve({theirs.fileno()}, {self._nice!r})"
+        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
+                                      stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._conn, self._block = Connection(ours.detach()), None
+
+    def _stop(self) -> int | None:
+        proc, self._proc = self._proc, None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._block = None
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._send(("stop", None))
+                except OSError:
+                    pass
+            self._stop()
+
+
+def _ended(code: int | None, exc: BaseException) -> str:
+    if code is not None and code < 0:
+        return f"killed by signal {-code}"
+    if code is not None:
+        return f"exit code {code}"
+    return type(exc).__name__
+
+
+def serve(fd: int, nice: int | None) -> None:
+    """The writer process: map the block, write what it is sent, answer; until the socket ends."""
+    from .. import rendezvous
+    from . import background, step_writer
+
+    if nice is not None:
+        os.nice(nice)
+    background.one_intraop_thread()
+    conn = Connection(fd)
+    block = None
+    said = [0.0]
+
+    def send(message: Any) -> None:
+        conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def progress(nbytes: int) -> None:  # (bytes written so far, for the rank's beat: a few a second at most)
+        if time.monotonic() - said[0] >= 0.2:
+            said[0] = time.monotonic()
+            send(("progress", nbytes))
+
+    while True:
+        try:
+            kind, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the training process is gone
+        if kind == "stop":
+            return
+        if kind == "block":
+            handle = recv_handle(conn)
+            try:
+                block = torch.frombuffer(mmap.mmap(handle, payload), dtype=torch.uint8) if payload else None
+            finally:
+                os.close(handle)
+            continue
+        step_dir, rank, encoded, health, beats, kwargs = payload
+        try:
+            written = step_writer.write_rank(step_dir, rank, _decode(encoded, block), health=health,
+                                             pause=functools.partial(rendezvous.pause_point, who=rank),
+                                             progress=progress if beats else None, **kwargs)
+            answer: tuple[str, Any] = ("done", (written, health.tally if health is not None else None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the training process, which raises it
+            answer = ("error", exc if isinstance(exc, (CkptError, OSError)) else RuntimeError(f"{type(exc).__name__}: {exc}"))
+        try:
+            send(answer)
+        except Exception:  # noqa: BLE001 - an error that does not pickle: said as text
+            send(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}")))

@@ -1,0 +1,141 @@
+"""An async save written by a process of the rank's own (``Checkpointer(writer="process")``): the
+same bytes as the writer thread's, a writer process that dies fails its save by name and the next
+save starts another, and the training script is never run again to start it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ckpttool import Checkpointer
+from ckpttool.errors import CkptError, UsageError
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _writer_processes() -> list[int]:
+    """The pids of this process's children that run a writer process."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == os.getpid() and b"writer_process import serve" in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def test_a_writer_process_writes_the_bytes_the_writer_thread_writes(tmp_path):
+    model, optimizer = _model()
+    for writer in ("thread", "process"):
+        with Checkpointer(str(tmp_path / writer), async_save=True, writer=writer) as ckpt:
+            ckpt.save(1, model, optimizer, extra={"note": "x", "t": torch.arange(5)})
+            ckpt.wait()
+    for name in ("__0_0.distcp", "__0.manifest"):  # (.metadata holds a random save id)
+        with open(tmp_path / "thread" / "step-1" / name, "rb") as a, open(tmp_path / "process" / "step-1" / name, "rb") as b:
+            assert a.read() == b.read(), name
+    assert not _writer_processes()  # close() ended it
+
+
+def test_a_writer_process_that_dies_mid_write_fails_that_save_by_name_and_the_next_save_commits(tmp_path, monkeypatch):
+    marker = tmp_path / "paused"
+    monkeypatch.setenv("CKPTTOOL_PAUSE_AT", "after-write:2")  # the writer process stops in its second write
+    monkeypatch.setenv("CKPTTOOL_PAUSE_FILE", str(marker))
+    model, optimizer = _model()
+    with Checkpointer(str(tmp_path / "run"), async_save=True, writer="process") as ckpt:
+        ckpt.save(1, model, optimizer)
+        ckpt.wait()
+        ckpt.save(2, model, optimizer)
+        for _ in range(600):
+            if os.path.exists(f"{marker}.0") and os.path.getsize(f"{marker}.0"):
+                break
+            time.sleep(0.1)
+        pid = int(open(f"{marker}.0").read())
+        assert pid in _writer_processes()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(CkptError, match=r"the writer process of rank 0 ended while writing step 2 \(killed by signal 9\)"):
+            ckpt.wait()
+        ckpt.save(3, model, optimizer)  # a new writer process (its count of pause points starts again)
+        ckpt.wait()
+        assert ckpt.steps() == [1, 3]
+        assert _writer_processes() and pid not in _writer_processes()
+
+
+def test_a_writer_process_that_died_between_saves_is_replaced_and_no_save_is_lost(tmp_path):
+    model, optimizer = _model()
+    with Checkpointer(str(tmp_path / "run"), async_save=True, writer="process") as ckpt:
+        ckpt.save(1, model, optimizer)
+        ckpt.wait()
+        (pid,) = _writer_processes()
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(100):  # until it is dead (a zombie: this process has not reaped it)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.05)
+        ckpt.save(2, model, optimizer)
+        ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+
+
+def test_starting_the_writer_process_does_not_run_the_training_script_again(tmp_path):
+    script = tmp_path / "train.py"  # no ``if __name__ == "__main__"``: as many training scripts are written
+    script.write_text(
+        "import torch\n"
+        "from ckpttool import Checkpointer\n"
+        f"print('script ran', flush=True)\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        f"c = Checkpointer({str(tmp_path / 'run')!r}, async_save=True, writer='process')\n"
+        "c.save(1, m)\n"
+        "c.wait()\n"
+        "c.close()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("script ran") == 1, out.stdout
+    assert (tmp_path / "run" / "step-1" / ".ckpttool-commit.json").exists()
+
+
+def test_an_unknown_writer_is_refused():
+    with pytest.raises(UsageError, match="writer must be 'thread' or 'process'"):
+        Checkpointer("/tmp/unused", writer="processes")
+
+
+def _read_by(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_the_writer_process_reads_the_staged_state_from_shared_memory_not_through_its_socket(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB, 12 MiB with AdamW's state
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    optimizer.step()
+    with Checkpointer(str(tmp_path / "run"), async_save=True, writer="process") as ckpt:
+        ckpt.save(1, model, optimizer)
+        ckpt.wait()
+        (pid,) = _writer_processes()
+        before = _read_by(pid)
+        ckpt.save(2, model, optimizer)
+        ckpt.wait()
+        read = _read_by(pid) - before  # what its read calls returned: the socket's messages (it writes the step's files)
+    assert read < 1 << 20, read
