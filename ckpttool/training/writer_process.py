@@ -258,6 +258,9 @@ def serve(fd: int, nice: int | None) -> None:
         except BaseException as exc:  # noqa: BLE001 - handed to the training process, which raises it
             answer = ("error", exc if isinstance(exc, (CkptError, OSError)) else RuntimeError(f"{type(exc).__name__}: {exc}"))
         try:
-            send(answer)
-        except Exception:  # noqa: BLE001 - an error that does not pickle: said as text
-            send(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}")))
+            try:
+                send(answer)
+            except (pickle.PicklingError, TypeError, AttributeError):  # an error that does not pickle: said as text
+                send(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}")))
+        except OSError:
+            return  # the training process is gone (its write, done, is in storage for rank 0 to judge)

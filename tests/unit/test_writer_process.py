@@ -139,3 +139,40 @@ def test_the_writer_process_reads_the_staged_state_from_shared_memory_not_throug
         ckpt.wait()
         read = _read_by(pid) - before  # what its read calls returned: the socket's messages (it writes the step's files)
     assert read < 1 << 20, read
+
+
+def _tagged(tag: str) -> list[int]:
+    """The pids of the processes whose environment holds ``CKPTTOOL_TEST_TAG=tag``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"CKPTTOOL_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
+                        found.append(int(pid))
+            except OSError:
+                pass
+    return found
+
+
+def test_a_training_process_killed_9_leaves_no_writer_process_behind(tmp_path):
+    tag = os.urandom(8).hex()
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, signal, torch\n"
+        "from ckpttool import Checkpointer\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        f"c = Checkpointer({str(tmp_path / 'run')!r}, async_save=True, writer='process')\n"
+        "c.save(1, m)\n"
+        "c.wait()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # no close(), no exit handlers\n")
+    with open(tmp_path / "log", "w") as log:  # (a file, not a pipe: the run ends with the script, whatever it left)
+        out = subprocess.run([sys.executable, str(script)], stdout=log, stderr=subprocess.STDOUT, timeout=120,
+                             env=dict(os.environ, CKPTTOOL_TEST_TAG=tag))
+    assert out.returncode == -signal.SIGKILL, (tmp_path / "log").read_text()
+    assert (tmp_path / "run" / "step-1" / ".ckpttool-commit.json").exists()
+    for _ in range(100):
+        if not _tagged(tag):
+            break
+        time.sleep(0.1)
+    assert not _tagged(tag), "a writer process outlived its training process"
