@@ -324,16 +324,19 @@ class RangeReader:
 
     def readinto(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes at ``offset``; a short file is a corrupt checkpoint."""
-        if self.holds(offset, out.nbytes):
-            start, data = self._held
-            out[:] = memoryview(data)[offset - start : offset - start + out.nbytes]
-            return
         self.readinto_parts(offset, [out])
 
     def readinto_parts(self, offset: int, outs: list[memoryview]) -> None:
         """Fill ``outs``, back to back, with the bytes from ``offset``: one read of adjacent ranges
-        (a record's head, its data straight into a tensor, its rest) where the storage allows."""
+        (a record's head, its data straight into a tensor, its rest) where the storage allows, none
+        where the held bytes cover them."""
         want = sum(out.nbytes for out in outs)
+        if self.holds(offset, want):
+            at = offset - self._held[0]
+            for out in outs:
+                out[:] = memoryview(self._held[1])[at : at + out.nbytes]
+                at += out.nbytes
+            return
         if offset < 0:
             self.check_range(offset, want)
         if self._handle is None:

@@ -171,6 +171,8 @@ class WriterProcess:
             self._start()
 
     def _send(self, message: Any) -> None:
+        # (pickles between this process and the writer process it started, over their private socket
+        # pair: no checkpoint's bytes are unpickled here; those go through safe_pickle only)
         self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _start(self) -> None:

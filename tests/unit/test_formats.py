@@ -320,8 +320,9 @@ def test_a_checked_convert_reads_each_dcp_record_once(tmp_path, monkeypatch):
     torch.save(state, tmp_path / "s.pt")
     convert(str(tmp_path / "s.pt"), str(tmp_path / "dcp"))
     read = []
-    real = storage.RangeReader.readinto
-    monkeypatch.setattr(storage.RangeReader, "readinto", lambda self, offset, out: (read.append(out.nbytes), real(self, offset, out))[1])
+    real = storage.RangeReader.readinto_parts  # (every read of a range reader, readinto's too)
+    monkeypatch.setattr(storage.RangeReader, "readinto_parts",
+                        lambda self, offset, outs: (read.append(sum(o.nbytes for o in outs)), real(self, offset, outs))[1])
     convert(str(tmp_path / "dcp"), str(tmp_path / "out.safetensors"))
     data = sum(t.numel() * 4 for t in state.values())
     assert data <= sum(read) < 1.2 * data, (sum(read), data)
@@ -362,8 +363,9 @@ def test_a_reshard_checks_records_it_reads_in_parts_in_one_pass(tmp_path, monkey
 
     src = make(tmp_path)
     read = []
-    real = storage.RangeReader.readinto
-    monkeypatch.setattr(storage.RangeReader, "readinto", lambda self, offset, out: (read.append(out.nbytes), real(self, offset, out))[1])
+    real = storage.RangeReader.readinto_parts  # (every read of a range reader, readinto's too)
+    monkeypatch.setattr(storage.RangeReader, "readinto_parts",
+                        lambda self, offset, outs: (read.append(sum(o.nbytes for o in outs)), real(self, offset, outs))[1])
     reshard(str(src), str(tmp_path / "out"), world_size=4)
     monkeypatch.undo()
     data = sum(end - start for _, start, end, _ in tensor_data_spans(src))

@@ -37,13 +37,13 @@ def _asked(monkeypatch) -> collections.Counter:
     """Every (file name, offset, length) a reader was asked for, counted, whether the disk was read
     or a held span answered."""
     seen: collections.Counter = collections.Counter()
-    readinto = RangeReader.readinto
+    readinto_parts = RangeReader.readinto_parts  # (every read of a range reader, readinto's too)
 
-    def counted(self, offset, out):
-        seen[(os.path.basename(self.loc.path), offset, out.nbytes)] += 1
-        return readinto(self, offset, out)
+    def counted(self, offset, outs):
+        seen[(os.path.basename(self.loc.path), offset, sum(out.nbytes for out in outs))] += 1
+        return readinto_parts(self, offset, outs)
 
-    monkeypatch.setattr(RangeReader, "readinto", counted)
+    monkeypatch.setattr(RangeReader, "readinto_parts", counted)
     return seen
 
 
@@ -255,3 +255,20 @@ def test_a_record_read_by_its_manifest_s_layout_is_refused_where_its_archive_pla
         load(step, torch.nn.Linear(1024, 300))
     report = verify_path(step)
     assert not report.ok and "not laid out as the manifest written at commit says" in str(report.problems), report.problems
+
+
+def test_a_part_of_a_large_record_is_read_in_one_read_with_the_rest_of_its_first_and_last_blocks(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 300)  # rows of 4 KiB; 64 KiB blocks of 16 rows
+    Checkpointer(str(tmp_path / "run")).save(1, model)
+    step = str(tmp_path / "run" / "step-1")
+    with open_source(step) as source:
+        (chunk,) = source.index()["model.weight"].chunks
+        name, start = chunk.location.relative_path, chunk.location.offset
+        reads = _reads(monkeypatch)
+        part = source.read_tensor("model.weight", ((10, 0), (190, 1024)))  # starts and ends inside a block
+    assert torch.equal(part, model.weight.detach()[10:200])
+    data = (start + 64, start + 64 + 300 * 1024 * 4)  # (the record's data: after its 64-byte head)
+    inside = [r for r in reads.elements() if r[0] == name and data[0] <= r[1] < data[1]]
+    # the blocks the rows touch (checked whole), the rows straight into the tensor: one read
+    assert len(inside) == 1 and inside[0][2] == 13 * (64 << 10), inside

@@ -260,11 +260,9 @@ class RecordChecks:
         base = storage.offset
         if hi - lo == dst.numel() * item and _plain(ref, storage, dst, math.prod(chunk.sizes)):
             # one byte range: read it into dst, and only the rest of its first and last blocks beside it
-            head, body, tail = bytearray(lo - blo), tensor_buffer(dst), bytearray(bhi - hi)
-            reader.readinto(base + blo, memoryview(head))
-            reader.readinto(base + lo, body)
-            reader.readinto(base + hi, memoryview(tail))
-            pieces = [(blo, memoryview(head)), (lo, body), (hi, memoryview(tail))]
+            head, body, tail = memoryview(bytearray(lo - blo)), tensor_buffer(dst), memoryview(bytearray(bhi - hi))
+            reader.readinto_parts(base + blo, [head, body, tail])  # (one read)
+            pieces = [(blo, head), (lo, body), (hi, tail)]
             self._check_blocks(key, chunk, url, pieces, blo, bhi, digests)
             self._check_rest(key, info, storage, row[2]["rest"])
             source.confirm(key, entry, chunk)
