@@ -23,10 +23,13 @@ its own, not in the block, and is sent by value.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import mmap
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -152,12 +155,17 @@ class WriterProcess:
                             health.tally = tally
                         return written
                     else:
-                        raise payload
+                        failure = payload  # the write's own error (a full disk): raised below, the process lives on
+                        break
             except (EOFError, OSError) as exc:
                 code = self._stop()
                 raise WriterProcessError(f"the writer process of rank {rank} ended while writing step {step} "
                                          f"({_ended(code, exc)})", where=str(getattr(step_dir, "url", step_dir)),
                                          hint="the step is not committed; the next save starts a new writer process") from None
+            except BaseException:
+                self._stop()  # (out of step with it, or still writing: the next save starts another)
+                raise
+        raise failure
 
     def start(self) -> None:
         """Start the writer process now, unless it runs (it imports torch: about a second, which the
@@ -179,11 +187,14 @@ class WriterProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (where ckpttool is imported from)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH")) if p))
-        code = f"from ckpttool.training.writer_process import serve; serve({theirs.fileno()}, {self._nice!r})"
-        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
-                                      stdin=subprocess.DEVNULL)
-        theirs.close()
+        code = f"from ckpttool.training.writer_process import serve; serve({theirs.fileno()}, {self._nice!r}, {os.getpid()})"
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
+                                          stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
         self._conn, self._block = Connection(ours.detach()), None
+        self._send(("path", sys.path))  # (the modules of the state's values import there as here: the script's folder)
 
     def _stop(self) -> int | None:
         proc, self._proc = self._proc, None
@@ -217,11 +228,17 @@ def _ended(code: int | None, exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def serve(fd: int, nice: int | None) -> None:
+def serve(fd: int, nice: int | None, parent: int) -> None:
     """The writer process: map the block, write what it is sent, answer; until the socket ends."""
     from .. import rendezvous
+    from ..storage import save_error
     from . import background, step_writer
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is the training process's to handle)
+    with contextlib.suppress(Exception):  # never outlive the training process (Linux: PR_SET_PDEATHSIG)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:
+        return  # (it went before the line above)
     if nice is not None:
         os.nice(nice)
     background.one_intraop_thread()
@@ -239,11 +256,21 @@ def serve(fd: int, nice: int | None) -> None:
 
     while True:
         try:
-            kind, payload = pickle.loads(conn.recv_bytes())
+            raw = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the training process is gone
+        try:
+            kind, payload = pickle.loads(raw)
+        except Exception as exc:  # noqa: BLE001 - a value of the state whose class does not import here
+            send(("error", CkptError(f"the writer process cannot read this save's state ({type(exc).__name__}: {exc})",
+                                     hint="a value of a class defined in the training script itself? Checkpointer(writer='thread') "
+                                          "saves it")))
+            continue
         if kind == "stop":
             return
+        if kind == "path":
+            sys.path[:] = payload
+            continue
         if kind == "block":
             handle = recv_handle(conn)
             try:
@@ -258,7 +285,8 @@ def serve(fd: int, nice: int | None) -> None:
                                              progress=progress if beats else None, **kwargs)
             answer: tuple[str, Any] = ("done", (written, health.tally if health is not None else None))
         except BaseException as exc:  # noqa: BLE001 - handed to the training process, which raises it
-            answer = ("error", exc if isinstance(exc, (CkptError, OSError)) else RuntimeError(f"{type(exc).__name__}: {exc}"))
+            error = exc if isinstance(exc, CkptError) else save_error(exc, step_dir) if isinstance(exc, Exception) else None
+            answer = ("error", error or CkptError(f"the write stopped: {type(exc).__name__}: {exc}", where=step_dir.url))
         try:
             try:
                 send(answer)

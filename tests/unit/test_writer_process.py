@@ -176,3 +176,30 @@ def test_a_training_process_killed_9_leaves_no_writer_process_behind(tmp_path):
             break
         time.sleep(0.1)
     assert not _tagged(tag), "a writer process outlived its training process"
+
+
+def test_a_storage_error_in_the_writer_process_is_that_error_and_the_process_serves_the_next_save(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTTOOL_FAIL_AT", "after-write:1")  # the first write in the writer process meets a full disk
+    model, optimizer = _model()
+    with Checkpointer(str(tmp_path / "run"), async_save=True, writer="process") as ckpt:
+        ckpt.save(1, model, optimizer)
+        with pytest.raises(CkptError, match="(?i)no space left on device") as failed:
+            ckpt.wait()
+        assert "writer process" not in str(failed.value) and failed.value.where
+        (pid,) = _writer_processes()
+        ckpt.save(2, model, optimizer)
+        ckpt.wait()
+        assert ckpt.steps() == [2] and _writer_processes() == [pid]
+
+
+def test_a_value_of_the_state_is_read_by_the_writer_process_from_the_modules_this_process_imports(tmp_path, monkeypatch):
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "run_config_of_this_test.py").write_text("class Config:\n    def __init__(self, value):\n        self.value = value\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))  # (a module beside a training script: on its sys.path only)
+    import run_config_of_this_test
+
+    model, optimizer = _model()
+    with Checkpointer(str(tmp_path / "run"), async_save=True, writer="process") as ckpt:
+        ckpt.save(1, model, optimizer, extra={"cfg": run_config_of_this_test.Config(3)})
+        ckpt.wait()
+        assert ckpt.steps() == [1]

@@ -243,7 +243,8 @@ def _check_chunk(source: DcpSource, key: str, entry: TensorEntry, chunk: Any, ma
             return
         if laid is not None:
             start, nbytes = row[2]["data"]
-            if storage.offset != info.offset + start or storage.nbytes != nbytes:
+            if (storage.offset != info.offset + start or storage.nbytes != nbytes or not ref.is_contiguous()
+                    or ref.storage_offset != 0):
                 report.add(f"record at byte {info.offset} is not laid out as the manifest written at commit says", url, key,
                            "the file or its .metadata changed after the save")
                 return
