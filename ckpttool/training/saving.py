@@ -496,9 +496,9 @@ class Saves:
         """After the last wait: threads joined, buffers and the process group let go."""
         self._staged = None
         self.states.clear()
-        self.stager = self._new_stager()
         self.copier.close()
         self.writer.close()  # joins a write still running (wait() interrupted): then the lease may go
+        self.stager = self._new_stager()  # (after the join: a write in a writer process reads the old stager's block)
         if self.process is not None:
             self.process.close()
         self.lease.release()
