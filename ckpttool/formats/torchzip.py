@@ -40,6 +40,7 @@ _TAIL = 64 * 1024  # the zip directory of a torch archive is a few hundred bytes
 _SMALL_LOCAL = 8 * 1024  # the same two, for a file on a local disk
 _TAIL_LOCAL = 4 * 1024
 ALIGN = 64  # torch aligns storage records to 64 bytes so they can be mmap'ed
+PAGE = 4096  # a record's data aligned in its file (ArchiveWriter's ``at``): written from memory by O_DIRECT
 
 
 @dataclass(frozen=True)
@@ -449,7 +450,11 @@ class ArchiveWriter:
     memory-map our files (``mmap=True``).
     """
 
-    def __init__(self, stream: IO[bytes], name: str = "archive"):
+    def __init__(self, stream: IO[bytes], name: str = "archive", at: int | None = None):
+        """``at``: the archive's offset in its file; given, each tensor's data (:meth:`new_tensor`)
+        starts at a multiple of ``PAGE`` in the file instead of 64 bytes into the archive, so the
+        file's writer can send it to disk straight from page-aligned memory (``LocalFile``)."""
+        self._at = at
         self._stream = stream
         self._start = stream.tell() if stream.seekable() else 0
         self._out = _Tell(stream, self._start)
@@ -473,15 +478,15 @@ class ArchiveWriter:
         nbytes = dtype_size(dtype)
         for size in shape:
             nbytes *= size
-        return p, self._open_record(f"data/{key}", nbytes, crc)
+        return p, self._open_record(f"data/{key}", nbytes, crc, self._at)
 
-    def _open_record(self, name: str, nbytes: int, crc: bool = True) -> IO[bytes]:
+    def _open_record(self, name: str, nbytes: int, crc: bool = True, at: int | None = None) -> IO[bytes]:
         info = zipfile.ZipInfo(f"{self._name}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
         info.file_size = nbytes
         zip64 = nbytes * 1.05 > zipfile.ZIP64_LIMIT
         pos = self._out.tell()
         header = 30 + len(info.filename.encode()) + (20 if zip64 else 0)
-        pad = (-(pos + header + 4)) % ALIGN
+        pad = (-(pos + header + 4)) % ALIGN if at is None else (-(at + pos + header + 4)) % PAGE
         info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # 'FB': torch's own padding id
         return self._zip.open(info, zip64, crc)
 

@@ -63,6 +63,37 @@ _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
 WRITEBACK_WINDOW = 64 << 20
 
 
+#: a write of at least this many bytes goes to the file from the caller's memory where it can
+#: (:meth:`LocalFile._from_source`): no copy into the buffer
+FROM_SOURCE = 1 << 20
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+
+
+def _address(view: memoryview) -> int:
+    """The address of a contiguous view's first byte (read-only ones included: io.BufferedWriter
+    hands a large write on to its raw file as a read-only view of the caller's memory)."""
+    buf = _PyBuffer()
+    _get_buffer(view, ctypes.byref(buf), 0)  # PyBUF_SIMPLE (raises for a view that is not contiguous)
+    try:
+        return buf.buf or 0
+    finally:
+        _release_buffer(ctypes.byref(buf))
+
+
 def direct_wanted() -> bool:
     return bool(O_DIRECT) and os.environ.get("CKPTTOOL_DIRECT_IO", "1") != "0"
 
@@ -85,6 +116,7 @@ class LocalFile(io.RawIOBase):
         self._fill = 0  # bytes of the buffer holding data
         self._pos = 0  # the stream's position
         self._started = self._waited = 0  # write-back through the page cache: started for [_waited, _started)
+        self.from_source = 0  # bytes written straight from the caller's memory (:meth:`_from_source`)
 
     # --- io.RawIOBase ---------------------------------------------------------------------------
 
@@ -119,6 +151,8 @@ class LocalFile(io.RawIOBase):
             self._patch(view[:k], self._pos)
             self._pos += k
             view = view[k:]
+        if view.nbytes >= FROM_SOURCE and self._pos == self._base + self._fill:
+            view = self._from_source(view)
         if view.nbytes:
             self._gather(view)
         return n
@@ -149,6 +183,30 @@ class LocalFile(io.RawIOBase):
             super().close()
 
     # --- the buffer -------------------------------------------------------------------------------
+
+    def _from_source(self, view: memoryview) -> memoryview:
+        """Write the middle of ``view`` (appended at the end of the file) straight from its memory,
+        not through the buffer, where its address and the file offset agree modulo ``ALIGN`` (a
+        staged tensor's page-aligned buffer written to a record whose data the writer put at a page
+        of the file: ``ArchiveWriter(at=)``), or where the file is not direct; its head, up to the
+        first aligned offset, joins the buffer, which is written out first. Returns what is left
+        for the buffer (the tail under ``ALIGN``; all of ``view`` where the two do not agree)."""
+        if self.direct is not False and (_address(view) - self._pos) % ALIGN:
+            return view
+        head = (-self._pos) % ALIGN
+        middle = (view.nbytes - head) // ALIGN * ALIGN
+        if middle <= 0:
+            return view
+        if head:
+            self._gather(view[:head])
+        if self._fill:  # (ends at an aligned offset now: written whole, direct where direct)
+            self._out(self._view[:self._fill], self._base)
+        start = self._base + self._fill
+        self._out(view[head:head + middle], start)
+        self._base = self._pos = start + middle
+        self._fill = 0
+        self.from_source += middle
+        return view[head + middle:]
 
     def _gather(self, view: memoryview) -> None:
         """``view`` written at the position, which lies in the buffer (at most at its end)."""

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..formats.dcp.records import TEMPLATE_BYTES
 from . import snapshot
 from .snapshot import memory_span
 from ..compat import Box, dtensor_spec, local_shard_box, local_tensor, version_counter
@@ -44,6 +45,10 @@ from .writer_process import SharedBlock
 
 
 _ALIGN = 64  # bytes: each buffer in the block starts at a multiple (any dtype's view, vector loads)
+#: a buffer of more bytes starts at a page of the block, itself page-aligned: its record's data
+#: starts at a page of the file (``write_tensor``'s ``at``), and the data file's writer sends it to
+#: disk from there by O_DIRECT, without copying it into its own buffer (``LocalFile``)
+_PAGE, _PAGE_FROM = 4096, TEMPLATE_BYTES
 
 
 class Stager:
@@ -175,16 +180,20 @@ class Stager:
         buffers are pinned, one per tensor."""
         layout = self._layout
         if any(not p.cuda and layout.get(k) != (p.shape, p.dtype) for k, p in plans.items()):
-            offsets, total = {}, 0
+            offsets, total, paged = {}, 0, False
             for key, plan in plans.items():
                 if not plan.cuda:
+                    nbytes = plan.shape.numel() * plan.dtype.itemsize
+                    if nbytes > _PAGE_FROM:
+                        total, paged = -(-total // _PAGE) * _PAGE, True
                     offsets[key] = total
-                    total += -(-plan.shape.numel() * plan.dtype.itemsize // _ALIGN) * _ALIGN
+                    total += -(-nbytes // _ALIGN) * _ALIGN
             if self._shared:
-                self.block = SharedBlock(total)
+                self.block = SharedBlock(total)  # (a mapping: page-aligned)
                 block = self.block.tensor
             else:
-                block = torch.empty(total, dtype=torch.uint8)
+                block = torch.empty(total + _PAGE * paged, dtype=torch.uint8)
+                block = block[(-block.data_ptr()) % _PAGE * paged:][:total]
             self._layout = {}
             for key, at in offsets.items():
                 plan = plans[key]

@@ -625,7 +625,8 @@ def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[i
     out.begin()
     # (a compressed record is checked whole: its data is not a byte range of the file)
     blocks = None if index.compress is not None else (lambda: out.data(math.prod(box[1]) * dtype_size(local.dtype)))
-    start, length = write_tensor(out, local.dtype, box[1], index.compress, fill, blocks, crc=blocks is None)
+    # (at: a large record's data at a page of the file, sent there from a staged buffer by O_DIRECT)
+    start, length = write_tensor(out, local.dtype, box[1], index.compress, fill, blocks, crc=blocks is None, at=out.tell())
     entry["chunks"].append([list(box[0]), list(box[1]), start, length])
     index.records.append(out.row(start, length))
     if tally is not None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
 import json
+import mmap
 import os
 import random
 import shutil
@@ -205,3 +207,75 @@ def test_a_full_disk_mid_file_is_an_error_and_no_step(tmp_path):
     assert result["raised"] == "ENOSPC", result
     assert "no space left on device while writing" in result["said"], result
     assert not [name for name in result["left"] if name.startswith("step-")], result
+
+
+def _memory(nbytes: int, seed: int) -> mmap.mmap:
+    """Page-aligned memory holding random bytes (as a staged buffer is)."""
+    m = mmap.mmap(-1, nbytes)
+    m[:] = random.Random(seed).randbytes(nbytes)
+    return m
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["raw", "buffered"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+def test_large_writes_go_from_the_callers_memory_where_they_can_and_every_byte_lands(tmp_path, direct, buffered):
+    """A write of 1 MiB or more whose address agrees with the file offset modulo a page (or any, to a
+    file that is not direct) goes to the file from the caller's memory: its head through the buffer,
+    its middle straight, its tail into the buffer; mixed with small writes, patches and writes that
+    do not agree, through io.BufferedWriter (which hands them on as read-only views) or not."""
+    if direct and not _direct_allowed(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    path = str(tmp_path / "out.bin")
+    f = LocalFile(path, direct=direct)
+    out = io.BufferedWriter(f, buffer_size=64 << 10) if buffered else f
+    source = _memory(8 << 20, seed=3)
+    view = memoryview(source)
+    rng = random.Random(4)
+    expected = bytearray()
+    agreeing = 0
+    try:
+        for i in range(60):
+            kind = rng.choice(["small", "agrees", "disagrees"])
+            if kind == "small":
+                block = rng.randbytes(rng.choice([1, 100, 5000]))
+            else:
+                at = len(expected) % localfile.ALIGN + rng.randrange(4) * localfile.ALIGN + (kind == "disagrees")
+                block = view[at:at + rng.choice([1 << 20, (2 << 20) + 123, (3 << 20) + 4096])]
+                agreeing += kind == "agrees"
+            out.write(block)
+            expected += block
+            if i % 9 == 0:
+                at = rng.randrange(len(expected))
+                patch = rng.randbytes(min(3, len(expected) - at))
+                out.seek(at)
+                out.write(patch)
+                expected[at:at + len(patch)] = patch
+                out.seek(0, os.SEEK_END)
+        out.flush()
+        f.finish()
+        assert f.direct is direct
+    finally:
+        del view, block
+        f.close()
+    with open(path, "rb") as r:
+        assert r.read() == bytes(expected)
+    assert agreeing > 0 and f.from_source > 0
+    if direct:  # (at most a page of each head and tail went through the buffer)
+        assert f.from_source >= len(expected) - (60 - agreeing) * (3 << 20 + 4096 + 5000) - agreeing * 2 * localfile.ALIGN
+
+
+def test_a_large_write_whose_address_disagrees_with_the_offset_is_copied_into_the_buffer(tmp_path):
+    if not _direct_allowed(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    source = _memory(12 << 20, seed=5)
+    path = str(tmp_path / "out.bin")
+    f = LocalFile(path, direct=True)
+    try:
+        f.write(b"x" * 100)
+        f.write(memoryview(source))  # from a page, at offset 100: no direct write can take it from there
+        f.finish()
+        assert f.from_source == 0 and f.direct  # (direct all the same, from the buffer)
+    finally:
+        f.close()
+    with open(path, "rb") as r:
+        assert r.read() == b"x" * 100 + source[:]

@@ -499,3 +499,35 @@ def test_another_threads_write_through_p_data_is_not_seen_and_wait_first_keeps_t
     readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
     said = readme[readme.index("Not seen at all:"):]
     assert "another thread's `p.data.mul_()`" in said and "plain or DTensor" in said and "call `ckpt.wait()` before such writes" in said
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread", "process"])
+def test_a_large_buffer_starts_at_a_page_and_its_record_data_at_a_page_of_the_file(tmp_path, shared):
+    """A staged buffer over ``TEMPLATE_BYTES`` starts at a page of memory and its record's data at a
+    page of the data file: the data file's writer then sends it to disk from the buffer (O_DIRECT
+    where allowed) instead of copying it into its own (``LocalFile._from_source``)."""
+    import json
+
+    from ckpttool.formats.dcp.records import TEMPLATE_BYTES
+
+    torch.manual_seed(0)
+    state = {"small": torch.randn(3), "big": torch.randn(300, 1024), "odd": torch.randn(5),
+             "big2": torch.randn(257, 1025, dtype=torch.float64), "tiny": torch.ones(2, dtype=torch.bfloat16)}
+    stager = Stager(shared=shared)
+    stager.stage(state, 0, None)
+    large = {k for k, v in state.items() if v.numel() * v.element_size() > TEMPLATE_BYTES}
+    assert large == {"big", "big2"}
+    assert all(stager.buffers[k].data_ptr() % 4096 == 0 for k in large)
+    model = torch.nn.Linear(1024, 300)  # its weight: 1.2 MB, one record over TEMPLATE_BYTES
+    writer = "process" if shared else "thread"
+    with Checkpointer(str(tmp_path / "run"), async_save=True, writer=writer) as ckpt:
+        ckpt.save(1, model)
+        ckpt.wait()
+    (rows,) = json.loads((tmp_path / "run" / "step-1" / "__0.manifest").read_text())["records"].values()
+    starts = [row[0] + row[3]["data"][0] for row in rows if len(row) > 3 and row[3]["data"][1] > TEMPLATE_BYTES]
+    assert len(starts) == 1 and starts[0] % 4096 == 0, starts
+    again = torch.nn.Linear(1024, 300)
+    from ckpttool import load
+
+    load(str(tmp_path / "run" / "step-1"), again)
+    assert torch.equal(again.weight, model.weight) and torch.equal(again.bias, model.bias)

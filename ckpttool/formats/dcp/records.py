@@ -47,18 +47,20 @@ def write_object(out: IO[bytes], value: Any, compress: str | None) -> tuple[int,
 
 def write_tensor(out: IO[bytes], dtype: torch.dtype, shape: tuple[int, ...], compress: str | None,
                  fill: Callable[[Callable[[Any], Any]], None], before_data: Callable[[], None] | None = None,
-                 crc: bool = True) -> tuple[int, int]:
+                 crc: bool = True, at: int | None = None) -> tuple[int, int]:
     """One tensor's record (a C-order tensor of ``shape`` and ``dtype``) at ``out``'s position:
     ``fill(write)`` writes its data bytes in order; ``before_data()`` runs once the header is
     written and the data comes next. ``crc=False``: the data's CRC-32 is not computed, 0 stands in
     its place (torch's ``set_crc32_options(False)``; torch's reader never checks it): for a writer
-    whose manifest proves every byte. Returns (start, length)."""
+    whose manifest proves every byte. ``at``: the record's offset in its file (an uncompressed
+    record only): the data of a record over ``TEMPLATE_BYTES`` then starts at a page of the file
+    (``ArchiveWriter``'s ``at``). Returns (start, length)."""
     start = out.tell()
     template = _template(dtype, tuple(shape)) if compress is None else None
     if template is not None:
         template.write(out, fill, before_data, crc)
         return start, out.tell() - start
-    with record_stream(out, compress) as rec, ArchiveWriter(rec) as writer:
+    with record_stream(out, compress) as rec, ArchiveWriter(rec, at=at if compress is None else None) as writer:
         placeholder, stream = writer.new_tensor(dtype, shape, crc)
         if before_data is not None:
             before_data()
