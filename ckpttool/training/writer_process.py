@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import mmap
 import os
 import pickle
@@ -44,6 +45,8 @@ import torch
 
 from ..errors import CkptError, StorageError, UsageError
 from .step_writer import HostShard, Written
+
+log = logging.getLogger("ckpttool")
 
 
 class WriterProcessError(StorageError):
@@ -169,9 +172,13 @@ class WriterProcess:
 
     def start(self) -> None:
         """Start the writer process now, unless it runs (it imports torch: about a second, which the
-        first save's copy overlaps)."""
+        first save's copy overlaps). One that cannot start is left for the write to try again and
+        fail by name, in the background: ``save()`` has marked its step pending by now."""
         with self._lock:
-            self._running()
+            try:
+                self._running()
+            except WriterProcessError as exc:
+                log.debug("ckpttool: %s", exc)
 
     def _running(self) -> None:
         if self._proc is None or self._proc.poll() is not None:
@@ -191,6 +198,11 @@ class WriterProcess:
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
                                           stdin=subprocess.DEVNULL)
+        except OSError as exc:  # (no memory or processes left to fork, the interpreter gone)
+            ours.close()
+            raise WriterProcessError(f"the writer process could not be started ({exc.strerror or exc})",
+                                     where=sys.executable,
+                                     hint="the step is not committed; the next save tries again (or use writer='thread')") from None
         finally:
             theirs.close()
         self._conn, self._block = Connection(ours.detach()), None

@@ -206,3 +206,21 @@ def test_a_value_of_the_state_is_read_by_the_writer_process_from_the_modules_thi
         ckpt.save(1, model, optimizer, extra={"cfg": run_config_of_this_test.Config(3)})
         ckpt.wait()
         assert ckpt.steps() == [1]
+
+
+def test_a_writer_process_that_cannot_start_fails_that_save_by_name_and_the_next_one_starts(tmp_path, monkeypatch):
+    """save() has marked its step pending when the writer process starts: a start that fails (here
+    the interpreter is not where it was, a real failed exec) is that save's error, in the background
+    and by name, not a raw OSError out of save(); the next save starts one and commits."""
+    model, optimizer = _model()
+    with Checkpointer(str(tmp_path / "run"), async_save=True, writer="process") as ckpt:
+        python = sys.executable
+        monkeypatch.setattr(sys, "executable", str(tmp_path / "gone" / "python"))
+        ckpt.save(1, model, optimizer)  # (does not raise)
+        with pytest.raises(CkptError, match="the writer process could not be started .*No such file") as info:
+            ckpt.wait()
+        assert "not committed" in str(info.value)
+        monkeypatch.setattr(sys, "executable", python)
+        ckpt.save(2, model, optimizer)
+        ckpt.wait()
+        assert ckpt.steps() == [2]
