@@ -46,6 +46,7 @@ log = logging.getLogger("ckpttool")
 _HEAD_MAX = 64 << 10  # bytes of a record kept until its tensor data begins (a zip entry's header: ~100)
 MID_WRITE = 20 << 20  # the pause point "mid-write" comes after the first record that ends past this byte
 SLAB = 64 << 20  # bytes of a tensor copied to the host at a time (GPU shards)
+PIECE = 4 << 20  # bytes of a slab counted (NaN, Inf) and hashed together while in the cache
 
 
 @dataclass
@@ -116,6 +117,7 @@ class _HashingWriter(io.RawIOBase):
         self._start = 0
         self._data: tuple[int, int] | None = None  # (absolute start, length) of the record's tensor data
         self._blocks: BlockHasher | None = None
+        self._ahead = 0  # data bytes hashed by :meth:`hash_ahead`, not yet written
         self._rest: Any = None
         self._head = bytearray()
 
@@ -149,7 +151,10 @@ class _HashingWriter(io.RawIOBase):
             return
         if a > 0:
             self._rest.update(view[:a])
-        self._blocks.update(view[a:b])
+        ahead = min(self._ahead, b - a)  # (bytes hash_ahead hashed already)
+        self._ahead -= ahead
+        if a + ahead < b:
+            self._blocks.update(view[a + ahead:b])
         if b < view.nbytes:
             self._rest.update(view[b:])
 
@@ -170,6 +175,12 @@ class _HashingWriter(io.RawIOBase):
         self._head = bytearray()
         self._data = (self._pos, nbytes)
         self._blocks = BlockHasher()
+
+    def hash_ahead(self, view: memoryview) -> None:
+        """Hash the next data bytes to be written now (the caller writes exactly these next): a
+        piece of a large tensor hashed while its NaN count has it in the cache, one pass over it."""
+        self._blocks.update(view)
+        self._ahead += view.nbytes
 
     def digest(self) -> str:
         digest, self._hasher = self._hasher.hexdigest(), None
@@ -618,9 +629,17 @@ def _write_local(out: _HashingWriter, index: RankIndex, key: str, shape: tuple[i
     def fill(write: Callable[[Any], Any]) -> None:
         for slab in slabs(box[1], dtype_size(local.dtype), SLAB):
             part = local[relative(slab, ((0,) * len(box[1]), box[1]))].to("cpu").contiguous()
-            if tally is not None:
+            data = tensor_buffer(part)
+            if tally is not None and blocks is not None and data.nbytes > PIECE:
+                # one pass: each piece counted and hashed while in the cache, then the slab written
+                # whole (from its buffer by O_DIRECT, LocalFile: no byte of it read by this CPU again)
+                flat, step = part.view(-1), PIECE // part.element_size()
+                for at in range(0, flat.numel(), step):
+                    tally.count(key, flat[at:at + step])
+                    out.hash_ahead(data[at * part.element_size():(at + step) * part.element_size()])
+            elif tally is not None:
                 tally.count(key, part)
-            write(tensor_buffer(part))
+            write(data)
 
     out.begin()
     # (a compressed record is checked whole: its data is not a byte range of the file)

@@ -129,3 +129,39 @@ def test_a_manifest_row_with_another_digest_rule_is_refused(tmp_path):
         bad = json.loads(json.dumps(raw))
         next(r for r in bad["records"][files[0]] if len(r) > 3)[3].update(change)
         assert parse_manifest_file(json.dumps(bad).encode(), 64 << 10, files) is None, change
+
+
+def test_a_large_tensor_counted_and_hashed_piece_by_piece_has_its_exact_counts_and_digests(tmp_path):
+    """A tensor over ``PIECE`` bytes is counted (NaN, Inf) and hashed a piece at a time, in one pass,
+    before its slab is written: its block digests are those of the bytes in the file, and the
+    health counts are exact wherever the non-finite values lie (first, middle and last piece)."""
+    from ckpttool.checksums import BlockHasher
+    from ckpttool.training.step_writer import PIECE
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(2 * PIECE // 4 // 1000 + 1, 1000, bias=False)  # 2 pieces and a part of one
+    nbytes = model.weight.numel() * 4
+    assert nbytes > 2 * PIECE and nbytes % PIECE
+    flat = model.weight.data.view(-1)
+    flat[[3, PIECE // 4 + 5, PIECE // 4 + 9, flat.numel() - 1]] = float("nan")
+    flat[[PIECE // 4 - 1, 2 * PIECE // 4]] = float("inf")
+    flat[flat.numel() - 7] = float("-inf")
+    Checkpointer(str(tmp_path / "run")).save(1, model)
+    step = tmp_path / "run" / "step-1"
+    record = json.loads((step / ".ckpttool-commit.json").read_text())
+    assert record["health"]["nonfinite"] == {"model.weight": {"nan": 4, "inf": 3}}, record["health"]
+    (file, rows), = _rows(str(step)).items()
+    data = (step / file).read_bytes()
+    (row,) = [r for r in rows if len(r) > 3]
+    start, length = row[3]["data"]
+    assert length == nbytes
+    blocks = BlockHasher()
+    blocks.update(memoryview(data)[row[0] + start:row[0] + start + length])
+    assert row[3]["blocks"] == blocks.finish()
+    h = RecordHasher(row[3])
+    h.update(data[row[0]:row[0] + row[1]])
+    assert h.hexdigest() == row[2]
+    assert verify_path(str(step)).ok
+    again = torch.nn.Linear(model.in_features, 1000, bias=False)
+    load(str(step), again)
+    assert torch.equal(again.weight.view(torch.int32), model.weight.view(torch.int32))  # (NaN's bits too)
