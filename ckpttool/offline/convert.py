@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .. import formats
+from ..bulk import no_gc
 from ..choices import CAST_DTYPES, parse_size
 from ..engine import DEFAULT_BUDGET, Plan, plan_entries, run
 from ..errors import MismatchError, UsageError
@@ -37,6 +38,7 @@ def _cast_to(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return dtype
 
 
+@no_gc()  # (the collector held off: bulk.py, docs/benchmarks.md)
 def convert(
     src: str | Location,
     dst: str | Location,

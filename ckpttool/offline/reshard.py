@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import formats
+from ..bulk import no_gc
 from ..choices import parse_size
 from ..engine import DEFAULT_BUDGET, Plan, plan_entries, run
 from ..errors import FormatError, MismatchError, UsageError
@@ -114,6 +115,7 @@ def _target_layout(source: Source, plan: Plan, target: Mesh, colwise: tuple[str,
     return layout, f"{target.replicate}x{target.shard} (dp x tp)"
 
 
+@no_gc()  # (the collector held off: bulk.py, docs/benchmarks.md)
 def reshard(
     src: str | Location,
     dst: str | Location,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import formats, rendezvous
+from ..bulk import no_gc
 from ..choices import DEFAULT_BUDGET
 from ..errors import CkptError, FormatError, UnsafePickleError, UsageError
 from ..buffers import SlabBuffers
@@ -29,6 +30,7 @@ __all__ = ["Problem", "Report", "verify_against", "verify_path"]
 # --- integrity -----------------------------------------------------------------------------------
 
 
+@no_gc()  # (the collector held off: bulk.py, docs/benchmarks.md)
 def verify_path(path: str | Location, *, only: str | None = None, storage_options: dict[str, Any] | None = None,
                 progress: Progress | None = None, parallel: bool = False, optimizer_order: str | None = None) -> Report:
     """Check every committed step of a training root, or one checkpoint in any format.
@@ -117,6 +119,7 @@ def _merged(mine: Report, parts: list[tuple[Report, list[tuple[int, Report]]]]) 
 # --- equality ------------------------------------------------------------------------------------
 
 
+@no_gc()  # (the collector held off: bulk.py, docs/benchmarks.md)
 def verify_against(path: str | Location, other: str | Location, *, only: str | None = None, against_only: str | None = None,
                    rtol: float = 0.0, atol: float = 0.0, cast: bool = False, memory_budget: int = DEFAULT_BUDGET,
                    storage_options: dict[str, Any] | None = None, progress: Progress | None = None,

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from .. import formats, health, rendezvous
 from . import keys
+from ..bulk import no_gc
 from ..errors import CkptError, CorruptCheckpointError, MismatchError, NotFoundError, UsageError
 from .read_into import load_into
 from ..formats.dcp.metadata import PER_RANK, PER_RANK_BUFFERS
@@ -50,6 +51,7 @@ class LoadResult:
     unexpected_keys: list[str] = field(default_factory=list)
 
 
+@no_gc()  # (the collector held off: bulk.py, docs/benchmarks.md)
 def load(path: str | os.PathLike | Location, model: torch.nn.Module, optimizer: Optimizers = None, *,
          verify: bool = True, storage_options: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
          key_map: dict[str, str] | None = None, strict: bool = True) -> LoadResult:
@@ -383,6 +385,7 @@ def _restore_in_place(objects: dict[str, Any] | None, values: dict[str, Any], un
         obj.load_state_dict(values[key])
 
 
+@no_gc()  # (the collector held off: bulk.py, docs/benchmarks.md)
 def load_committed(root: Location, model: torch.nn.Module, optimizer: Optimizers, step: int | None, *, verify: bool,
                    storage_options: dict[str, Any] | None, extra: dict[str, Any] | None) -> LoadResult | None:
     """``Checkpointer.load``: the newest (or the given) committed step under ``root``, loaded; None

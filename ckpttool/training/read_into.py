@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..buffers import SlabBuffers
+from ..bulk import no_gc
 from ..compat import local_shard_box
 from ..index import TensorEntry
 from ..layout import Box, relative
@@ -28,6 +29,11 @@ def load_into(source: Source, flat: dict[str, Any]) -> None:
     record's bytes reached the tensor: a load that raises leaves the state partly filled. A DCP
     source checks each record as it reads it into the tensor; any other ranked source (a per-rank
     torch.save folder) checks a record before its first read."""
+    with no_gc():  # (as a convert's records: engine.py)
+        _load_into(source, flat)
+
+
+def _load_into(source: Source, flat: dict[str, Any]) -> None:
     checks = source.checks
     scratch = SlabBuffers(1)
     # Everything that can be checked without the tensor data is checked before the first tensor
