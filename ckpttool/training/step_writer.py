@@ -799,12 +799,15 @@ def _commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, 
                                 "reads", where=step_dir.url, hint="the step is not committed")
     written = _write_pieces(step_dir.child(METADATA_FILE), pieces())
     files = {}
+    by_rule = None
     if fragments is not None and table.rule == len(indexes) and all(index.compress == indexes[0].compress for index in indexes):
         by_rule = load_index.index_bytes(described, table.rule, indexes[0].sharded[0], table.names, table.shapes, table.dtypes,
                                          transform_names(indexes[0].compress))
-        if by_rule is not None:
-            step_dir.child(load_index.INDEX_FILE).write_bytes(by_rule)
-            files[load_index.INDEX_FILE] = [len(by_rule), hash_bytes(by_rule)]
+    elif table is None:  # no DTensor: every key's chunks in the index (JSON: a load or a convert unpickles no .metadata)
+        by_rule = load_index.index_bytes(described, len(indexes), "", [], [], [], None)
+    if by_rule is not None:
+        step_dir.child(load_index.INDEX_FILE).write_bytes(by_rule)
+        files[load_index.INDEX_FILE] = [len(by_rule), hash_bytes(by_rule)]
     for index in indexes:
         step_dir.child(rendezvous.part_name(index.rank)).remove()
     return {"algorithm": ALGORITHM, "block": HASH_BLOCK, "manifests": manifests, "files": {METADATA_FILE: written, **files}}

@@ -234,3 +234,38 @@ def test_a_sharded_key_larger_than_its_records_is_refused_before_anything_is_all
     _rewrite(step, INDEX_FILE, lambda b: b.replace(b'["model.w",[10,3],"float32"]', b'["model.w",[68719476736,3],"float32"]'))
     with pytest.raises(CorruptCheckpointError, match="rank 0's record of chunk at \\[0, 0\\] holds"):
         DcpSource(step).read_tensor("model.w")  # (768 GB: an allocation first would fail otherwise, or take the memory)
+
+
+def test_a_step_without_dtensors_has_a_load_index_and_a_load_or_convert_unpickles_no_metadata(tmp_path):
+    """A step of plain tensors (no DTensor: one process, DDP) gets a load index too: every key's
+    chunks in it, entry for entry what ``.metadata`` gives, read as JSON by a load and a convert
+    instead of ``.metadata``'s pickle (the pure-Python allow-listed unpickler: 0.19 s of CPU per
+    5,000 tensors), and compared with ``.metadata`` by verify."""
+    from ckpttool import Checkpointer, load
+    from ckpttool.offline.convert import convert
+    from ckpttool.offline.verify import verify_path
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    Checkpointer(str(tmp_path / "run")).save(1, model, optimizer, extra={"epoch": 3, "rng": torch.arange(4)})
+    step = resolve(str(tmp_path / "run" / "step-1"))
+    assert step.child(INDEX_FILE).exists()
+    by_index, by_metadata = DcpSource(step), DcpSource(step, by_index=False)
+    assert by_index.by_index is not None
+    assert _entries(by_index) == _entries(by_metadata) and list(by_index.index()) == list(by_metadata.index())
+    for key in by_index.index():
+        if isinstance(by_index.index()[key], TensorEntry):
+            assert torch.equal(by_index.read_tensor(key), by_metadata.read_tensor(key)), key
+    assert not by_index.metadata_read
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+    load(step.url, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    convert(step.url, str(tmp_path / "out.safetensors"))
+    assert verify_path(step.url).ok
+    # verify compares it with .metadata: an index that names another record for a key is found
+    _rewrite(step, INDEX_FILE, lambda b: b.replace(b'"model.0.bias":[[4],"float32",[[[0],[4],["__0_0.distcp",',
+                                                   b'"model.0.bias":[[4],"float32",[[[0],[4],["__0_0.distcp",1', 1))
+    assert not verify_path(step.url).ok

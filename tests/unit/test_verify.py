@@ -283,6 +283,21 @@ def _step_with_manifest(tmp_path) -> str:
     return str(tmp_path / "run" / "step-1")
 
 
+def _without_load_index(step: str) -> None:
+    """The step as one written before plain steps got a load index: its load reads ``.metadata``."""
+    from ckpttool import steps
+    from ckpttool.formats.dcp.load_index import INDEX_FILE
+
+    os.remove(os.path.join(step, INDEX_FILE))
+    with open(os.path.join(step, steps.COMMIT_FILE), "rb") as f:
+        record = json.loads(f.read())
+    record.pop("checksum")
+    record["manifest"]["files"].pop(INDEX_FILE)
+    extra = {k: v for k, v in record.items() if k not in ("step", "world_size")}
+    with open(os.path.join(step, steps.COMMIT_FILE), "wb") as f:
+        f.write(steps.commit_record(record["step"], record["world_size"], extra))
+
+
 def _read_error(step: str) -> CkptError:
     from ckpttool import load
 
@@ -305,6 +320,7 @@ def test_the_one_checker_tells_a_read_and_verify_the_same(tmp_path, damage):
         step = _step_with_manifest(tmp_path)
     file, start, end, key = next(s for s in tensor_data_spans(step) if s[3] == "model.weight")
     if damage == "metadata":  # the same length: only the manifest can tell
+        _without_load_index(step)  # (a load reads the load index instead of .metadata where the step has one)
         path = os.path.join(step, ".metadata")
         with open(path, "rb") as f:
             data = f.read()
