@@ -42,13 +42,18 @@ def _random_writes(f, seed: int, count: int) -> bytes:
         f.write(block)
         expected += block
         if i % 7 == 0:
-            at = rng.randrange(len(expected))
-            patch = rng.randbytes(min(3, len(expected) - at))
-            f.seek(at)
-            f.write(patch)
-            expected[at:at + len(patch)] = patch
-            f.seek(0, os.SEEK_END)
+            _patch(f, expected, rng)
     return bytes(expected)
+
+
+def _patch(f, expected: bytearray, rng: random.Random) -> None:
+    """Rewrite a few bytes already written (as an archive writer patches a header), then go on at the end."""
+    at = rng.randrange(len(expected))
+    patch = rng.randbytes(min(3, len(expected) - at))
+    f.seek(at)
+    f.write(patch)
+    expected[at:at + len(patch)] = patch
+    f.seek(0, os.SEEK_END)
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -245,12 +250,7 @@ def test_large_writes_go_from_the_callers_memory_where_they_can_and_every_byte_l
             out.write(block)
             expected += block
             if i % 9 == 0:
-                at = rng.randrange(len(expected))
-                patch = rng.randbytes(min(3, len(expected) - at))
-                out.seek(at)
-                out.write(patch)
-                expected[at:at + len(patch)] = patch
-                out.seek(0, os.SEEK_END)
+                _patch(out, expected, rng)
         out.flush()
         f.finish()
         assert f.direct is direct
