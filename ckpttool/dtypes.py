@@ -121,10 +121,16 @@ def torch_dtype(dtype: Any) -> Any:
 def dtype_size(dtype: Any) -> int:
     """Bytes per element of a DType or torch dtype; :class:`FormatError` for one whose elements
     are not plain bytes (quantized tensors, for example)."""
-    size = dtype_of(dtype).itemsize
+    size = _SIZES.get(dtype)  # (asked ~20 times a record: a lookup)
     if size is None:
-        raise FormatError(f"dtype {dtype} is not supported", hint="ckpttool reads plain (non-quantized) tensors")
+        size = dtype_of(dtype).itemsize
+        if size is None:
+            raise FormatError(f"dtype {dtype} is not supported", hint="ckpttool reads plain (non-quantized) tensors")
+        _SIZES[dtype] = size
     return size
+
+
+_SIZES: dict[Any, int] = {}
 
 
 __all__ = ["ALIASES", "DType", "LEGACY_STORAGE", "PLAIN", "STORAGE_DTYPES", "dtype_of", "dtype_size", "named", "torch_dtype"]

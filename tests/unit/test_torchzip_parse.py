@@ -120,3 +120,66 @@ def test_reading_torch_and_ckpttool_archives_needs_no_zipfile(make, monkeypatch)
     monkeypatch.setattr(torchzip.zipfile, "ZipFile", refuse)
     archive = torchzip.read_archive(BytesReader(data, "x"))
     assert archive.storages and archive.byteorder == "little"
+
+
+def _record_of(t: torch.Tensor) -> bytes:
+    """A record as a ckpttool step's writer makes it (0 for its data's CRC-32: the manifest hashes it)."""
+    out = FrontToBack()
+    write_tensor(out, t.dtype, tuple(t.shape), None, lambda write: write(memoryview(t.numpy()).cast("B")), crc=False)
+    return bytes(out.buf)
+
+
+def test_records_of_one_layout_parse_once_and_each_finds_its_own_data_and_directory(monkeypatch):
+    """A file of many small records of one dtype and shape repeats the bytes around their data: a
+    record whose bytes around its data are those of the record of that length parsed last takes
+    its parse, at its own offset; any other byte there (a directory's CRC-32) parses it anew."""
+    torchzip._LAYOUTS.clear()
+    parses = []
+    parse = torchzip._parse_zip
+    monkeypatch.setattr(torchzip, "_parse_zip", lambda *a: parses.append(1) or parse(*a))
+    first, second = _record_of(torch.arange(64.0).reshape(16, 4)), _record_of(torch.full((16, 4), 7.0))
+    third = _record_of(torch.full((32, 2), 0.5))  # the same length, another pickle
+    file = b"\0" * 100 + first + second + third
+    reader = BytesReader(file, "x")
+    a = torchzip.read_archive(reader, 100, len(first))
+    assert len(torchzip._LAYOUTS) == 1
+    b = torchzip.read_archive(reader, 100 + len(first), len(second))
+    assert b.obj is a.obj and b.storages["0"].offset == a.storages["0"].offset + len(first)
+    assert len(parses) == 1  # the second record: not parsed
+    for arch, want in ((a, torch.arange(64.0)), (b, torch.full((64,), 7.0))):
+        st = arch.storages["0"]
+        assert torch.equal(torch.frombuffer(bytearray(file[st.offset:st.offset + st.nbytes]), dtype=torch.float32), want)
+    assert len(third) == len(first)
+    c = torchzip.read_archive(reader, 100 + 2 * len(first), len(third))
+    assert c.obj.shape == (32, 2) and c.storages["0"].offset == a.storages["0"].offset + 2 * len(first)
+    assert len(parses) == 2
+    # the directory's CRC-32 of the data (ckpttool writes 0 there, torch the data's): its own
+    crc_at = first.rfind(b"PK\x01\x02", 0, first.rfind(b"archive/data/0")) + 16
+    patched = bytearray(second)
+    patched[crc_at:crc_at + 4] = (0x12345678).to_bytes(4, "little")
+    d = torchzip.read_archive(BytesReader(bytes(patched), "x"))
+    e = torchzip.read_archive(BytesReader(second, "x"))
+    assert (d.storages["0"].crc32, e.storages["0"].crc32) == (0x12345678, 0) and len(parses) == 4
+
+
+def test_a_record_whose_pickle_lies_in_its_data_is_parsed_every_time():
+    """A hostile record can point its directory's pickle into its storage's data: its parse then
+    depends on the data, and another record with the same bytes around its data (but a damaged
+    pickle inside it) must be parsed, not given the first one's answer."""
+    torchzip._LAYOUTS.clear()
+    base = _record_of(torch.zeros(512, dtype=torch.uint8))
+    entries, (_pkl, _order, storages) = _parse(base)
+    name, offset, size, _crc, _m = next(e for e in entries if e[0].endswith("data.pkl"))
+    local = base[offset:offset + 30]
+    span = 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little") + size
+    ds = storages["0"].offset
+    hostile = bytearray(base)
+    hostile[ds:ds + span] = base[offset:offset + span]  # the pickle's header and bytes, inside the data
+    cd = bytes(hostile).rfind(b"PK\x01\x02", 0, bytes(hostile).rfind(name.encode()))
+    hostile[cd + 42:cd + 46] = ds.to_bytes(4, "little")  # the directory's pickle: at the copy
+    first = torchzip.read_archive(BytesReader(bytes(hostile), "x"))  # parses (the copy's CRC-32 holds)
+    assert first.storages["0"].offset == ds
+    damaged = bytearray(hostile)
+    damaged[ds + span - size // 2] ^= 0x20  # the copy's pickle, inside the data
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        torchzip.read_archive(BytesReader(bytes(damaged), "x"))

@@ -171,9 +171,11 @@ class RecordChecks:
         ref, storage = self.source.tensor_record(key, entry, chunk, by_layout=True)
         return part == (chunk.offsets, chunk.sizes) and _plain(ref, storage, dst, dst.numel())
 
-    def read_chunk(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> None:
+    def read_chunk(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor,
+                   straight: bool | None = None) -> None:
         """Read the whole record of ``chunk`` once, check it, and copy ``part`` of it into ``dst``:
-        straight into ``dst`` when :meth:`straight`, else through a scratch buffer of the record."""
+        straight into ``dst`` when :meth:`straight` (``straight``: what the caller's call of it
+        said), else through a scratch buffer of the record."""
         import torch
 
         source, info = self.source, chunk.location
@@ -184,7 +186,8 @@ class RecordChecks:
         reader = source.record(info, key)[0]
         packed = source.transformed(info)
         item = dtype_size(ref.dtype)
-        straight = self.straight(key, entry, chunk, part, dst)
+        if straight is None:
+            straight = self.straight(key, entry, chunk, part, dst)
         if not straight and self.read_blocks(key, entry, chunk, part, dst):
             return  # only the blocks the part touches were read, and each of them checked
         if straight:  # the common case: a rank loads the very shard it saved

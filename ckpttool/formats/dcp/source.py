@@ -524,7 +524,7 @@ class DcpSource(Source):
             dst = out[relative(part, box)]
             if self.checks is not None and not self.checks.done(chunk.location):
                 if self.checks.straight(key, entry, chunk, part, dst):
-                    self.checks.read_chunk(key, entry, chunk, part, dst)  # one pass: read into dst, checked there
+                    self.checks.read_chunk(key, entry, chunk, part, dst, True)  # one pass: read into dst, checked there
                     continue
                 if part != (chunk.offsets, chunk.sizes) and self.checks.read_blocks(key, entry, chunk, part, dst):
                     continue  # only the manifest blocks the part touches: read and checked
