@@ -272,3 +272,40 @@ def test_a_part_of_a_large_record_is_read_in_one_read_with_the_rest_of_its_first
     inside = [r for r in reads.elements() if r[0] == name and data[0] <= r[1] < data[1]]
     # the blocks the rows touch (checked whole), the rows straight into the tensor: one read
     assert len(inside) == 1 and inside[0][2] == 13 * (64 << 10), inside
+
+
+def test_a_small_record_read_in_parts_is_checked_once_and_a_large_one_block_by_block(tmp_path, monkeypatch):
+    """A part of a record under one block reads and checks all of it (its one block, its rest): the
+    record is then checked, and its other parts (a reshard's) are read without hashing it again.
+    A part of a large record checks only its blocks: the others are still checked when read."""
+    from ckpttool.formats.dcp.checks import RecordChecks
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 300), torch.nn.Linear(10, 3))  # 0.weight: 19 blocks of 64 KiB
+    Checkpointer(str(tmp_path / "run")).save(1, model)
+    step = str(tmp_path / "run" / "step-1")
+    checked = collections.Counter()
+    check_blocks = RecordChecks._check_blocks
+
+    def counted(self, key, *args):
+        checked[key] += 1
+        return check_blocks(self, key, *args)
+
+    monkeypatch.setattr(RecordChecks, "_check_blocks", counted)
+    with open_source(step) as source:
+        parts = [source.read_tensor("model.0.bias", ((lo,), (100,))) for lo in (0, 100, 200)]  # rows: into the tensor
+        assert torch.equal(torch.cat(parts), model[0].bias.detach()) and checked["model.0.bias"] == 1
+        parts = [source.read_tensor("model.1.weight", ((0, lo), (3, 5))) for lo in (0, 5)]  # columns: through a buffer
+        assert torch.equal(torch.cat(parts, 1), model[1].weight.detach()) and checked["model.1.weight"] == 1
+        first = source.read_tensor("model.0.weight", ((0, 0), (16, 1024)))  # its first block only
+        assert torch.equal(first, model[0].weight.detach()[:16])
+        (chunk,) = source.index()["model.0.weight"].chunks
+        path = os.path.join(step, chunk.location.relative_path)
+        at = chunk.location.offset + 64 + 250 * 1024 * 4  # (the record's data: after its 64-byte head) row 250
+        with open(path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x40]))
+        with pytest.raises(ChecksumError):
+            source.read_tensor("model.0.weight", ((240, 0), (16, 1024)))

@@ -269,6 +269,7 @@ class RecordChecks:
             self._check_blocks(key, chunk, url, pieces, blo, bhi, digests)
             self._check_rest(key, info, storage, row[2]["rest"])
             source.confirm(key, entry, chunk)
+            self._all_blocks(name, blo, bhi, nbytes)
             return True
         raw = self._scratch.view((bhi - blo,), torch.uint8, 0)
         data = tensor_buffer(raw)
@@ -276,9 +277,17 @@ class RecordChecks:
         self._check_blocks(key, chunk, url, [(blo, data)], blo, bhi, digests)
         self._check_rest(key, info, storage, row[2]["rest"])
         source.confirm(key, entry, chunk)
+        self._all_blocks(name, blo, bhi, nbytes)
         whole = raw[: (bhi - blo) // item * item].view(ref.dtype)
         dst.copy_(whole.as_strided(part[1], strides, (lo - blo) // item))
         return True
+
+    def _all_blocks(self, name: tuple[str, int], lo: int, hi: int, nbytes: int) -> None:
+        """A record whose every block was read and checked (a part of a record under one block:
+        a reshard's) is checked whole (its rest too): its other parts are read without a check."""
+        if lo == 0 and hi == nbytes:
+            self._done.add(name)
+            self._streams.pop(name, None)
 
     def _check_rest(self, key: str, info: Any, storage: Any, expected: str) -> None:
         """The manifest's digest of a record's bytes around its data (zip headers, pickle), once
