@@ -240,20 +240,43 @@ def _ended(code: int | None, exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def serve(fd: int, nice: int | None, parent: int) -> None:
-    """The writer process: map the block, write what it is sent, answer; until the socket ends."""
-    from .. import rendezvous
-    from ..storage import save_error
-    from . import background, step_writer
+def _settle(nice: int | None, parent: int) -> bool:
+    """The writer process's own settings; False where the training process is gone already."""
+    from . import background
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is the training process's to handle)
     with contextlib.suppress(Exception):  # never outlive the training process (Linux: PR_SET_PDEATHSIG)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     if os.getppid() != parent:
-        return  # (it went before the line above)
+        return False  # (it went before the line above)
     if nice is not None:
         os.nice(nice)
     background.one_intraop_thread()
+    return True
+
+
+def _write(payload: Any, block: torch.Tensor | None, progress: Any) -> tuple[str, Any]:
+    """One rank's write of a save, as the answer the training process gets: ("done", (what was
+    written, the health tally)) or ("error", the error)."""
+    from .. import rendezvous
+    from ..storage import save_error
+    from . import step_writer
+
+    step_dir, rank, encoded, health, beats, kwargs = payload
+    try:
+        written = step_writer.write_rank(step_dir, rank, _decode(encoded, block), health=health,
+                                         pause=functools.partial(rendezvous.pause_point, who=rank),
+                                         progress=progress if beats else None, **kwargs)
+        return "done", (written, health.tally if health is not None else None)
+    except BaseException as exc:  # noqa: BLE001 - handed to the training process, which raises it
+        error = exc if isinstance(exc, CkptError) else save_error(exc, step_dir) if isinstance(exc, Exception) else None
+        return "error", error or CkptError(f"the write stopped: {type(exc).__name__}: {exc}", where=step_dir.url)
+
+
+def serve(fd: int, nice: int | None, parent: int) -> None:
+    """The writer process: map the block, write what it is sent, answer; until the socket ends."""
+    if not _settle(nice, parent):
+        return
     conn = Connection(fd)
     block = None
     said = [0.0]
@@ -290,15 +313,7 @@ def serve(fd: int, nice: int | None, parent: int) -> None:
             finally:
                 os.close(handle)
             continue
-        step_dir, rank, encoded, health, beats, kwargs = payload
-        try:
-            written = step_writer.write_rank(step_dir, rank, _decode(encoded, block), health=health,
-                                             pause=functools.partial(rendezvous.pause_point, who=rank),
-                                             progress=progress if beats else None, **kwargs)
-            answer: tuple[str, Any] = ("done", (written, health.tally if health is not None else None))
-        except BaseException as exc:  # noqa: BLE001 - handed to the training process, which raises it
-            error = exc if isinstance(exc, CkptError) else save_error(exc, step_dir) if isinstance(exc, Exception) else None
-            answer = ("error", error or CkptError(f"the write stopped: {type(exc).__name__}: {exc}", where=step_dir.url))
+        answer = _write(payload, block, progress)
         try:
             try:
                 send(answer)
