@@ -9,6 +9,7 @@ writing it ourselves lets a tensor stream into the archive slab by slab.
 
 from __future__ import annotations
 
+import collections
 import io
 import math
 import pickle
@@ -153,6 +154,7 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
         known = _LAYOUTS.get(length)
         if known is not None and prefetched.startswith(known.head) and prefetched.endswith(known.tail):
             # every byte its parse reads is the same as in the record parsed before: the same answer
+            parses["reused"] += 1
             if fetched is not None:
                 fetched.append((start, prefetched))
             return Archive(known.obj, {known.key: StoredStorage(start + known.data, known.nbytes, known.crc32, known.name)},
@@ -160,6 +162,7 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
     window = _Window(reader, start, length, [(start, prefetched)] if prefetched is not None else spans or [], tail)
     if prefetched is not None and len(prefetched) == length:
         window.reads = []
+    parses["parsed"] += 1
     try:
         pkl, byteorder, storages = _parse_zip(window, start, length, where)
     except CkptError:
@@ -217,6 +220,10 @@ def _remember_layout(record: bytes, start: int, obj: Any, storages: dict[str, St
     if len(_LAYOUTS) > 64:
         _LAYOUTS.popitem(last=False)
 
+
+#: archives parsed ("parsed") and records given a kept parse ("reused") in this process: a
+#: benchmark's or a test's view of what the layout cache saved
+parses: collections.Counter[str] = collections.Counter()
 
 #: a DCP tensor record's pickle -> the TensorRef it unpickles to: the records of a dtype and shape
 #: all hold the same pickle (a reshard unpickles thousands of them, one by one, for the same answer)

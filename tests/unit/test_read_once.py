@@ -276,27 +276,24 @@ def test_a_part_of_a_large_record_is_read_in_one_read_with_the_rest_of_its_first
 
 def test_a_small_record_read_in_parts_is_checked_once_and_a_large_one_block_by_block(tmp_path, monkeypatch):
     """A part of a record under one block reads and checks all of it (its one block, its rest): the
-    record is then checked, and its other parts (a reshard's) are read without hashing it again.
-    A part of a large record checks only its blocks: the others are still checked when read."""
-    from ckpttool.formats.dcp.checks import RecordChecks
-
+    record is then checked, and its other parts (a reshard's) read only their own bytes. A part of
+    a large record checks only its blocks: the others are still checked when read."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 300), torch.nn.Linear(10, 3))  # 0.weight: 19 blocks of 64 KiB
     Checkpointer(str(tmp_path / "run")).save(1, model)
     step = str(tmp_path / "run" / "step-1")
-    checked = collections.Counter()
-    check_blocks = RecordChecks._check_blocks
-
-    def counted(self, key, *args):
-        checked[key] += 1
-        return check_blocks(self, key, *args)
-
-    monkeypatch.setattr(RecordChecks, "_check_blocks", counted)
     with open_source(step) as source:
-        parts = [source.read_tensor("model.0.bias", ((lo,), (100,))) for lo in (0, 100, 200)]  # rows: into the tensor
-        assert torch.equal(torch.cat(parts), model[0].bias.detach()) and checked["model.0.bias"] == 1
-        parts = [source.read_tensor("model.1.weight", ((0, lo), (3, 5))) for lo in (0, 5)]  # columns: through a buffer
-        assert torch.equal(torch.cat(parts, 1), model[1].weight.detach()) and checked["model.1.weight"] == 1
+        asked = _asked(monkeypatch)
+        rows = []
+        for lo in (0, 100, 200):  # rows: straight into the tensor
+            rows.append(source.read_tensor("model.0.bias", ((lo,), (100,))))
+            if lo == 0:
+                assert max(n for (_, _, n) in asked) >= 300 * 4  # the whole record's data: its one block
+                asked.clear()
+        assert torch.equal(torch.cat(rows), model[0].bias.detach())
+        assert sorted(n for (_, _, n) in asked.elements()) == [400, 400], asked  # the others: their own bytes
+        columns = [source.read_tensor("model.1.weight", ((0, lo), (3, 5))) for lo in (0, 5)]  # through a buffer
+        assert torch.equal(torch.cat(columns, 1), model[1].weight.detach())
         first = source.read_tensor("model.0.weight", ((0, 0), (16, 1024)))  # its first block only
         assert torch.equal(first, model[0].weight.detach()[:16])
         (chunk,) = source.index()["model.0.weight"].chunks

@@ -129,44 +129,45 @@ def _record_of(t: torch.Tensor) -> bytes:
     return bytes(out.buf)
 
 
-def test_records_of_one_layout_parse_once_and_each_finds_its_own_data_and_directory(monkeypatch):
+def test_records_of_one_layout_parse_once_and_each_finds_its_own_data_and_directory():
     """A file of many small records of one dtype and shape repeats the bytes around their data: a
     record whose bytes around its data are those of the record of that length parsed last takes
     its parse, at its own offset; any other byte there (a directory's CRC-32) parses it anew."""
-    torchzip._LAYOUTS.clear()
-    parses = []
-    parse = torchzip._parse_zip
-    monkeypatch.setattr(torchzip, "_parse_zip", lambda *a: parses.append(1) or parse(*a))
-    first, second = _record_of(torch.arange(64.0).reshape(16, 4)), _record_of(torch.full((16, 4), 7.0))
-    third = _record_of(torch.full((32, 2), 0.5))  # the same length, another pickle
+    before = dict(torchzip.parses)
+
+    def counts() -> tuple[int, int]:
+        return torchzip.parses["parsed"] - before.get("parsed", 0), torchzip.parses["reused"] - before.get("reused", 0)
+
+    # (a shape no other test saves: a record of its layout parsed before would be reused at once)
+    first, second = _record_of(torch.arange(85.0).reshape(17, 5)), _record_of(torch.full((17, 5), 7.0))
+    third = _record_of(torch.full((5, 17), 0.5))  # the same length, another pickle
     file = b"\0" * 100 + first + second + third
     reader = BytesReader(file, "x")
     a = torchzip.read_archive(reader, 100, len(first))
-    assert len(torchzip._LAYOUTS) == 1
+    assert counts() == (1, 0)
     b = torchzip.read_archive(reader, 100 + len(first), len(second))
     assert b.obj is a.obj and b.storages["0"].offset == a.storages["0"].offset + len(first)
-    assert len(parses) == 1  # the second record: not parsed
-    for arch, want in ((a, torch.arange(64.0)), (b, torch.full((64,), 7.0))):
+    assert counts() == (1, 1)  # the second record: not parsed
+    for arch, want in ((a, torch.arange(85.0)), (b, torch.full((85,), 7.0))):
         st = arch.storages["0"]
         assert torch.equal(torch.frombuffer(bytearray(file[st.offset:st.offset + st.nbytes]), dtype=torch.float32), want)
     assert len(third) == len(first)
     c = torchzip.read_archive(reader, 100 + 2 * len(first), len(third))
-    assert c.obj.shape == (32, 2) and c.storages["0"].offset == a.storages["0"].offset + 2 * len(first)
-    assert len(parses) == 2
+    assert c.obj.shape == (5, 17) and c.storages["0"].offset == a.storages["0"].offset + 2 * len(first)
+    assert counts() == (2, 1)
     # the directory's CRC-32 of the data (ckpttool writes 0 there, torch the data's): its own
     crc_at = first.rfind(b"PK\x01\x02", 0, first.rfind(b"archive/data/0")) + 16
     patched = bytearray(second)
     patched[crc_at:crc_at + 4] = (0x12345678).to_bytes(4, "little")
     d = torchzip.read_archive(BytesReader(bytes(patched), "x"))
     e = torchzip.read_archive(BytesReader(second, "x"))
-    assert (d.storages["0"].crc32, e.storages["0"].crc32) == (0x12345678, 0) and len(parses) == 4
+    assert (d.storages["0"].crc32, e.storages["0"].crc32) == (0x12345678, 0) and counts() == (4, 1)
 
 
 def test_a_record_whose_pickle_lies_in_its_data_is_parsed_every_time():
     """A hostile record can point its directory's pickle into its storage's data: its parse then
     depends on the data, and another record with the same bytes around its data (but a damaged
     pickle inside it) must be parsed, not given the first one's answer."""
-    torchzip._LAYOUTS.clear()
     base = _record_of(torch.zeros(512, dtype=torch.uint8))
     entries, (_pkl, _order, storages) = _parse(base)
     name, offset, size, _crc, _m = next(e for e in entries if e[0].endswith("data.pkl"))

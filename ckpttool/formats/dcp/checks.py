@@ -225,8 +225,8 @@ class RecordChecks:
         by ckpttool): read only the blocks of its data that ``part`` touches (the part's bytes straight
         into ``dst`` when they are one range and ``dst`` is contiguous CPU memory of the dtype, else the
         blocks into a scratch buffer), check each block and, once per record, the bytes around the data
-        (headers, pickle), then put ``part`` into ``dst``. Returns whether it did; the record is not
-        marked checked (its other blocks were not read)."""
+        (headers, pickle), then put ``part`` into ``dst``. Returns whether it did; the record is marked
+        checked only where the part read all of its blocks."""
         import torch
 
         source, info = self.source, chunk.location
@@ -261,33 +261,26 @@ class RecordChecks:
         lo, hi = first * item, (last + 1) * item
         blo, bhi = lo // block * block, min(-(-hi // block) * block, nbytes)
         base = storage.offset
+        raw = None
         if hi - lo == dst.numel() * item and _plain(ref, storage, dst, math.prod(chunk.sizes)):
             # one byte range: read it into dst, and only the rest of its first and last blocks beside it
             head, body, tail = memoryview(bytearray(lo - blo)), tensor_buffer(dst), memoryview(bytearray(bhi - hi))
             reader.readinto_parts(base + blo, [head, body, tail])  # (one read)
             pieces = [(blo, head), (lo, body), (hi, tail)]
-            self._check_blocks(key, chunk, url, pieces, blo, bhi, digests)
-            self._check_rest(key, info, storage, row[2]["rest"])
-            source.confirm(key, entry, chunk)
-            self._all_blocks(name, blo, bhi, nbytes)
-            return True
-        raw = self._scratch.view((bhi - blo,), torch.uint8, 0)
-        data = tensor_buffer(raw)
-        reader.readinto(base + blo, data)
-        self._check_blocks(key, chunk, url, [(blo, data)], blo, bhi, digests)
+        else:
+            raw = self._scratch.view((bhi - blo,), torch.uint8, 0)
+            pieces = [(blo, tensor_buffer(raw))]
+            reader.readinto(base + blo, pieces[0][1])
+        self._check_blocks(key, chunk, url, pieces, blo, bhi, digests)
         self._check_rest(key, info, storage, row[2]["rest"])
         source.confirm(key, entry, chunk)
-        self._all_blocks(name, blo, bhi, nbytes)
-        whole = raw[: (bhi - blo) // item * item].view(ref.dtype)
-        dst.copy_(whole.as_strided(part[1], strides, (lo - blo) // item))
-        return True
-
-    def _all_blocks(self, name: tuple[str, int], lo: int, hi: int, nbytes: int) -> None:
-        """A record whose every block was read and checked (a part of a record under one block:
-        a reshard's) is checked whole (its rest too): its other parts are read without a check."""
-        if lo == 0 and hi == nbytes:
-            self._done.add(name)
+        if blo == 0 and bhi == nbytes:  # every block of it read and checked (a reshard's part of a small record)
+            self._done.add(name)  # (its other parts are read without a check)
             self._streams.pop(name, None)
+        if raw is not None:
+            whole = raw[: (bhi - blo) // item * item].view(ref.dtype)
+            dst.copy_(whole.as_strided(part[1], strides, (lo - blo) // item))
+        return True
 
     def _check_rest(self, key: str, info: Any, storage: Any, expected: str) -> None:
         """The manifest's digest of a record's bytes around its data (zip headers, pickle), once
