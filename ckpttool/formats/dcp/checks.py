@@ -61,6 +61,16 @@ class _Stream:
         self.crc = 0
 
 
+def _byte_range(part: Box, chunk: Chunk, item: int) -> tuple[int, int, list[int]]:
+    """[lo, hi) bytes of ``part`` in its chunk's C-order record (the bytes from its first
+    element to its last), with the record's strides in elements."""
+    rel = relative(part, (chunk.offsets, chunk.sizes))
+    strides = [math.prod(chunk.sizes[i + 1:]) for i in range(len(chunk.sizes))]
+    first = sum(sl.start * st for sl, st in zip(rel, strides))
+    last = sum((sl.stop - 1) * st for sl, st in zip(rel, strides))
+    return first * item, (last + 1) * item, strides
+
+
 def _plain(ref: Any, storage: Any, dst: torch.Tensor, numel: int) -> bool:
     """Whether a record's bytes are ``numel`` C-order elements from its start, and ``dst`` is
     contiguous CPU memory of its dtype: bytes read from the record can land in ``dst`` as they are."""
@@ -254,11 +264,7 @@ class RecordChecks:
         name = (info.relative_path, info.offset)
         if name not in self._rest_ok:  # the record's head before its blocks (file order); its check after them
             source.record_bytes(info, info.offset, storage.offset - info.offset)
-        rel = relative(part, (chunk.offsets, chunk.sizes))
-        strides = [math.prod(chunk.sizes[i + 1:]) for i in range(len(chunk.sizes))]
-        first = sum(sl.start * st for sl, st in zip(rel, strides))
-        last = sum((sl.stop - 1) * st for sl, st in zip(rel, strides))
-        lo, hi = first * item, (last + 1) * item
+        lo, hi, strides = _byte_range(part, chunk, item)
         blo, bhi = lo // block * block, min(-(-hi // block) * block, nbytes)
         base = storage.offset
         raw = None
