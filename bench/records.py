@@ -4,9 +4,11 @@ A ``Checkpointer`` step of N fp32 tensors of 4 KiB (one process), then each comm
 median of 5 after one untimed run: convert -> safetensors and -> .pt, reshard -> 3, ``ckpttool.load``
 (beside torch's own ``get_model_state_dict`` + ``set_model_state_dict`` of the same model, which a
 load pays too), verify. Moving 20 MB costs a few ms: the rest is per record. To compare two
-commits, run it from each one's worktree in turn (``PYTHONPATH=WORKTREE``), a few rounds:
+commits, run it from each one's worktree in turn (``PYTHONPATH=WORKTREE``), a few rounds.
+``--source dcp``: the step written by torch's own ``dcp.save`` instead (its records differ in more
+than their data: each its data's CRC-32 and a serialization id):
 
-    .venv/bin/python bench/records.py [--records 5000] [CASE ...]
+    .venv/bin/python bench/records.py [--records 5000] [--source ckpttool|dcp] [CASE ...]
 """
 
 import argparse
@@ -36,13 +38,19 @@ def torch_walk(model: torch.nn.Module) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=5000)
+    parser.add_argument("--source", choices=("ckpttool", "dcp"), default="ckpttool")
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args()
     n = args.records
     with tempfile.TemporaryDirectory(prefix="ckpttool-records-") as tmp:
-        with Checkpointer(os.path.join(tmp, "run")) as ckpt:
-            ckpt.save(1, Many(n))
         step, model = os.path.join(tmp, "run", "step-1"), Many(n)
+        if args.source == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(model.state_dict(), checkpoint_id=step, no_dist=True)
+        else:
+            with Checkpointer(os.path.join(tmp, "run")) as ckpt:
+                ckpt.save(1, Many(n))
         cases = {
             "convert_safetensors": lambda: convert(step, os.path.join(tmp, "out.safetensors"), to="safetensors", force=True),
             "convert_pt": lambda: convert(step, os.path.join(tmp, "out.pt"), to="torch", force=True),

@@ -77,6 +77,12 @@ class _Window(io.RawIOBase):
         self._head = self._tail = False  # whether the head / the tail was fetched here
         self._span = tail
         self.reads: list[tuple[int, int]] | None = None  # [pos, end) of every read, where a caller asks (read_archive)
+        # (with reads) where the directory's CRC-32 fields lie: of each entry, in order (_plain_entries);
+        # of the entries whose CRC-32 the parse's answer does not use (not the pickle's, not the byte
+        # order's); of each storage's (its answer's, taken from each record anew)
+        self.entry_crcs: list[int] = []
+        self.unused_crcs: list[int] = []
+        self.storage_crcs: dict[str, int] = {}
 
     def fetched(self) -> list[tuple[int, bytes]]:
         """The (file offset, bytes) spans held: those given and those read here (head, tail)."""
@@ -152,13 +158,14 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
         reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
     if prefetched is not None and len(prefetched) == length:
         known = _LAYOUTS.get(length)
-        if known is not None and prefetched.startswith(known.head) and prefetched.endswith(known.tail):
-            # every byte its parse reads is the same as in the record parsed before: the same answer
+        if known is not None and b"".join([prefetched[a:b] for a, b in known.ranges]) == known.read:
+            # every byte its parse reads and uses is the same as in the record parsed before: the same
+            # answer, but for the data's CRC-32 (its own, from its directory entry)
             parses["reused"] += 1
             if fetched is not None:
                 fetched.append((start, prefetched))
-            return Archive(known.obj, {known.key: StoredStorage(start + known.data, known.nbytes, known.crc32, known.name)},
-                           "little")
+            crc = int.from_bytes(prefetched[known.crc_at:known.crc_at + 4], "little")
+            return Archive(known.obj, {known.key: StoredStorage(start + known.data, known.nbytes, crc, known.name)}, "little")
     window = _Window(reader, start, length, [(start, prefetched)] if prefetched is not None else spans or [], tail)
     if prefetched is not None and len(prefetched) == length:
         window.reads = []
@@ -181,23 +188,23 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
             if len(_REFS) >= 1024:
                 _REFS.clear()
             _REFS[pkl] = obj
-    if window.reads is not None and type(obj) is TensorRef and len(storages) == 1:
-        _remember_layout(prefetched, start, obj, storages, window.reads)
+    if window.reads is not None and window.storage_crcs and type(obj) is TensorRef and len(storages) == 1:
+        _remember_layout(prefetched, start, obj, storages, window)
     return Archive(obj, storages, byteorder)
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """A small record as parsed: the bytes before and after its storage's data (all its parse
-    read), and what the parse made of them (offsets relative to the record)."""
+    """A small record as parsed: the ranges of it its parse read and used, their bytes, and what
+    the parse made of them (offsets relative to the record)."""
 
-    head: bytes
-    tail: bytes
+    ranges: list[tuple[int, int]]
+    read: bytes
     obj: Any
     key: str
     data: int
     nbytes: int
-    crc32: int
+    crc_at: int  # its storage's CRC-32 in its directory entry
     name: str
 
 
@@ -207,16 +214,30 @@ class _Layout:
 _LAYOUTS: OrderedDict[int, _Layout] = OrderedDict()
 
 
-def _remember_layout(record: bytes, start: int, obj: Any, storages: dict[str, StoredStorage],
-                     reads: list[tuple[int, int]]) -> None:
-    """Keep the layout of a parsed record, where its parse read no byte of its storage's data (a
-    pickle or a directory inside the data would parse differently with other data)."""
+def _remember_layout(record: bytes, start: int, obj: Any, storages: dict[str, StoredStorage], window: _Window) -> None:
+    """Keep the layout of a parsed record: the bytes its parse read (a pickle or a directory inside
+    the data included: another record must hold the same bytes there), less the directory's CRC-32
+    fields its answer does not take as they are (torch's records of one dtype and shape differ
+    there: their data's CRC-32, and that of a serialization id no parse reads). Not kept where
+    another read of the parse (a local header, a pickle) overlaps such a field: its bytes would
+    then shape the answer without being compared."""
     (key, storage), = storages.items()
-    lo, hi = storage.offset - start, storage.offset - start + storage.nbytes
-    if any(a < hi and lo < b for a, b in reads):
+    reads = sorted(window.reads or ())
+    cuts = sorted(set(window.unused_crcs) | {window.storage_crcs[key]})
+    if any(sum(a < cut + 4 and cut < b for a, b in reads) != 1 for cut in cuts):  # (the directory's read alone)
         return
+    ranges: list[tuple[int, int]] = []
+    for a, b in reads:  # merged, then the CRC-32 fields cut out
+        if ranges and a <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], b))
+        else:
+            ranges.append((a, b))
+    for cut in cuts:
+        ranges = [piece for a, b in ranges for piece in ((a, min(b, cut)), (max(a, cut + 4), b)) if piece[0] < piece[1]]
+    read = b"".join([record[a:b] for a, b in ranges])
     _LAYOUTS.pop(len(record), None)
-    _LAYOUTS[len(record)] = _Layout(record[:lo], record[hi:], obj, key, lo, storage.nbytes, storage.crc32, storage.name)
+    _LAYOUTS[len(record)] = _Layout(ranges, read, obj, key, storage.offset - start, storage.nbytes, window.storage_crcs[key],
+                                    storage.name)
     if len(_LAYOUTS) > 64:
         _LAYOUTS.popitem(last=False)
 
@@ -247,7 +268,12 @@ def _parse_zip(window: _Window, start: int, length: int, where: str) -> tuple[by
     prefix = pkl_name[: -len("data.pkl")]
     storages: dict[str, StoredStorage] = {}
     pkl, byteorder = None, b"little"
-    for name, offset, size, crc, method in entries:
+    for i, (name, offset, size, crc, method) in enumerate(entries):
+        if window.reads is not None and zf is None:
+            if name.startswith(prefix + "data/"):
+                window.storage_crcs[name[len(prefix + "data/"):]] = window.entry_crcs[i]
+            elif name not in (pkl_name, prefix + "byteorder"):
+                window.unused_crcs.append(window.entry_crcs[i])
         if method != zipfile.ZIP_STORED:
             raise FormatError(f"compressed record {name!r}", where=where, hint="ckpttool reads uncompressed torch.save archives only")
         if name.startswith(prefix + "data/"):
@@ -317,6 +343,8 @@ def _plain_entries(window: _Window, length: int) -> list[tuple[str, int, int, in
             return None
         seen.add(raw)
         entries.append((raw.decode("ascii"), offset, size, crc, method))
+        if window.reads is not None:
+            window.entry_crcs.append(cd_offset + at - nlen - elen - clen - _CENTRAL.size + 16)
     return entries if at == cd_size else None
 
 

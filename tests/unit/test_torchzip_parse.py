@@ -132,7 +132,7 @@ def _record_of(t: torch.Tensor) -> bytes:
 def test_records_of_one_layout_parse_once_and_each_finds_its_own_data_and_directory():
     """A file of many small records of one dtype and shape repeats the bytes around their data: a
     record whose bytes around its data are those of the record of that length parsed last takes
-    its parse, at its own offset; any other byte there (a directory's CRC-32) parses it anew."""
+    its parse, at its own offset, with its own data's CRC-32; another pickle is parsed anew."""
     before = dict(torchzip.parses)
 
     def counts() -> tuple[int, int]:
@@ -155,13 +155,14 @@ def test_records_of_one_layout_parse_once_and_each_finds_its_own_data_and_direct
     c = torchzip.read_archive(reader, 100 + 2 * len(first), len(third))
     assert c.obj.shape == (5, 17) and c.storages["0"].offset == a.storages["0"].offset + 2 * len(first)
     assert counts() == (2, 1)
-    # the directory's CRC-32 of the data (ckpttool writes 0 there, torch the data's): its own
+    # the directory's CRC-32 of the data (ckpttool writes 0 there, torch the data's): its own, parsed
+    # (after the third record's layout) or not
     crc_at = first.rfind(b"PK\x01\x02", 0, first.rfind(b"archive/data/0")) + 16
     patched = bytearray(second)
     patched[crc_at:crc_at + 4] = (0x12345678).to_bytes(4, "little")
     d = torchzip.read_archive(BytesReader(bytes(patched), "x"))
     e = torchzip.read_archive(BytesReader(second, "x"))
-    assert (d.storages["0"].crc32, e.storages["0"].crc32) == (0x12345678, 0) and counts() == (4, 1)
+    assert (d.storages["0"].crc32, e.storages["0"].crc32) == (0x12345678, 0) and counts() == (3, 2)
 
 
 def test_a_record_whose_pickle_lies_in_its_data_is_parsed_every_time():
@@ -184,3 +185,70 @@ def test_a_record_whose_pickle_lies_in_its_data_is_parsed_every_time():
     damaged[ds + span - size // 2] ^= 0x20  # the copy's pickle, inside the data
     with pytest.raises(CorruptCheckpointError, match="CRC-32"):
         torchzip.read_archive(BytesReader(bytes(damaged), "x"))
+
+
+def _dcp_records(tmp_path, tensors: dict) -> list[bytes]:
+    """The records of a torch ``dcp.save`` of ``tensors`` (one process), in file order."""
+    import glob
+    import re
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (name,) = glob.glob(str(tmp_path / "dcp" / "*.distcp"))
+    data = open(name, "rb").read()
+    ends = [m.end() + 18 for m in re.finditer(rb"PK\x05\x06", data)]  # (each record's end record: no comment)
+    return [data[a:b] for a, b in zip([0, *ends], ends)]
+
+
+def test_torch_s_records_of_one_layout_take_a_kept_parse_with_their_own_crc(tmp_path):
+    """torch's records of one dtype and shape differ outside their data too: the data's CRC-32 and a
+    serialization id no parse uses. A kept parse still serves them, each with its own CRC-32; a
+    record whose pickle's CRC-32 in the directory differs (that one is checked) is parsed."""
+    torch.manual_seed(0)
+    records = _dcp_records(tmp_path, {f"w{i}": torch.randn(13, 7) for i in range(4)})
+    assert len({len(r) for r in records}) == 1 and len(set(records)) == 4
+    before = dict(torchzip.parses)
+    for record in records:
+        archive = torchzip.read_archive(BytesReader(record, "x"))
+        assert {k: (s.offset, s.nbytes, s.crc32) for k, s in archive.storages.items()} == _by_zipfile(record)[2]
+        assert archive.obj.shape == (13, 7)
+    assert torchzip.parses["reused"] - before.get("reused", 0) == 3
+    damaged = bytearray(records[2])
+    entries, _ = _parse(records[2])
+    pkl_entry = bytes(damaged).rfind(b"PK\x01\x02", 0, bytes(damaged).rfind(next(e[0] for e in entries if e[0].endswith("data.pkl")).encode()))
+    damaged[pkl_entry + 16] ^= 0x01  # the pickle's CRC-32 in the directory
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        torchzip.read_archive(BytesReader(bytes(damaged), "x"))
+
+
+def _over_a_directory_crc(pkl: bytes, crc: int) -> bytes:
+    """A hostile record whose storage's local header lies over its directory entry's CRC-32 (begun
+    in the comment of the entry before): that field's bytes are the header's name and extra
+    lengths, so they decide where its data starts."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", pkl)
+        zf.writestr("archive/byteorder", b"little")
+        version = zipfile.ZipInfo("archive/version")
+        version.comment = b"PK\x03\x04" + bytes(6)
+        zf.writestr(version, b"3\n")
+        zf.writestr("archive/data/0", bytes(range(16)))
+    data = bytearray(buf.getvalue())
+    entry = bytes(data).rfind(b"PK\x01\x02")  # the storage's directory entry (the last)
+    data[entry + 16:entry + 20] = crc.to_bytes(4, "little")
+    data[entry + 42:entry + 46] = (entry - 10).to_bytes(4, "little")  # its local header: the one in the comment
+    return bytes(data)
+
+
+def test_a_record_whose_local_header_lies_over_a_directory_crc_is_parsed_every_time():
+    """A kept parse compares every byte its parse read but the directory's CRC-32 fields; a record
+    whose parse read such a field through another read (a local header over it) is not kept: the
+    next record of its length, the field's bytes aside the same, finds its own data."""
+    pkl = _parse(_record_of(torch.zeros(4)))[1][0]
+    a, b = _over_a_directory_crc(pkl, 0), _over_a_directory_crc(pkl, 8)
+    assert len(a) == len(b)
+    first = torchzip.read_archive(BytesReader(a, "x"))
+    second = torchzip.read_archive(BytesReader(b, "x"))
+    own = _parse(b)[1][2]["0"].offset
+    assert second.storages["0"].offset == own == first.storages["0"].offset + 8
