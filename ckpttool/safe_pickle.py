@@ -31,6 +31,7 @@ from . import safe_dtensor, safe_numpy, safe_torch
 from .dtypes import STORAGE_DTYPES, DType
 from .refs import StorageRef, TensorRef
 from .errors import CorruptCheckpointError, UnsafePickleError
+from .pickle_scan import c_unpickler_may_read
 
 
 def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
@@ -248,10 +249,16 @@ def _torch_callables() -> dict[tuple[str, str], Any]:
     }
 
 
-#: pickles up to this size are read by Python's own unpickler, whose memo is a dict; the C one
-#: sizes its memo array by the largest index a PUT names (``LONG_BINPUT`` with 4 bytes of index:
-#: five bytes of a damaged or hostile pickle make it allocate and clear up to 32 GiB)
-PY_UNPICKLER_MAX = 4 << 20
+#: pickles from this size are scanned for the C unpickler (pickle_scan.py: the scan's regex
+#: compiles in ~25 ms once; a smaller pickle costs Python's unpickler less than that)
+C_SCAN_MIN = 64 << 10
+
+
+def _c_may_read(data: bytes) -> bool:
+    """Whether the C unpickler reads ``data`` (else Python's, whose memo is a dict: the C one sizes
+    its memo array by the largest index a PUT names, five bytes of a hostile pickle make it
+    allocate and clear gigabytes)."""
+    return len(data) >= C_SCAN_MIN and c_unpickler_may_read(data)
 
 
 class _AllowList:
@@ -365,7 +372,7 @@ def load_dcp_metadata(data: bytes, source: str, records: Mapping[tuple[str, str]
     those, with torch's values as safe_torch's stand-ins."""
     if records is not None and set(records) != _DCP_CLASSES:
         raise ValueError("records must stand for exactly DCP's metadata classes")
-    unpickler = (_AllowListPyUnpickler if len(data) <= PY_UNPICKLER_MAX else _AllowListUnpickler)(
+    unpickler = (_AllowListUnpickler if _c_may_read(data) else _AllowListPyUnpickler)(
         data, source, records, real_torch=records is None)
     return _unpickle(unpickler, data, source, "DCP metadata", "the .metadata file is damaged; restore it or use another step")
 
@@ -458,7 +465,7 @@ def load_torch_pickle(data: bytes, source: str) -> Any:
     Used for ``torch.save`` files and for DCP's object records (each a ``torch.save`` archive).
     Imports torch only when a value holds one of torch's objects (a dtype, a device), and not then
     within ``safe_torch.values_as_read()`` (but for a device)."""
-    unpickler = (_TorchSavePyUnpickler if len(data) <= PY_UNPICKLER_MAX else _TorchSaveUnpickler)(data, source, _TORCH_REBUILDERS)
+    unpickler = (_TorchSaveUnpickler if _c_may_read(data) else _TorchSavePyUnpickler)(data, source, _TORCH_REBUILDERS)
     value = _unpickle(unpickler, data, source, "the pickle", "the file is damaged or not written by torch.save")
     if unpickler.standins and (unpickler.devices or not safe_torch.keeps_standins()):
         value = safe_torch.to_torch(value, source)
