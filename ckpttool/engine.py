@@ -178,6 +178,7 @@ class _Streaming:
         self.ahead.stop()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        self.ahead = None  # (it holds self._read_into: freed by reference counting, not the collector)
 
     def commit(self) -> None:
         """One process: finalize. Workers: agree that every one finished, then worker 0 merges the

@@ -74,3 +74,33 @@ def test_the_collector_is_back_on_after_a_convert_that_failed(tmp_path):
     with pytest.raises(CkptError):
         convert(str(step), str(tmp_path / "out.safetensors"))
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("writer", ["ckpttool", "torch"])
+def test_a_command_leaves_no_cyclic_garbage(tmp_path, writer):
+    """What a command built (a source's index: objects for every record) is freed by reference
+    counting when it ends: none of it waits in a cycle for the collector (which scanned 156,000
+    objects after a convert of 5,000 records: 33 ms)."""
+    model = _many(500)
+    step = str(tmp_path / "run" / "step-1")
+    if writer == "torch":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(model.state_dict(), checkpoint_id=step, no_dist=True)
+    else:
+        Checkpointer(str(tmp_path / "run")).save(1, model)
+    fresh = _many(500, fill=0.0)
+    commands = {"convert": lambda: convert(step, str(tmp_path / "out.safetensors"), force=True),
+                "reshard": lambda: reshard(step, str(tmp_path / "on3"), world_size=3, force=True),
+                "verify": lambda: verify_path(step), "load": lambda: load(step, fresh)}
+    left = {}
+    for name, command in commands.items():
+        command()  # (once first: what a first call imports and caches is not garbage)
+        gc.collect()
+        gc.disable()
+        try:
+            command()
+            left[name] = gc.collect()
+        finally:
+            gc.enable()
+    assert max(left.values()) < 100, left  # (a cycle through the index: 15,000 and more here)
