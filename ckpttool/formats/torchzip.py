@@ -156,7 +156,8 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
     prefetched = reader.read(start, length) if length <= max(small, whole_up_to) else None
     if prefetched is not None and whole_up_to and not reader.holds(start, length):  # (a held span of records: kept)
         reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
-    if prefetched is not None and len(prefetched) == length:
+    whole = prefetched is not None and len(prefetched) == length  # (the record read whole: its parse may be kept)
+    if whole:
         known = _LAYOUTS.get(length)
         if known is not None and b"".join([prefetched[a:b] for a, b in known.ranges]) == known.read:
             # every byte its parse reads and uses is the same as in the record parsed before: the same
@@ -167,7 +168,7 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
             crc = int.from_bytes(prefetched[known.crc_at:known.crc_at + 4], "little")
             return Archive(known.obj, {known.key: StoredStorage(start + known.data, known.nbytes, crc, known.name)}, "little")
     window = _Window(reader, start, length, [(start, prefetched)] if prefetched is not None else spans or [], tail)
-    if prefetched is not None and len(prefetched) == length:
+    if whole:
         window.reads = []
     parses["parsed"] += 1
     try:
