@@ -4,15 +4,16 @@ Python's own unpickler (``pickle._Unpickler``) spends ~0.5 us an opcode: a DCP `
 5,000 tensors (530,000 opcodes) takes 0.27 s there, 0.08 s in the C one. But the C unpickler
 trusts two numbers a pickle names: it sizes its memo array by the largest index a PUT names (and
 clears it: ``LONG_BINPUT`` with a 4-byte index, or a text ``PUT`` with any, makes five bytes
-allocate and touch gigabytes; CPython fixed it only in 3.15, gh-115952), and it allocates a
-counted string's size before reading its bytes. Python's unpickler keeps its memo in a dict and
-reads before it allocates. So a pickle goes to the C unpickler only where this scan walks all of
+allocate and touch gigabytes, as in 3.11; CPython's gh-115952 later gave sparse indexes a dict),
+and it allocates a counted string's size before reading its bytes. Python's unpickler keeps its
+memo in a dict and reads before it allocates. So a pickle goes to the C unpickler only where this scan walks all of
 its opcodes and finds:
 
 - only opcodes Python's pickler writes at protocols 2-5 for plain data (no text opcodes but
   ``GLOBAL``, no ``PUT``, no extension registry, no out-of-band buffers);
 - every ``LONG_BINPUT`` index below the pickle's length (a pickler numbers its memo from 0, one
-  entry per object it writes: never more than the pickle has bytes);
+  entry per object it writes: never more than the pickle has bytes; the memo array is then at
+  most 16 bytes a byte of the pickle);
 - every counted string, bytes or long inside the pickle; every ``FRAME`` under 4 GiB;
 - one ``STOP``, at the last byte.
 

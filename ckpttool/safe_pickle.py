@@ -249,8 +249,8 @@ def _torch_callables() -> dict[tuple[str, str], Any]:
     }
 
 
-#: pickles from this size are scanned for the C unpickler (pickle_scan.py: the scan's regex
-#: compiles in ~25 ms once; a smaller pickle costs Python's unpickler less than that)
+#: pickles from this size are scanned for the C unpickler (pickle_scan.py: its regex compiles
+#: once, ~7 ms here; a smaller pickle costs Python's unpickler little more than that)
 C_SCAN_MIN = 64 << 10
 
 
