@@ -21,13 +21,21 @@ from .buffers import SlabBuffers
 from .bulk import no_gc
 from .choices import DEFAULT_BUDGET
 from .errors import StorageError, UsageError
+from .checksums import HASH_BLOCK
 from .formats.base import ObjectSpec, Progress, ReadFn, Share, Sink, Source, TensorSpec, stream_slabs
 from .index import TensorEntry, dtype_size, strip_prefix
-from .layout import Box
+from .layout import Box, relative, whole
 from .storage import describe_os_error
 
 #: slabs smaller than this are read when the sink asks for them, not ahead in the thread (ReadAhead)
 AHEAD_BYTES = 1 << 20
+
+#: a tensor of at most this many bytes that a sink asks for in parts (a reshard's boxes of it, one
+#: per target rank, one after the other) is read whole at its first part and its other parts are
+#: copied from it (:meth:`_Streaming._part_of_small`): each part read on its own cost a whole
+#: read's CPU (~80 us: the record's lookup, parse and checks), and a part of a record this small
+#: reads and hashes its whole manifest block anyway, so no byte is read that was not read before
+WHOLE_PART_BYTES = HASH_BLOCK
 
 
 def _castable(entry: TensorEntry) -> bool:
@@ -127,10 +135,21 @@ class _Streaming:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") if read_ahead else None
         self.ahead = ReadAhead([], self._read_into, None)
         self.done = self.total = 0
+        self.pausing = rendezvous.pausing()  # (crash tests set a pause point before the command starts)
+        self._small = SlabBuffers(1)  # a small tensor read whole, its parts copied from it
+        self._small_key: str | None = None
+        self._small_held: torch.Tensor | None = None
+        self._budgets: dict[str, int] = {}  # output key -> its slabs' budget (asked once a slab)
 
     def _slab_budget(self, spec: TensorSpec) -> int:
         """A slab held at the source dtype, plus its cast when there is one, twice when reading
         ahead: all of it under the budget."""
+        budget = self._budgets.get(spec.key)
+        if budget is None:
+            budget = self._budgets[spec.key] = self._budget_of(spec)
+        return budget
+
+    def _budget_of(self, spec: TensorSpec) -> int:
         src_dtype = self.index[self.plan.source_key[spec.key]].dtype
         out_size = dtype_size(spec.dtype)
         held = (out_size if src_dtype == spec.dtype else dtype_size(src_dtype) + out_size) * (2 if self.pool else 1)
@@ -140,16 +159,31 @@ class _Streaming:
         spec = self.specs[key]
         src_key = self.plan.source_key[key]
         src_dtype = self.index[src_key].dtype
-        t = self.source.read_tensor(src_key, box, out=self.scratch.view(box[1], src_dtype, 2 * which))
+        nbytes = math.prod(spec.shape) * dtype_size(src_dtype)
+        if nbytes <= WHOLE_PART_BYTES and tuple(box[1]) != tuple(spec.shape) and nbytes <= self._slab_budget(spec):
+            t = self._part_of_small(src_key, spec.shape, src_dtype, box, which)
+        else:
+            t = self.source.read_tensor(src_key, box, out=self.scratch.view(box[1], src_dtype, 2 * which))
         if t.dtype == spec.dtype:
             return t
         return self.scratch.view(box[1], spec.dtype, 2 * which + 1).copy_(t)
+
+    def _part_of_small(self, src_key: str, shape: tuple[int, ...], dtype: torch.dtype, box: Box, which: int) -> torch.Tensor:
+        """``box`` of a small tensor (:data:`WHOLE_PART_BYTES`), copied from the whole tensor, which
+        is read (and checked) at the first part asked for and held until another one is (parts are
+        read one at a time in the caller's thread: slabs under AHEAD_BYTES never go to the thread)."""
+        if self._small_key != src_key:
+            self._small_key = None  # (a read that fails holds nothing)
+            self._small_held = self.source.read_tensor(src_key, None, out=self._small.view(shape, dtype, 0))
+            self._small_key = src_key
+        return self.scratch.view(box[1], dtype, 2 * which).copy_(self._small_held[relative(box, whole(shape))])
 
     def _reader_for(self, spec: TensorSpec) -> tuple[ReadFn, int]:
         return (lambda box: self.ahead.read(spec.key, box)), self._slab_budget(spec)
 
     def _advance(self, nbytes: int, key: str) -> None:
-        rendezvous.pause_point("offline-chunk")
+        if self.pausing:
+            rendezvous.pause_point("offline-chunk")
         self.done += nbytes
         if self.progress:
             self.progress(self.done, self.total, key)

@@ -306,3 +306,40 @@ def test_a_small_record_read_in_parts_is_checked_once_and_a_large_one_block_by_b
             f.write(bytes([byte[0] ^ 0x40]))
         with pytest.raises(ChecksumError):
             source.read_tensor("model.0.weight", ((240, 0), (16, 1024)))
+
+
+def test_a_reshard_reads_a_small_tensor_whole_once_and_copies_its_parts(tmp_path, monkeypatch):
+    """A reshard asks for a tensor's boxes one target rank after another: one under
+    ``WHOLE_PART_BYTES`` is read whole once (its record's lookup, parse and checks once, not once a
+    part) and its parts are copied from it, bit for bit; a larger one is still read part by part,
+    and a small one the budget splits into slabs is read slab by slab."""
+    from ckpttool.engine import WHOLE_PART_BYTES
+    from ckpttool.formats.dcp.source import DcpSource
+    from ckpttool.offline.reshard import reshard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 60), torch.nn.Linear(150, 120))
+    assert model[0].weight.numel() * 4 <= WHOLE_PART_BYTES < model[1].weight.numel() * 4
+    Checkpointer(str(tmp_path / "run")).save(1, model)
+    step = str(tmp_path / "run" / "step-1")
+    asked: list[tuple[str, object]] = []
+    read_tensor = DcpSource.read_tensor
+
+    def counted(self, key, box=None, out=None):
+        asked.append((key, box))
+        return read_tensor(self, key, box, out)
+
+    monkeypatch.setattr(DcpSource, "read_tensor", counted)
+    reshard(step, str(tmp_path / "r3"), world_size=3)
+    assert [box for key, box in asked if key == "model.0.weight"] == [None]
+    assert [box for key, box in asked if key == "model.0.bias"] == [None]
+    assert len([box for key, box in asked if key == "model.1.weight"]) == 3  # (its three parts)
+    asked.clear()
+    reshard(step, str(tmp_path / "r3-slabs"), world_size=3, memory_budget=4096)
+    small = [box for key, box in asked if key == "model.0.weight"]
+    assert len(small) > 3 and None not in small  # slab by slab, under the budget
+    monkeypatch.undo()
+    for out in ("r3", "r3-slabs"):
+        with open_source(str(tmp_path / out)) as source:
+            for key, value in model.state_dict().items():
+                assert torch.equal(source.read_tensor(f"model.{key}"), value), (out, key)
