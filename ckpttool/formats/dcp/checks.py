@@ -178,29 +178,32 @@ class RecordChecks:
             self.scan_chunk(stream.key, stream.entry, stream.chunk)
         self._streams.clear()
 
-    def straight(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> bool:
-        """Whether :meth:`read_chunk` reads ``chunk``'s record straight into ``dst`` (``part`` is the
-        whole chunk, ``dst`` contiguous CPU memory of the stored dtype and the record's exact size)."""
-        ref, storage = self.source.tensor_record(key, entry, chunk, by_layout=True)
-        return part == (chunk.offsets, chunk.sizes) and _plain(ref, storage, dst, dst.numel())
+    def straight(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor) -> tuple[Any, Any] | None:
+        """The (reference, storage) of ``chunk``'s record when :meth:`read_chunk` reads it straight
+        into ``dst`` (``part`` is the whole chunk, ``dst`` contiguous CPU memory of the stored dtype
+        and the record's exact size), else None."""
+        record = self.source.tensor_record(key, entry, chunk, by_layout=True)
+        return record if part == (chunk.offsets, chunk.sizes) and _plain(record[0], record[1], dst, dst.numel()) else None
 
     def read_chunk(self, key: str, entry: TensorEntry, chunk: Chunk, part: Box, dst: torch.Tensor,
-                   straight: bool | None = None) -> None:
+                   straight: tuple[Any, Any] | None = None) -> None:
         """Read the whole record of ``chunk`` once, check it, and copy ``part`` of it into ``dst``:
-        straight into ``dst`` when :meth:`straight` (``straight``: what the caller's call of it
-        said), else through a scratch buffer of the record."""
+        straight into ``dst`` when :meth:`straight` says so (``straight``: what the caller's call of
+        it returned, not None; else asked here), else through a scratch buffer of the record."""
         import torch
 
         source, info = self.source, chunk.location
         # (a large record of a ckpttool step by its manifest's layout: head, data, rest read in file
         # order, then parsed from them: source.confirm)
-        ref, storage = source.tensor_record(key, entry, chunk, by_layout=True)
+        if straight is None:
+            straight = self.straight(key, entry, chunk, part, dst)
+            ref, storage = straight or source.tensor_record(key, entry, chunk, by_layout=True)
+        else:
+            ref, storage = straight
         check_ref(ref, storage, f"{source.file(info.relative_path).url} (key {key!r}, chunk at {list(chunk.offsets)})")
         reader = source.record(info, key)[0]
         packed = source.transformed(info)
         item = dtype_size(ref.dtype)
-        if straight is None:
-            straight = self.straight(key, entry, chunk, part, dst)
         if not straight and self.read_blocks(key, entry, chunk, part, dst):
             return  # only the blocks the part touches were read, and each of them checked
         if straight:  # the common case: a rank loads the very shard it saved

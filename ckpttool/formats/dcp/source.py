@@ -523,8 +523,9 @@ class DcpSource(Source):
         for chunk, part in parts:
             dst = out[relative(part, box)]
             if self.checks is not None and not self.checks.done(chunk.location):
-                if self.checks.straight(key, entry, chunk, part, dst):
-                    self.checks.read_chunk(key, entry, chunk, part, dst, True)  # one pass: read into dst, checked there
+                straight = self.checks.straight(key, entry, chunk, part, dst)
+                if straight is not None:
+                    self.checks.read_chunk(key, entry, chunk, part, dst, straight)  # one pass: read into dst, checked there
                     continue
                 if part != (chunk.offsets, chunk.sizes) and self.checks.read_blocks(key, entry, chunk, part, dst):
                     continue  # only the manifest blocks the part touches: read and checked
