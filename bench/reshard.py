@@ -120,7 +120,8 @@ def sets(run):
     src, info = (run.checkpoint(run.args.size, SAVED_ON, fit_layers({**model_dims(run.args.size), "small": small}, run.args.size),
                                 name=f"ckpt-{run.args.size:g}GB-on-{SAVED_ON}-{small}small") if small else run.checkpoint(run.args.size, SAVED_ON))
     worlds, cfg = [int(w) for w in run.args.worlds.split(",") if w], info.get("cfg") or model_dims(run.args.size)
-    yield Set(["raw_copy"] + [f"ckpt_reshard_{w}" for w in worlds] + [f"online_{w}" for w in worlds], lambda n: measure(run, n, src, cfg),
+    online = [] if run.args.no_online else [f"online_{w}" for w in worlds]
+    yield Set(["raw_copy"] + [f"ckpt_reshard_{w}" for w in worlds] + online, lambda n: measure(run, n, src, cfg),
               lambda n, r: (f"{label(n):<44} work {r['seconds']:7.1f} s  whole {r['process_wall_s']:7.1f} s  "
                             f"peak {r['peak_kib'] / 1024:6.0f} MiB"),
               heading=f"{info['file_bytes'] / GB:.2f} GB checkpoint saved on {SAVED_ON} ranks", info=info)
@@ -164,7 +165,8 @@ SPEC = Spec(
     options={"--size": dict(type=float, default=4.0, help="checkpoint size in GB (default 4)"),
              "--worlds": dict(default="1,3,4", help="target world sizes (default 1,3,4)"),
              "--small-tensors": dict(type=int, default=0, help="also this many parameters of 4096 fp32 elements in the checkpoint (16 KiB: with their AdamW state, 3 tensors under 64 KiB each; default 0; run_all: 3334 at 2 GB, 10,002 small tensors)"),
-             "--src": dict(help="use this existing DCP checkpoint (or ckpttool training root) instead of writing one")},
+             "--src": dict(help="use this existing DCP checkpoint (or ckpttool training root) instead of writing one"),
+             "--no-online": dict(action="store_true", help="leave out the online cases (the copy and the reshards only)")},
     columns=[Column("case", "label", None), Column("work s", "seconds", ".1f"), Column("GB/s", "gbps"),
              Column("× copy time", "x_copy"), Column("online / this (work)", "speedup_online"),
              Column("whole processes s", "wall_s", ".1f"), Column("online / this (whole)", "speedup_online_wall"),
