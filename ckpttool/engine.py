@@ -19,9 +19,9 @@ import torch
 from . import rendezvous
 from .buffers import SlabBuffers
 from .bulk import no_gc
+from .checksums import HASH_BLOCK
 from .choices import DEFAULT_BUDGET
 from .errors import StorageError, UsageError
-from .checksums import HASH_BLOCK
 from .formats.base import ObjectSpec, Progress, ReadFn, Share, Sink, Source, TensorSpec, stream_slabs
 from .index import TensorEntry, dtype_size, strip_prefix
 from .layout import Box, relative, whole
@@ -139,7 +139,7 @@ class _Streaming:
         self._small = SlabBuffers(1)  # a small tensor read whole, its parts copied from it
         self._small_key: str | None = None
         self._small_held: torch.Tensor | None = None
-        self._budgets: dict[str, int] = {}  # output key -> its slabs' budget (asked once a slab)
+        self._budgets: dict[str, int] = {}  # output key -> its slabs' budget (worked out once a tensor)
 
     def _slab_budget(self, spec: TensorSpec) -> int:
         """A slab held at the source dtype, plus its cast when there is one, twice when reading
