@@ -34,7 +34,9 @@ AHEAD_BYTES = 1 << 20
 #: per target rank, one after the other) is read whole at its first part and its other parts are
 #: copied from it (:meth:`_Streaming._part_of_small`): each part read on its own cost a whole
 #: read's CPU (~80 us: the record's lookup, parse and checks), and a part of a record this small
-#: reads and hashes its whole manifest block anyway, so no byte is read that was not read before
+#: reads and hashes its whole manifest block anyway. One process only: there the parts together
+#: are the whole tensor, so no byte is read that was not read before; a worker of several writes
+#: only its target ranks' parts, and reads only the records they need.
 WHOLE_PART_BYTES = HASH_BLOCK
 
 
@@ -160,7 +162,8 @@ class _Streaming:
         src_key = self.plan.source_key[key]
         src_dtype = self.index[src_key].dtype
         nbytes = math.prod(spec.shape) * dtype_size(src_dtype)
-        if nbytes <= WHOLE_PART_BYTES and tuple(box[1]) != tuple(spec.shape) and nbytes <= self._slab_budget(spec):
+        if (nbytes <= WHOLE_PART_BYTES and self.workers == 1 and tuple(box[1]) != tuple(spec.shape)
+                and nbytes <= self._slab_budget(spec)):
             t = self._part_of_small(src_key, spec.shape, src_dtype, box, which)
         else:
             t = self.source.read_tensor(src_key, box, out=self.scratch.view(box[1], src_dtype, 2 * which))
