@@ -34,9 +34,11 @@ AHEAD_BYTES = 1 << 20
 #: per target rank, one after the other) is read whole at its first part and its other parts are
 #: copied from it (:meth:`_Streaming._part_of_small`): each part read on its own cost a whole
 #: read's CPU (~80 us: the record's lookup, parse and checks), and a part of a record this small
-#: reads and hashes its whole manifest block anyway. One process only: there the parts together
-#: are the whole tensor, so no byte is read that was not read before; a worker of several writes
-#: only its target ranks' parts, and reads only the records they need.
+#: reads and hashes its whole manifest block anyway. Only where the sink asks for all of a
+#: tensor's parts one after the other (the DCP sink; not the torch-ranks sink, which reads rank by
+#: rank: each part would read the whole tensor again), and in one process: there the parts
+#: together are the whole tensor, so no byte is read that was not read before; a worker of several
+#: writes only its target ranks' parts, and reads only the records they need.
 WHOLE_PART_BYTES = HASH_BLOCK
 
 
@@ -141,6 +143,7 @@ class _Streaming:
         self._small = SlabBuffers(1)  # a small tensor read whole, its parts copied from it
         self._small_key: str | None = None
         self._small_held: torch.Tensor | None = None
+        self._together: set[str] = set()  # keys whose parts the sink asks for one after the other
         self._budgets: dict[str, int] = {}  # output key -> its slabs' budget (worked out once a tensor)
 
     def _slab_budget(self, spec: TensorSpec) -> int:
@@ -162,7 +165,7 @@ class _Streaming:
         src_key = self.plan.source_key[key]
         src_dtype = self.index[src_key].dtype
         nbytes = math.prod(spec.shape) * dtype_size(src_dtype)
-        if (nbytes <= WHOLE_PART_BYTES and self.workers == 1 and tuple(box[1]) != tuple(spec.shape)
+        if (nbytes <= WHOLE_PART_BYTES and key in self._together and tuple(box[1]) != tuple(spec.shape)
                 and nbytes <= self._slab_budget(spec)):
             t = self._part_of_small(src_key, spec.shape, src_dtype, box, which)
         else:
@@ -174,7 +177,8 @@ class _Streaming:
     def _part_of_small(self, src_key: str, shape: tuple[int, ...], dtype: torch.dtype, box: Box, which: int) -> torch.Tensor:
         """``box`` of a small tensor (:data:`WHOLE_PART_BYTES`), copied from the whole tensor, which
         is read (and checked) at the first part asked for and held until another one is (parts are
-        read one at a time in the caller's thread: slabs under AHEAD_BYTES never go to the thread)."""
+        read one at a time in the caller's thread: slabs under AHEAD_BYTES never go to the thread).
+        The held tensor (at most 64 KiB, and at most a slab) is beside the budget's slabs."""
         if self._small_key != src_key:
             self._small_key = None  # (a read that fails holds nothing)
             self._small_held = self.source.read_tensor(src_key, None, out=self._small.view(shape, dtype, 0))
@@ -201,6 +205,8 @@ class _Streaming:
         schedule = [(spec.key, slab) for spec, box in sink.read_order(self.tensors)
                     for slab in stream_slabs(spec, self._slab_budget(spec), box)]
         sizes = [math.prod(box[1]) * dtype_size(self.specs[key].dtype) for key, box in schedule]
+        if self.workers == 1:
+            self._together = _asked_together(schedule)
         self.total = sum(sizes)
         self.ahead = ReadAhead(schedule if self.pool else [], self._read_into, self.pool, sizes, AHEAD_BYTES)
         # every record read is checked before the output is committed; the cyclic collector held off:
@@ -248,6 +254,17 @@ class _Streaming:
         if isinstance(exc, OSError):  # a commit the storage refused
             return StorageError(describe_os_error(exc, "write"), where=self.sink.location.url)
         return exc
+
+
+def _asked_together(schedule: list[tuple[str, Box]]) -> set[str]:
+    """The keys whose slabs come one after the other in ``schedule`` (one run each)."""
+    runs: dict[str, int] = {}
+    last = None
+    for key, _box in schedule:
+        if key != last:
+            runs[key] = runs.get(key, 0) + 1
+            last = key
+    return {key for key, n in runs.items() if n == 1}
 
 
 def _start_shared(sink: Sink, plan: Plan) -> None:

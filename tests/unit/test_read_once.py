@@ -312,7 +312,8 @@ def test_a_reshard_reads_a_small_tensor_whole_once_and_copies_its_parts(tmp_path
     """A reshard asks for a tensor's boxes one target rank after another: one under
     ``WHOLE_PART_BYTES`` is read whole once (its record's lookup, parse and checks once, not once a
     part) and its parts are copied from it, bit for bit; a larger one is still read part by part,
-    and a small one the budget splits into slabs is read slab by slab."""
+    a small one the budget splits into slabs is read slab by slab, and one whose parts the sink asks
+    for apart (the torch-ranks sink: rank by rank) part by part."""
     from ckpttool.engine import WHOLE_PART_BYTES
     from ckpttool.formats.dcp.source import DcpSource
     from ckpttool.offline.reshard import reshard
@@ -338,8 +339,12 @@ def test_a_reshard_reads_a_small_tensor_whole_once_and_copies_its_parts(tmp_path
     reshard(step, str(tmp_path / "r3-slabs"), world_size=3, memory_budget=4096)
     small = [box for key, box in asked if key == "model.0.weight"]
     assert len(small) > 3 and None not in small  # slab by slab, under the budget
+    asked.clear()
+    reshard(step, str(tmp_path / "r3-ranks"), world_size=3, to="torch-ranks")  # (asks rank by rank)
+    small = [box for key, box in asked if key == "model.0.weight"]
+    assert len(small) == 3 and None not in small  # each rank's part on its own: never the whole three times
     monkeypatch.undo()
-    for out in ("r3", "r3-slabs"):
+    for out in ("r3", "r3-slabs", "r3-ranks"):
         with open_source(str(tmp_path / out)) as source:
             for key, value in model.state_dict().items():
                 assert torch.equal(source.read_tensor(f"model.{key}"), value), (out, key)
