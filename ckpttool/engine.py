@@ -30,16 +30,21 @@ from .storage import describe_os_error
 #: slabs smaller than this are read when the sink asks for them, not ahead in the thread (ReadAhead)
 AHEAD_BYTES = 1 << 20
 
-#: a tensor of at most this many bytes that a sink asks for in parts (a reshard's boxes of it, one
-#: per target rank, one after the other) is read whole at its first part and its other parts are
-#: copied from it (:meth:`_Streaming._part_of_small`): each part read on its own cost a whole
-#: read's CPU (~80 us: the record's lookup, parse and checks), and a part of a record this small
-#: reads and hashes its whole manifest block anyway. Only where the sink asks for all of a
-#: tensor's parts one after the other (the DCP sink; not the torch-ranks sink, which reads rank by
-#: rank: each part would read the whole tensor again), and in one process: there the parts
-#: together are the whole tensor, so no byte is read that was not read before; a worker of several
-#: writes only its target ranks' parts, and reads only the records they need.
+#: a tensor of at most this many bytes is *small*: a run of the slabs that read small tensors whole,
+#: one after another in the sink's order, is read together, up to BATCH_BYTES at a time, with one
+#: ``Source.read_tensors`` (a DCP file's back-to-back records in one read, each checked from it):
+#: read one by one, each cost ~80 us of CPU for the record's lookup, parse and checks (issue 50,
+#: part 4). A small tensor that a sink asks for in parts (a reshard's boxes of it, one per target
+#: rank, one after the other) is read so too, whole, and its parts copied from it: a part of a
+#: record this small reads and hashes its whole manifest block anyway. Parts only where the sink
+#: asks for all of a tensor's parts one after the other (the DCP sink; not the torch-ranks sink,
+#: which reads rank by rank) and in one process: there the parts together are the whole tensor, so
+#: no byte is read that was not read before; a worker of several writes only its target ranks'
+#: parts, and reads only the records they need.
 WHOLE_PART_BYTES = HASH_BLOCK
+#: the most bytes of small tensors read together (and at most an eighth of the budget), held beside
+#: the budget's slabs until the sink has asked for each of them
+BATCH_BYTES = 1 << 20
 
 
 def _castable(entry: TensorEntry) -> bool:
@@ -140,10 +145,10 @@ class _Streaming:
         self.ahead = ReadAhead([], self._read_into, None)
         self.done = self.total = 0
         self.pausing = rendezvous.pausing()  # (crash tests set a pause point before the command starts)
-        self._small = SlabBuffers(1)  # a small tensor read whole, its parts copied from it
-        self._small_key: str | None = None
-        self._small_held: torch.Tensor | None = None
-        self._together: set[str] = set()  # keys whose parts the sink asks for one after the other
+        self._batch = SlabBuffers(1)  # small tensors read together (BATCH_BYTES)
+        self._held: dict[str, torch.Tensor] = {}  # source key -> its tensor, in the batch buffer
+        self._runs: dict[str, tuple[list[str], int]] = {}  # source key of a small tensor -> (its run, its place in it)
+        self._batch_bytes = min(BATCH_BYTES, budget // 8)
         self._budgets: dict[str, int] = {}  # output key -> its slabs' budget (worked out once a tensor)
 
     def _slab_budget(self, spec: TensorSpec) -> int:
@@ -164,26 +169,39 @@ class _Streaming:
         spec = self.specs[key]
         src_key = self.plan.source_key[key]
         src_dtype = self.index[src_key].dtype
-        nbytes = math.prod(spec.shape) * dtype_size(src_dtype)
-        if (nbytes <= WHOLE_PART_BYTES and key in self._together and tuple(box[1]) != tuple(spec.shape)
-                and nbytes <= self._slab_budget(spec)):
-            t = self._part_of_small(src_key, spec.shape, src_dtype, box, which)
+        if src_key in self._runs:
+            t = self._small_part(src_key, spec.shape, src_dtype, box, which)
         else:
             t = self.source.read_tensor(src_key, box, out=self.scratch.view(box[1], src_dtype, 2 * which))
         if t.dtype == spec.dtype:
             return t
         return self.scratch.view(box[1], spec.dtype, 2 * which + 1).copy_(t)
 
-    def _part_of_small(self, src_key: str, shape: tuple[int, ...], dtype: torch.dtype, box: Box, which: int) -> torch.Tensor:
-        """``box`` of a small tensor (:data:`WHOLE_PART_BYTES`), copied from the whole tensor, which
-        is read (and checked) at the first part asked for and held until another one is (parts are
-        read one at a time in the caller's thread: slabs under AHEAD_BYTES never go to the thread).
-        The held tensor (at most 64 KiB, and at most a slab) is beside the budget's slabs."""
-        if self._small_key != src_key:
-            self._small_key = None  # (a read that fails holds nothing)
-            self._small_held = self.source.read_tensor(src_key, None, out=self._small.view(shape, dtype, 0))
-            self._small_key = src_key
-        return self.scratch.view(box[1], dtype, 2 * which).copy_(self._small_held[relative(box, whole(shape))])
+    def _small_part(self, src_key: str, shape: tuple[int, ...], dtype: torch.dtype, box: Box, which: int) -> torch.Tensor:
+        """``box`` of a small tensor (:data:`WHOLE_PART_BYTES`): from the batch that holds it,
+        read (and checked) with the small tensors after it in its run when it is not held (slabs
+        under AHEAD_BYTES are read in the caller's thread, one at a time: never beside a read ahead)."""
+        held = self._held.get(src_key)
+        if held is None:
+            self._held = {}  # (a read that fails holds nothing)
+            run, at = self._runs[src_key]
+            keys, offsets, size = [], [], 0
+            for k in run[at:]:
+                n = -(-math.prod(self.index[k].shape) * dtype_size(self.index[k].dtype) // 64) * 64
+                if keys and size + n > self._batch_bytes:
+                    break
+                keys.append(k)
+                offsets.append(size)
+                size += n
+            buf = self._batch.view((size,), torch.uint8, 0)
+            items = [(k, buf[o:o + math.prod(self.index[k].shape) * dtype_size(self.index[k].dtype)]
+                      .view(self.index[k].dtype).view(self.index[k].shape)) for k, o in zip(keys, offsets)]
+            self.source.read_tensors(items)
+            self._held = dict(items)
+            held = self._held[src_key]
+        if tuple(box[1]) == tuple(shape):
+            return held
+        return self.scratch.view(box[1], dtype, 2 * which).copy_(held[relative(box, whole(shape))])
 
     def _reader_for(self, spec: TensorSpec) -> tuple[ReadFn, int]:
         return (lambda box: self.ahead.read(spec.key, box)), self._slab_budget(spec)
@@ -205,8 +223,7 @@ class _Streaming:
         schedule = [(spec.key, slab) for spec, box in sink.read_order(self.tensors)
                     for slab in stream_slabs(spec, self._slab_budget(spec), box)]
         sizes = [math.prod(box[1]) * dtype_size(self.specs[key].dtype) for key, box in schedule]
-        if self.workers == 1:
-            self._together = _asked_together(schedule)
+        self._runs = self._small_runs(schedule)
         self.total = sum(sizes)
         self.ahead = ReadAhead(schedule if self.pool else [], self._read_into, self.pool, sizes, AHEAD_BYTES)
         # every record read is checked before the output is committed; the cyclic collector held off:
@@ -216,6 +233,30 @@ class _Streaming:
             sink.write(self.tensors, self._reader_for, self._advance)
             self.ahead.stop()
         sink.finish_files()
+
+    def _small_runs(self, schedule: list[tuple[str, Box]]) -> dict[str, tuple[list[str], int]]:
+        """The small tensors (source keys) read whole, in runs of those the sink asks for one after
+        another in ``schedule``: each key with its run and its place in it. Small: at most
+        :data:`WHOLE_PART_BYTES` and a slab; read whole where its slab is, or (one process) where
+        its slabs are all its parts, asked for one after the other."""
+        together = _asked_together(schedule) if self.workers == 1 else set()
+        runs: dict[str, tuple[list[str], int]] = {}
+        run: list[str] = []
+        for key, box in schedule:
+            spec = self.specs[key]
+            src_key = self.plan.source_key[key]
+            entry = self.index[src_key]
+            nbytes = math.prod(spec.shape) * dtype_size(entry.dtype)
+            small = (nbytes <= WHOLE_PART_BYTES and nbytes <= self._slab_budget(spec)
+                     and (tuple(box[1]) == tuple(spec.shape) or key in together))
+            if not small:
+                run = []
+            elif src_key not in runs:
+                run.append(src_key)
+                runs[src_key] = (run, len(run) - 1)
+            elif runs[src_key][0] is not run:  # (asked for again, later: read again, on its own)
+                runs[src_key] = ([src_key], 0)
+        return runs
 
     def stop_reading(self) -> None:
         self.ahead.stop()

@@ -111,7 +111,7 @@ class NotRead:
 class Source(ABC):
     """A checkpoint opened for reading. Cheap to open; ``index()`` reads only metadata.
 
-    Fourteen public methods: the index and its entries, the reads, where the bytes are (``data_spans``,
+    Fifteen public methods: the index and its entries, the reads, where the bytes are (``data_spans``,
     ``files``, ``aux_files``, ``about``, ``world_size``, ``describe_parts``), what was not read, the
     checks of records read in parts, a training step's commit record, close. The rest are hooks a
     format overrides (``_check``, ``_chunk_file``, ...)."""
@@ -152,6 +152,12 @@ class Source(ABC):
         """The values of ``box`` (default: all) of tensor ``key`` as a contiguous CPU tensor: a new
         one, or ``out`` (of the box's shape and the entry's dtype) filled in place, so a caller
         streaming many slabs can reuse one buffer instead of faulting in fresh pages each time."""
+
+    def read_tensors(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Whole tensors, each into its ``out`` (contiguous, of its shape and dtype), in order: as
+        many :meth:`read_tensor` calls here; a format reads runs of small records together."""
+        for key, out in items:
+            self.read_tensor(key, None, out=out)
 
     def _destination(self, key: str, box: Box | None, out: torch.Tensor | None) -> tuple[TensorEntry, Box, torch.Tensor]:
         """For a read of chunked tensor ``key``: its entry (checked: its chunks tile it), the box to

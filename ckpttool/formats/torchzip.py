@@ -158,15 +158,12 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
         reader.hold(start, prefetched)  # the tensor data read that follows needs no request of its own
     whole = prefetched is not None and len(prefetched) == length  # (the record read whole: its parse may be kept)
     if whole:
-        known = _LAYOUTS.get(length)
-        if known is not None and b"".join([prefetched[a:b] for a, b in known.ranges]) == known.read:
-            # every byte its parse reads and uses is the same as in the record parsed before: the same
-            # answer, but for the data's CRC-32 (its own, from its directory entry)
-            parses["reused"] += 1
+        known = known_record(prefetched)
+        if known is not None:
             if fetched is not None:
                 fetched.append((start, prefetched))
-            crc = int.from_bytes(prefetched[known.crc_at:known.crc_at + 4], "little")
-            return Archive(known.obj, {known.key: StoredStorage(start + known.data, known.nbytes, crc, known.name)}, "little")
+            layout, crc = known
+            return Archive(layout.obj, {layout.key: StoredStorage(start + layout.data, layout.nbytes, crc, layout.name)}, "little")
     window = _Window(reader, start, length, [(start, prefetched)] if prefetched is not None else spans or [], tail)
     if whole:
         window.reads = []
@@ -192,6 +189,18 @@ def read_archive(reader: RangeReader, start: int = 0, length: int | None = None,
     if window.reads is not None and window.storage_crcs and type(obj) is TensorRef and len(storages) == 1:
         _remember_layout(prefetched, start, obj, storages, window)
     return Archive(obj, storages, byteorder)
+
+
+def known_record(record: bytes | memoryview) -> tuple[_Layout, int] | None:
+    """A whole small record's parse without parsing it: where every byte its parse would read and
+    use is the same as in the last record of its length parsed (:data:`_LAYOUTS`), the same answer
+    but for the data's CRC-32 (its own, from its directory entry): (that layout, the CRC-32); else
+    None (the caller parses it)."""
+    known = _LAYOUTS.get(len(record))
+    if known is None or b"".join([record[a:b] for a, b in known.ranges]) != known.read:
+        return None
+    parses["reused"] += 1
+    return known, int.from_bytes(record[known.crc_at:known.crc_at + 4], "little")
 
 
 @dataclass(frozen=True)

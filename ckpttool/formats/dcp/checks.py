@@ -113,6 +113,11 @@ class RecordChecks:
     def done(self, info: Any) -> bool:
         return (info.relative_path, info.offset) in self._done
 
+    def mark_done(self, info: Any) -> None:
+        """A record checked by its reader (a run of small records read together: the source's
+        ``read_tensors``), as :meth:`read_chunk` checks it."""
+        self._done.add((info.relative_path, info.offset))
+
     def scan_chunk(self, key: str, entry: TensorEntry, chunk: Chunk) -> None:
         """Read a chunk's record once for its checksums (before an offline read uses it)."""
         source, info = self.source, chunk.location

@@ -10,11 +10,12 @@ import bisect
 import math
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ...buffers import tensor_buffer
 from ...bulk import no_gc
-from ...checksums import hash_bytes
+from ...checksums import RecordHasher, crc32, hash_bytes
 from ...errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ...layout import Box, relative, whole
@@ -22,8 +23,8 @@ from ...storage import BytesReader, Location, RangeReader
 from ...steps import COMMIT_FILE, manifest_file_name, read_commit_record
 from ..base import Source
 from ...refs import StorageRef, TensorRef
-from ..torchzip import (REMOTE_RECORD, REMOTE_SPAN, Archive, StoredStorage, contiguous_stride, load_object_record, read_archive,
-                        read_tensor_box)
+from ..torchzip import (REMOTE_RECORD, REMOTE_SPAN, Archive, StoredStorage, contiguous_stride, known_record, load_object_record,
+                        read_archive, read_tensor_box)
 from .transforms import ARCHIVE_SLACK, MAX_OBJECT_BYTES, MAX_ZSTD_RATIO, DecodedRecord, check_descriptors
 from . import load_index
 from .manifest import Manifest
@@ -538,6 +539,82 @@ class DcpSource(Source):
             # read straight into the destination when its slice is contiguous (whole rows)
             read_tensor_box(self.record(chunk.location, key)[0], ref, storage, (local, part[1]), where, out=dst)
         return out
+
+    def read_tensors(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Whole tensors, each into its ``out``: the small records (:meth:`read_whole`) of one chunk
+        each that lie back to back in a file are read in one read (up to LOCAL_SPAN, REMOTE_SPAN on
+        an object store) and each is taken from those bytes when its parse is one made before
+        (``torchzip.known_record``) and it checks (:meth:`_from_record`); any other record by
+        :meth:`read_tensor`, which says what is wrong with one that does not check."""
+        span_max = REMOTE_SPAN if self.location.batch_reads else LOCAL_SPAN
+        run: list[tuple[str, TensorEntry, Any, torch.Tensor]] = []  # back to back in one file
+        for key, out in items:
+            entry = self.entry(key, TensorEntry, checked=True)  # (its records lie inside their files)
+            info = entry.chunks[0].location if len(entry.chunks) == 1 else None
+            if info is None or self.transformed(info) or not self.read_whole(info):
+                self._read_run(run)
+                run = []
+                self.read_tensor(key, None, out=out)
+                continue
+            if run and (run[-1][2].relative_path != info.relative_path or run[-1][2].offset + run[-1][2].length != info.offset
+                        or info.offset + info.length - run[0][2].offset > span_max):
+                self._read_run(run)
+                run = []
+            run.append((key, entry, info, out))
+        self._read_run(run)
+
+    def _read_run(self, run: list[tuple[str, TensorEntry, Any, torch.Tensor]]) -> None:
+        if not run:
+            return
+        path, start, last = run[0][2].relative_path, run[0][2].offset, run[-1][2]
+        reader = self.reader(path)
+        reader.check_range(start, last.offset + last.length - start)
+        span = memoryview(bytearray(last.offset + last.length - start))
+        reader.readinto(start, span)
+        _add_range(self._consumed.setdefault(path, []), start, start + len(span))
+        rows = None
+        if self.checks is not None and self.checks.manifest is not None:
+            rows = self.checks.manifest.rows_of(path)[0]  # (a manifest file that cannot be read: no rows, and
+            # each record's own read below says why)
+        for key, entry, info, out in run:
+            if not self._from_record(entry, info, span[info.offset - start: info.offset - start + info.length], out, rows):
+                self.read_tensor(key, None, out=out)
+
+    def _from_record(self, entry: TensorEntry, info: Any, record: memoryview, out: torch.Tensor,
+                     rows: dict[int, tuple[int, str, Any]] | None) -> bool:
+        """Put a whole small record's tensor into ``out`` from its bytes, read: where its parse is
+        known, its tensor is ``entry``'s, its elements are its data in C order and ``out`` takes them
+        as they are, and it checks as :meth:`RecordChecks.read_chunk` checks it (the manifest's
+        digest of the record, else its data's CRC-32); returns whether it did (else nothing was put)."""
+        known = known_record(record)
+        if known is None:
+            return False
+        layout, crc = known
+        ref, numel = layout.obj, out.numel()
+        if (type(ref) is not TensorRef or ref.storage.key != layout.key or ref.element_type != entry.element_type
+                or tuple(ref.shape) != tuple(entry.shape) or ref.storage_offset != 0 or not ref.is_contiguous()
+                or layout.nbytes != numel * dtype_size(entry.element_type) or layout.data + layout.nbytes > len(record)
+                or out.dtype != ref.dtype or not out.is_contiguous() or out.device.type != "cpu"
+                or tuple(out.shape) != tuple(entry.shape)):
+            return False
+        data = record[layout.data: layout.data + layout.nbytes]
+        checks = self.checks
+        if checks is not None:
+            if rows is None:
+                if crc32(data) != crc:
+                    return False
+            else:
+                row = rows.get(info.offset)
+                if row is None or row[0] != info.length:
+                    return False
+                hasher = RecordHasher(row[2], checks.block)
+                hasher.update(record)
+                if hasher.hexdigest() != row[1]:
+                    return False
+            checks.mark_done(info)
+        if numel:
+            tensor_buffer(out)[:] = data
+        return True
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         entry = self.entry(key, TensorEntry)

@@ -1,0 +1,116 @@
+"""A run of small records is read together (issue 50, part 4): the small tensors a sink asks for one
+after another are read with one ``Source.read_tensors``, a DCP file's back-to-back records in one
+read, and each is checked from those bytes as a read of it alone checks it (the manifest's digest
+of a ckpttool step's record, torch's CRC-32 of a plain DCP record); a record that does not check
+is refused by name, as before."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ckpttool import Checkpointer, convert
+from ckpttool.errors import ChecksumError
+from ckpttool.formats import open_source
+from ckpttool.formats.dcp.source import DcpSource
+
+N = 40
+
+
+class Many(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.p = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(256, generator=g)) for _ in range(N)])
+
+
+def _ckpttool_step(tmp_path) -> tuple[str, Many]:
+    model = Many()
+    Checkpointer(str(tmp_path / "run")).save(1, model)
+    return str(tmp_path / "run" / "step-1"), model
+
+
+def _dcp_step(tmp_path) -> tuple[str, Many]:
+    import torch.distributed.checkpoint as dcp
+
+    model = Many()
+    step = str(tmp_path / "dcp")
+    dcp.save(model.state_dict(), checkpoint_id=step, no_dist=True)
+    return step, model
+
+
+def _key(step: str, i: int) -> str:
+    with open_source(step) as source:
+        return next(k for k in source.index() if k.endswith(f"p.{i}"))
+
+
+def _flip_data(step: str, key: str, at: int = 100) -> None:
+    """Flip one byte of ``key``'s tensor data, in its record."""
+    with open_source(step) as source:
+        (loc, start, end), = source.data_spans(key)
+    with open(loc.path, "r+b") as f:
+        f.seek(start + at)
+        byte = f.read(1)
+        f.seek(start + at)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("make", [_ckpttool_step, _dcp_step], ids=["ckpttool", "dcp"])
+def test_small_records_are_read_as_a_run_and_come_out_bitwise(tmp_path, monkeypatch, make):
+    step, model = make(tmp_path)
+    alone: list[str] = []
+    runs: list[int] = []
+    read_tensor, read_tensors = DcpSource.read_tensor, DcpSource.read_tensors
+
+    def one(self, key, box=None, out=None):
+        alone.append(key)
+        return read_tensor(self, key, box, out)
+
+    def many(self, items):
+        runs.append(len(items))
+        return read_tensors(self, items)
+
+    monkeypatch.setattr(DcpSource, "read_tensor", one)
+    monkeypatch.setattr(DcpSource, "read_tensors", many)
+    convert(step, str(tmp_path / "out.safetensors"), to="safetensors")
+    assert sum(runs) == N and len(runs) == 1, runs  # all of them asked for at once (40 KiB: one batch)
+    assert len(alone) <= 2, alone  # the first record of its layout is parsed (read alone), the others not
+    monkeypatch.undo()
+    with open_source(str(tmp_path / "out.safetensors")) as out:
+        for i, p in enumerate(model.p):
+            assert torch.equal(out.read_tensor(_key(step, i)), p.detach()), i
+
+
+@pytest.mark.parametrize("make", [_ckpttool_step, _dcp_step], ids=["ckpttool", "dcp"])
+@pytest.mark.parametrize("which", [20, N - 1])
+def test_a_damaged_record_in_a_run_is_refused_by_name_and_nothing_is_written(tmp_path, make, which):
+    step, _ = make(tmp_path)
+    key = _key(step, which)
+    _flip_data(step, key)
+    with pytest.raises(ChecksumError) as err:
+        convert(step, str(tmp_path / "out.safetensors"), to="safetensors")
+    assert repr(key) in str(err.value) or key in str(err.value), err.value
+    assert not os.path.exists(tmp_path / "out.safetensors")
+
+
+@pytest.mark.parametrize("make", [_ckpttool_step, _dcp_step], ids=["ckpttool", "dcp"])
+def test_a_record_whose_headers_differ_from_its_layout_is_parsed_and_refused(tmp_path, make):
+    """A byte of a record's pickle changed: its parse is not the kept one, so it is read alone, and
+    refused (its manifest digest; a plain DCP record's pickle by its zip CRC-32, as its data's
+    CRC-32 does not cover it)."""
+    step, _ = make(tmp_path)
+    key = _key(step, 20)
+    with open_source(step) as source:
+        chunk = source.index()[key].chunks[0]
+    path = os.path.join(step, chunk.location.relative_path)
+    with open(path, "r+b") as f:
+        record = bytearray(f.read())[chunk.location.offset:chunk.location.offset + chunk.location.length]
+        at = record.index(b"data.pkl") + 40  # (inside the pickle, after its local header)
+        f.seek(chunk.location.offset + at)
+        f.write(bytes([record[at] ^ 0x01]))
+    with pytest.raises(Exception) as err:
+        convert(step, str(tmp_path / "out.safetensors"), to="safetensors")
+    assert key in str(err.value), err.value
+    assert not os.path.exists(tmp_path / "out.safetensors")
