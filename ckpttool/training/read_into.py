@@ -16,6 +16,7 @@ import torch
 
 from ..buffers import SlabBuffers
 from ..bulk import no_gc
+from ..checksums import HASH_BLOCK
 from ..compat import local_shard_box
 from ..index import TensorEntry
 from ..layout import Box, relative
@@ -45,10 +46,18 @@ def _load_into(source: Source, flat: dict[str, Any]) -> None:
                       *(getattr(index[key], "location", None) for key in flat if key not in tensors and key in index)])
     objects = {key: source.read_object(key) for key in flat if key not in tensors}
     flat.update(objects)
+    small: list[tuple[str, torch.Tensor]] = []  # whole small tensors, read together (Source.read_tensors)
     for key, entry in tensors.items():
         local, box = local_shard_box(flat[key])
         if local.numel() == 0:
             continue
+        if (box[1] == tuple(entry.shape) and local.numel() * local.element_size() <= HASH_BLOCK and local.device.type == "cpu"
+                and local.dtype == entry.dtype and local.is_contiguous()):
+            small.append((key, local))
+            continue
+        if small:
+            source.read_tensors(small)  # (in the order of the state: the records a file holds back to back)
+            small = []
         if checks is None:
             _read_plain(source, key, entry, local, box, scratch)
             continue
@@ -58,6 +67,7 @@ def _load_into(source: Source, flat: dict[str, Any]) -> None:
                 _read_plain(source, key, entry, dst, part, scratch)
             else:
                 checks.read_chunk(key, entry, chunk, part, dst)
+    source.read_tensors(small)
 
 
 def _read_plain(source: Source, key: str, entry: TensorEntry, dst: torch.Tensor, box: Box, scratch: SlabBuffers) -> None:

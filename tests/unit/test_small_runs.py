@@ -14,6 +14,7 @@ import torch
 from ckpttool import Checkpointer, convert
 from ckpttool.errors import ChecksumError
 from ckpttool.formats import open_source
+from ckpttool.formats.dcp.checks import RecordChecks
 from ckpttool.formats.dcp.source import DcpSource
 
 N = 40
@@ -114,3 +115,37 @@ def test_a_record_whose_headers_differ_from_its_layout_is_parsed_and_refused(tmp
         convert(step, str(tmp_path / "out.safetensors"), to="safetensors")
     assert key in str(err.value), err.value
     assert not os.path.exists(tmp_path / "out.safetensors")
+
+
+def test_a_load_reads_the_small_tensors_as_a_run_and_refuses_a_damaged_one(tmp_path, monkeypatch):
+    from ckpttool import load
+
+    step, model = _ckpttool_step(tmp_path)
+    alone: list[str] = []
+    read_tensor = DcpSource.read_tensor
+
+    def one(self, key, box=None, out=None):
+        alone.append(key)
+        return read_tensor(self, key, box, out)
+
+    def checked_alone(self, key, *args, **kwargs):
+        alone.append(key)
+        return read_chunk(self, key, *args, **kwargs)
+
+    read_chunk = RecordChecks.read_chunk
+    monkeypatch.setattr(DcpSource, "read_tensor", one)
+    monkeypatch.setattr(RecordChecks, "read_chunk", checked_alone)  # (a load's own read of one record)
+    fresh = Many()
+    with torch.no_grad():
+        for p in fresh.p:
+            p.zero_()
+    load(step, fresh)
+    assert len(alone) <= 2, alone
+    monkeypatch.undo()
+    for i, (a, b) in enumerate(zip(fresh.p, model.p)):
+        assert torch.equal(a, b), i
+    key = _key(step, 20)
+    _flip_data(step, key)
+    with pytest.raises(ChecksumError) as err:
+        load(step, Many())
+    assert key in str(err.value), err.value
