@@ -149,3 +149,29 @@ def test_a_load_reads_the_small_tensors_as_a_run_and_refuses_a_damaged_one(tmp_p
     with pytest.raises(ChecksumError) as err:
         load(step, Many())
     assert key in str(err.value), err.value
+
+
+@pytest.mark.parametrize("make", [_ckpttool_step, _dcp_step], ids=["ckpttool", "dcp"])
+def test_verify_checks_the_small_records_as_a_run_and_names_a_damaged_one(tmp_path, monkeypatch, make):
+    from ckpttool.formats.dcp import integrity
+    from ckpttool.offline.verify import verify_path
+
+    step, _ = make(tmp_path)
+    alone: list[str] = []
+    check_chunk = integrity._check_chunk
+
+    def one(source, key, *args):
+        alone.append(key)
+        return check_chunk(source, key, *args)
+
+    monkeypatch.setattr(integrity, "_check_chunk", one)
+    report = verify_path(step)
+    assert report.ok, report.problems
+    assert len(alone) <= 2, alone  # the first record of its layout on its own, the others in a run
+    monkeypatch.undo()
+    keys = [_key(step, i) for i in (20, N - 1)]
+    for key in keys:
+        _flip_data(step, key)
+    report = verify_path(step)
+    assert not report.ok
+    assert sorted({p.key for p in report.problems}) == sorted(keys), report.problems

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...buffers import tensor_buffer
 from ...bulk import no_gc
-from ...checksums import RecordHasher, crc32, hash_bytes
+from ...checksums import RecordHasher, by_parts, crc32, hash_bytes
 from ...errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError, NotFoundError
 from ...index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size
 from ...layout import Box, relative, whole
@@ -572,49 +572,59 @@ class DcpSource(Source):
         span = memoryview(bytearray(last.offset + last.length - start))
         reader.readinto(start, span)
         _add_range(self._consumed.setdefault(path, []), start, start + len(span))
-        rows = None
-        if self.checks is not None and self.checks.manifest is not None:
-            rows = self.checks.manifest.rows_of(path)[0]  # (a manifest file that cannot be read: no rows, and
-            # each record's own read below says why)
         for key, entry, info, out in run:
-            if not self._from_record(entry, info, span[info.offset - start: info.offset - start + info.length], out, rows):
+            if not self._from_record(entry, info, span[info.offset - start: info.offset - start + info.length], out):
                 self.read_tensor(key, None, out=out)
 
-    def _from_record(self, entry: TensorEntry, info: Any, record: memoryview, out: torch.Tensor,
-                     rows: dict[int, tuple[int, str, Any]] | None) -> bool:
-        """Put a whole small record's tensor into ``out`` from its bytes, read: where its parse is
-        known, its tensor is ``entry``'s, its elements are its data in C order and ``out`` takes them
-        as they are, and it checks as :meth:`RecordChecks.read_chunk` checks it (the manifest's
-        digest of the record, else its data's CRC-32); returns whether it did (else nothing was put)."""
-        known = known_record(record)
-        if known is None:
+    def _from_record(self, entry: TensorEntry, info: Any, record: memoryview, out: torch.Tensor) -> bool:
+        """Put a whole small record's tensor into ``out`` from its bytes, read, where ``out`` takes
+        them as they are and it checks as :meth:`RecordChecks.read_chunk` checks it (the manifest's
+        digest of the record, else its data's CRC-32): :meth:`small_record`; returns whether it
+        did (else nothing was put)."""
+        if out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu" or tuple(out.shape) != tuple(entry.shape):
             return False
-        layout, crc = known
-        ref, numel = layout.obj, out.numel()
-        if (type(ref) is not TensorRef or ref.storage.key != layout.key or ref.element_type != entry.element_type
-                or tuple(ref.shape) != tuple(entry.shape) or ref.storage_offset != 0 or not ref.is_contiguous()
-                or layout.nbytes != numel * dtype_size(entry.element_type) or layout.data + layout.nbytes > len(record)
-                or out.dtype != ref.dtype or not out.is_contiguous() or out.device.type != "cpu"
-                or tuple(out.shape) != tuple(entry.shape)):
-            return False
-        data = record[layout.data: layout.data + layout.nbytes]
         checks = self.checks
+        manifest = checks.manifest if checks is not None else None
+        data = self.small_record(entry, info, record, manifest, checks is not None and manifest is None)
+        if data is None:
+            return False
         if checks is not None:
-            if rows is None:
-                if crc32(data) != crc:
-                    return False
-            else:
-                row = rows.get(info.offset)
-                if row is None or row[0] != info.length:
-                    return False
-                hasher = RecordHasher(row[2], checks.block)
-                hasher.update(record)
-                if hasher.hexdigest() != row[1]:
-                    return False
             checks.mark_done(info)
-        if numel:
+        if out.numel():
             tensor_buffer(out)[:] = data
         return True
+
+    def small_record(self, entry: TensorEntry, info: Any, record: memoryview, manifest: Manifest | None,
+                     crc: bool) -> memoryview | None:
+        """The tensor data of a whole small record (``record``: its bytes, read) where its parse is
+        the kept one of its length (``torchzip.known_record``), its tensor is ``entry``'s, in C
+        order from its data's start, and it checks: against its row of ``manifest`` (one it does not
+        know does not check) and, with ``crc`` where no manifest row proves the data by its blocks,
+        torch's CRC-32 of the data; else None (nothing is said: the caller reads it on its own)."""
+        known = known_record(record)
+        if known is None:
+            return None
+        layout, stored = known
+        ref = layout.obj
+        if (type(ref) is not TensorRef or ref.storage.key != layout.key or ref.element_type != entry.element_type
+                or tuple(ref.shape) != tuple(entry.shape) or ref.storage_offset != 0 or not ref.is_contiguous()
+                or layout.nbytes != math.prod(entry.shape) * dtype_size(entry.element_type)
+                or layout.data + layout.nbytes > len(record)):
+            return None
+        data = record[layout.data: layout.data + layout.nbytes]
+        if manifest is not None:
+            rows, finding = manifest.rows_of(info.relative_path)
+            row = rows.get(info.offset) if finding is None else None
+            if row is None or row[0] != info.length:
+                return None
+            hasher = RecordHasher(row[2], manifest.block)
+            hasher.update(record)
+            if hasher.hexdigest() != row[1]:
+                return None
+            crc = crc and not by_parts(row[2])
+        if crc and crc32(data) != stored:
+            return None
+        return data
 
     def data_spans(self, key: str) -> list[tuple[Location, int, int]]:
         entry = self.entry(key, TensorEntry)
