@@ -147,7 +147,8 @@ class _Streaming:
         self.pausing = rendezvous.pausing()  # (crash tests set a pause point before the command starts)
         self._batch = SlabBuffers(1)  # small tensors read together (BATCH_BYTES)
         self._held: dict[str, torch.Tensor] = {}  # source key -> its tensor, in the batch buffer
-        self._runs: dict[str, tuple[list[str], int]] = {}  # source key of a small tensor -> (its run, its place in it)
+        # source key of a small tensor -> (its run: (source key, bytes, shape, dtype) of each, its place in it)
+        self._runs: dict[str, tuple[list[tuple[str, int, tuple[int, ...], torch.dtype]], int]] = {}
         self._batch_bytes = min(BATCH_BYTES, budget // 8)
         self._budgets: dict[str, int] = {}  # output key -> its slabs' budget (worked out once a tensor)
 
@@ -185,17 +186,14 @@ class _Streaming:
         if held is None:
             self._held = {}  # (a read that fails holds nothing)
             run, at = self._runs[src_key]
-            keys, offsets, size = [], [], 0
-            for k in run[at:]:
-                n = -(-math.prod(self.index[k].shape) * dtype_size(self.index[k].dtype) // 64) * 64
-                if keys and size + n > self._batch_bytes:
+            taken, size = [], 0
+            for k, nbytes, k_shape, k_dtype in run[at:]:
+                if taken and size + nbytes > self._batch_bytes:
                     break
-                keys.append(k)
-                offsets.append(size)
-                size += n
+                taken.append((k, size, nbytes, k_shape, k_dtype))
+                size += -(-nbytes // 64) * 64
             buf = self._batch.view((size,), torch.uint8, 0)
-            items = [(k, buf[o:o + math.prod(self.index[k].shape) * dtype_size(self.index[k].dtype)]
-                      .view(self.index[k].dtype).view(self.index[k].shape)) for k, o in zip(keys, offsets)]
+            items = [(k, buf[o:o + n].view(k_dtype).view(k_shape)) for k, o, n, k_shape, k_dtype in taken]
             self.source.read_tensors(items)
             self._held = dict(items)
             held = self._held[src_key]
@@ -234,14 +232,14 @@ class _Streaming:
             self.ahead.stop()
         sink.finish_files()
 
-    def _small_runs(self, schedule: list[tuple[str, Box]]) -> dict[str, tuple[list[str], int]]:
+    def _small_runs(self, schedule: list[tuple[str, Box]]) -> dict[str, tuple[list[tuple[str, int, tuple[int, ...], torch.dtype]], int]]:
         """The small tensors (source keys) read whole, in runs of those the sink asks for one after
         another in ``schedule``: each key with its run and its place in it. Small: at most
         :data:`WHOLE_PART_BYTES` and a slab; read whole where its slab is, or (one process) where
         its slabs are all its parts, asked for one after the other."""
         together = _asked_together(schedule) if self.workers == 1 else set()
-        runs: dict[str, tuple[list[str], int]] = {}
-        run: list[str] = []
+        runs: dict[str, tuple[list[tuple[str, int, tuple[int, ...], torch.dtype]], int]] = {}
+        run: list[tuple[str, int, tuple[int, ...], torch.dtype]] = []  # (source key, bytes, shape, dtype)
         for key, box in schedule:
             spec = self.specs[key]
             src_key = self.plan.source_key[key]
@@ -252,10 +250,10 @@ class _Streaming:
             if not small:
                 run = []
             elif src_key not in runs:
-                run.append(src_key)
+                run.append((src_key, nbytes, entry.shape, entry.dtype))
                 runs[src_key] = (run, len(run) - 1)
             elif runs[src_key][0] is not run:  # (asked for again, later: read again, on its own)
-                runs[src_key] = ([src_key], 0)
+                runs[src_key] = ([(src_key, nbytes, entry.shape, entry.dtype)], 0)
         return runs
 
     def stop_reading(self) -> None:

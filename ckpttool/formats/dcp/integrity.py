@@ -254,13 +254,16 @@ class _SmallRuns:
         if not run:
             self.examined.add((path, start))
             return
-        span = memoryview(bytearray(end - start))
-        reader.readinto(start, span)
+        span = self.source.read_span(path, start, end - start)
+        rows, block = None, 0
+        if self.manifest is not None:
+            rows, finding = self.manifest.rows_of(path)
+            rows, block = (rows if finding is None else {}), self.manifest.block
         for entry, info in run:
             name = (path, info.offset)
             self.examined.add(name)
             record = span[info.offset - start: info.offset - start + info.length]
-            if self.source.small_record(entry, info, record, self.manifest, True) is None:
+            if self.source.small_record(entry, info, record, rows, block, True) is None:
                 return  # (checked on its own when the walk meets it; the next one starts a run)
             self.ok.add(name)
 

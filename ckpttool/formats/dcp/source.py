@@ -379,13 +379,7 @@ class DcpSource(Source):
         records nobody reads are not fetched)."""
         if self.transformed(info):
             return
-        reader = self.reader(info.relative_path)
-        # spans held in memory: one per source on an object store (up to REMOTE_SPAN), one in each of
-        # the LOCAL_HELD files read last on a local disk (a tensor's chunks alternate between files)
-        self._holding.pop(info.relative_path, None)
-        self._holding[info.relative_path] = reader
-        while len(self._holding) > (1 if self.location.batch_reads else LOCAL_HELD):
-            self._holding.popitem(last=False)[1].release()
+        reader = self._holding_in(info.relative_path)
         if not reader.holds(info.offset, info.length):
             if self.location.batch_reads:
                 if info.length <= REMOTE_RECORD:
@@ -393,6 +387,32 @@ class DcpSource(Source):
             elif self._wanted and info.length <= LOCAL_RECORD and (self._wanted is True or (info.relative_path, info.offset) in self._wanted):
                 self._fetch_span(reader, info, LOCAL_RECORD, LOCAL_SPAN, self._wanted)
         _add_range(self._consumed.setdefault(info.relative_path, []), info.offset, info.offset + info.length)
+
+    def _holding_in(self, path: str) -> RangeReader:
+        """The reader of data file ``path``, which may hold a span from now on: spans held in memory
+        are one per source on an object store (up to REMOTE_SPAN), one in each of the LOCAL_HELD
+        files read last on a local disk (a tensor's chunks alternate between files)."""
+        reader = self.reader(path)
+        self._holding.pop(path, None)
+        self._holding[path] = reader
+        while len(self._holding) > (1 if self.location.batch_reads else LOCAL_HELD):
+            self._holding.popitem(last=False)[1].release()
+        return reader
+
+    def read_span(self, path: str, start: int, length: int) -> memoryview:
+        """``length`` bytes of data file ``path`` from ``start`` (checked to lie in the file), read
+        and held (:meth:`_holding_in`): a record of them that is then read on its own (the first of
+        its length, one that did not check) is served from memory, not read again; from the span
+        held where it holds them."""
+        reader = self._holding_in(path)
+        reader.check_range(start, length)
+        held = reader.holds(start, length)  # (inside a span held before: from it, not read again)
+        span = bytearray(length)
+        reader.readinto(start, memoryview(span))
+        if not held:
+            reader.hold(start, span)
+        _add_range(self._consumed.setdefault(path, []), start, start + length)
+        return memoryview(span)
 
     def held_spans(self) -> int:
         """How many of its files hold a span of records in memory now (at most LOCAL_HELD locally)."""
@@ -567,16 +587,25 @@ class DcpSource(Source):
         if not run:
             return
         path, start, last = run[0][2].relative_path, run[0][2].offset, run[-1][2]
-        reader = self.reader(path)
-        reader.check_range(start, last.offset + last.length - start)
-        span = memoryview(bytearray(last.offset + last.length - start))
-        reader.readinto(start, span)
-        _add_range(self._consumed.setdefault(path, []), start, start + len(span))
+        span = self.read_span(path, start, last.offset + last.length - start)
+        checks = self.checks
+        rows = self.manifest_rows(path) if checks is not None else None
         for key, entry, info, out in run:
-            if not self._from_record(entry, info, span[info.offset - start: info.offset - start + info.length], out):
+            if not self._from_record(entry, info, span[info.offset - start: info.offset - start + info.length], out, rows):
                 self.read_tensor(key, None, out=out)
 
-    def _from_record(self, entry: TensorEntry, info: Any, record: memoryview, out: torch.Tensor) -> bool:
+    def manifest_rows(self, path: str) -> dict[int, tuple[int, str, Any]] | None:
+        """The manifest's rows of data file ``path`` by offset for :meth:`small_record` (none where
+        its manifest file cannot be read: each record's own read says why), or None without a
+        manifest."""
+        manifest = self.checks.manifest if self.checks is not None else None
+        if manifest is None:
+            return None
+        rows, finding = manifest.rows_of(path)
+        return rows if finding is None else {}
+
+    def _from_record(self, entry: TensorEntry, info: Any, record: memoryview, out: torch.Tensor,
+                     rows: dict[int, tuple[int, str, Any]] | None) -> bool:
         """Put a whole small record's tensor into ``out`` from its bytes, read, where ``out`` takes
         them as they are and it checks as :meth:`RecordChecks.read_chunk` checks it (the manifest's
         digest of the record, else its data's CRC-32): :meth:`small_record`; returns whether it
@@ -584,8 +613,8 @@ class DcpSource(Source):
         if out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu" or tuple(out.shape) != tuple(entry.shape):
             return False
         checks = self.checks
-        manifest = checks.manifest if checks is not None else None
-        data = self.small_record(entry, info, record, manifest, checks is not None and manifest is None)
+        data = self.small_record(entry, info, record, rows, checks.block if checks is not None else 0,
+                                 checks is not None and rows is None)
         if data is None:
             return False
         if checks is not None:
@@ -594,13 +623,15 @@ class DcpSource(Source):
             tensor_buffer(out)[:] = data
         return True
 
-    def small_record(self, entry: TensorEntry, info: Any, record: memoryview, manifest: Manifest | None,
-                     crc: bool) -> memoryview | None:
+    @staticmethod
+    def small_record(entry: TensorEntry, info: Any, record: memoryview, rows: dict[int, tuple[int, str, Any]] | None,
+                     block: int, crc: bool) -> memoryview | None:
         """The tensor data of a whole small record (``record``: its bytes, read) where its parse is
         the kept one of its length (``torchzip.known_record``), its tensor is ``entry``'s, in C
-        order from its data's start, and it checks: against its row of ``manifest`` (one it does not
-        know does not check) and, with ``crc`` where no manifest row proves the data by its blocks,
-        torch's CRC-32 of the data; else None (nothing is said: the caller reads it on its own)."""
+        order from its data's start, and it checks: against its row of the manifest (``rows``: its
+        file's, by offset, ``block`` the manifest's; a record they do not hold does not check; None:
+        no manifest) and, with ``crc`` where no row proves the data by its blocks, torch's CRC-32
+        of the data; else None (nothing is said: the caller reads it on its own)."""
         known = known_record(record)
         if known is None:
             return None
@@ -612,12 +643,11 @@ class DcpSource(Source):
                 or layout.data + layout.nbytes > len(record)):
             return None
         data = record[layout.data: layout.data + layout.nbytes]
-        if manifest is not None:
-            rows, finding = manifest.rows_of(info.relative_path)
-            row = rows.get(info.offset) if finding is None else None
+        if rows is not None:
+            row = rows.get(info.offset)
             if row is None or row[0] != info.length:
                 return None
-            hasher = RecordHasher(row[2], manifest.block)
+            hasher = RecordHasher(row[2], block)
             hasher.update(record)
             if hasher.hexdigest() != row[1]:
                 return None
