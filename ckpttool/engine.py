@@ -33,10 +33,10 @@ AHEAD_BYTES = 1 << 20
 #: a tensor of at most this many bytes is *small*: a run of the slabs that read small tensors whole,
 #: one after another in the sink's order, is read together, up to BATCH_BYTES at a time, with one
 #: ``Source.read_tensors`` (a DCP file's back-to-back records in one read, each checked from it):
-#: read one by one, each cost ~80 us of CPU for the record's lookup, parse and checks (issue 50,
-#: part 4). A small tensor that a sink asks for in parts (a reshard's boxes of it, one per target
-#: rank, one after the other) is read so too, whole, and its parts copied from it: a part of a
-#: record this small reads and hashes its whole manifest block anyway. Parts only where the sink
+#: read one by one, a small record's lookup, parse and checks cost many times the CPU its bytes do
+#: (docs/benchmarks.md, small records). A small tensor that a sink asks for in parts (a reshard's
+#: boxes of it, one per target rank, one after the other) is read so too, whole, and its parts
+#: copied from it: a part of a record this small reads and hashes its whole manifest block anyway. Parts only where the sink
 #: asks for all of a tensor's parts one after the other (the DCP sink; not the torch-ranks sink,
 #: which reads rank by rank) and in one process: there the parts together are the whole tensor, so
 #: no byte is read that was not read before; a worker of several writes only its target ranks'

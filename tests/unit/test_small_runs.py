@@ -153,18 +153,17 @@ def test_a_load_reads_the_small_tensors_as_a_run_and_refuses_a_damaged_one(tmp_p
 
 @pytest.mark.parametrize("make", [_ckpttool_step, _dcp_step], ids=["ckpttool", "dcp"])
 def test_verify_checks_the_small_records_as_a_run_and_names_a_damaged_one(tmp_path, monkeypatch, make):
-    from ckpttool.formats.dcp import integrity
     from ckpttool.offline.verify import verify_path
 
     step, _ = make(tmp_path)
     alone: list[str] = []
-    check_chunk = integrity._check_chunk
+    archive = DcpSource.archive
 
-    def one(source, key, *args):
+    def one(self, info, key, *args, **kwargs):  # (a record checked on its own is parsed)
         alone.append(key)
-        return check_chunk(source, key, *args)
+        return archive(self, info, key, *args, **kwargs)
 
-    monkeypatch.setattr(integrity, "_check_chunk", one)
+    monkeypatch.setattr(DcpSource, "archive", one)
     report = verify_path(step)
     assert report.ok, report.problems
     assert len(alone) <= 2, alone  # the first record of its layout on its own, the others in a run
@@ -175,3 +174,40 @@ def test_verify_checks_the_small_records_as_a_run_and_names_a_damaged_one(tmp_pa
     report = verify_path(step)
     assert not report.ok
     assert sorted({p.key for p in report.problems}) == sorted(keys), report.problems
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "chunk"])
+@pytest.mark.parametrize("src,dst", [("p.21", "p.20"), ("p.20", "p.21")])
+def test_verify_names_a_key_whose_metadata_points_at_another_key_s_record_as_another_tensor(tmp_path, change, src, dst):
+    """A damaged ``.metadata`` that gives ``dst`` the record of ``src`` as an int32 or a 16x16
+    tensor, or as one chunk of half its rows: the record is checked as each key's on its own terms (``src``'s passes, ``dst``'s is
+    named), not once for both, whichever of them the walk meets first."""
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    from ckpttool.offline.verify import verify_path
+
+    step, _ = _dcp_step(tmp_path)
+    with open(os.path.join(step, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # (the test's own file, written by dcp.save above)
+    info = md.storage_data.pop(MetadataIndex(dst, (0,), 0))
+    tensor = md.state_dict_metadata[dst]
+    if change == "dtype":
+        tensor = dataclasses.replace(tensor, properties=dataclasses.replace(tensor.properties, dtype=torch.int32))
+        md.storage_data[MetadataIndex(dst, (0,), 0)] = md.storage_data[MetadataIndex(src, (0,), 0)]
+    elif change == "chunk":  # (one chunk of half its rows: its record holds all of them)
+        tensor = dataclasses.replace(tensor, chunks=[ChunkStorageMetadata(torch.Size([0]), torch.Size([128]))])
+        md.storage_data[MetadataIndex(dst, (0,), 0)] = md.storage_data[MetadataIndex(src, (0,), 0)]
+    else:
+        tensor = dataclasses.replace(tensor, size=torch.Size([16, 16]),
+                                     chunks=[ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([16, 16]))])
+        md.storage_data[MetadataIndex(dst, (0, 0), 0)] = md.storage_data[MetadataIndex(src, (0,), 0)]
+    assert info is not None
+    md.state_dict_metadata[dst] = tensor
+    with open(os.path.join(step, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    report = verify_path(step)
+    assert {p.key for p in report.problems} == {dst}, report.problems
+    assert any(" holds torch.float32[256], .metadata says " in p.what for p in report.problems), report.problems

@@ -72,7 +72,7 @@ def check_integrity(source: DcpSource, report: Report, only: str | None, progres
                 report.add(f"chunks do not tile the shape {list(entry.shape)}: {gap}", source.location.child(METADATA_FILE).url,
                            key, hint="the .metadata is inconsistent; the checkpoint cannot be trusted")
             for chunk in entry.chunks:
-                if not small.checked(chunk):
+                if not small.checked(entry, chunk):
                     _check_chunk(source, key, entry, chunk, manifest, report, buf)
             report.checked_tensor(entry.nbytes)
             done += entry.nbytes
@@ -221,18 +221,21 @@ class _SmallRuns:
         for key in keys:
             entry = index[key]
             if isinstance(entry, TensorEntry) and len(entry.chunks) == 1:
-                info = entry.chunks[0].location
-                if not source.transformed(info) and source.read_whole(info):
+                chunk = entry.chunks[0]
+                info = chunk.location
+                if (chunk.sizes == tuple(entry.shape) and not any(chunk.offsets) and not source.transformed(info)
+                        and source.read_whole(info)):
                     self.small[(info.relative_path, info.offset)] = (entry, info)
                     offsets.setdefault(info.relative_path, []).append(info.offset)
         self.offsets = {name: sorted(found) for name, found in offsets.items()}
         self.examined: set[tuple[str, int]] = set()
         self.ok: set[tuple[str, int]] = set()
 
-    def checked(self, chunk: Any) -> bool:
-        """Whether ``chunk``'s record was checked here, and passed."""
+    def checked(self, entry: TensorEntry, chunk: Any) -> bool:
+        """Whether ``chunk``'s record was checked here as ``entry``'s, and passed (a record that a
+        damaged ``.metadata`` gives two keys is this walk's for one of them only)."""
         name = (chunk.location.relative_path, chunk.location.offset)
-        if name not in self.small:
+        if self.small.get(name, (None,))[0] is not entry:
             return False
         if name not in self.examined:
             try:
