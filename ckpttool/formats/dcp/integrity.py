@@ -258,10 +258,8 @@ class _SmallRuns:
             self.examined.add((path, start))
             return
         span = self.source.read_span(path, start, end - start)
-        rows, block = None, 0
-        if self.manifest is not None:
-            rows, finding = self.manifest.rows_of(path)
-            rows, block = (rows if finding is None else {}), self.manifest.block
+        manifest = self.manifest
+        rows, block = (manifest.rows_or_none_of(path), manifest.block) if manifest is not None else (None, 0)
         for entry, info in run:
             name = (path, info.offset)
             self.examined.add(name)

@@ -76,6 +76,12 @@ class Manifest:
         loaded, finding = self._rank_file(name)
         return (loaded[1][name], None) if loaded is not None else ({}, finding)
 
+    def rows_or_none_of(self, name: str) -> dict[int, tuple[int, str, Any]]:
+        """:meth:`rows_of` for a reader that checks records without reporting: no rows where the
+        manifest file that holds them cannot be read (each record's own check then says why)."""
+        rows, finding = self.rows_of(name)
+        return rows if finding is None else {}
+
     def sharded_of(self, name: str, owner: str) -> tuple[Any, Finding | None]:
         """The ``sharded`` entry of the rank's manifest file that holds data file ``name``'s rows
         (``load_index.py``; None where it has none, or where that file is not ``owner``, the

@@ -588,21 +588,11 @@ class DcpSource(Source):
             return
         path, start, last = run[0][2].relative_path, run[0][2].offset, run[-1][2]
         span = self.read_span(path, start, last.offset + last.length - start)
-        checks = self.checks
-        rows = self.manifest_rows(path) if checks is not None else None
+        manifest = self.checks.manifest if self.checks is not None else None
+        rows = manifest.rows_or_none_of(path) if manifest is not None else None
         for key, entry, info, out in run:
             if not self._from_record(entry, info, span[info.offset - start: info.offset - start + info.length], out, rows):
                 self.read_tensor(key, None, out=out)
-
-    def manifest_rows(self, path: str) -> dict[int, tuple[int, str, Any]] | None:
-        """The manifest's rows of data file ``path`` by offset for :meth:`small_record` (none where
-        its manifest file cannot be read: each record's own read says why), or None without a
-        manifest."""
-        manifest = self.checks.manifest if self.checks is not None else None
-        if manifest is None:
-            return None
-        rows, finding = manifest.rows_of(path)
-        return rows if finding is None else {}
 
     def _from_record(self, entry: TensorEntry, info: Any, record: memoryview, out: torch.Tensor,
                      rows: dict[int, tuple[int, str, Any]] | None) -> bool:
