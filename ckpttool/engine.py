@@ -199,7 +199,8 @@ class _Streaming:
             held = self._held[src_key]
         if tuple(box[1]) == tuple(shape):
             return held
-        return self.scratch.view(box[1], dtype, 2 * which).copy_(held[relative(box, whole(shape))])
+        part = held[relative(box, whole(shape))]  # (a view of the batch, as the whole tensor above is)
+        return part if part.is_contiguous() else self.scratch.view(box[1], dtype, 2 * which).copy_(part)
 
     def _reader_for(self, spec: TensorSpec) -> tuple[ReadFn, int]:
         return (lambda box: self.ahead.read(spec.key, box)), self._slab_budget(spec)

@@ -103,6 +103,7 @@ class _Spell:
         self.memo = memo
         self.prelude, self.new, self.size_cls, self.fields = _prelude(memo)
         self.ints: dict[int, bytes] = {}  # the ints of sizes and offsets in a tensor (a few per rank), encoded once
+        self.sizes: dict[tuple[int, ...], bytes] = {}  # each distinct Size value (chunks repeat a few), spelled once
 
     def obj(self, cls: str) -> bytes:
         """An instance made as copyreg.__newobj__ makes it."""
@@ -115,9 +116,11 @@ class _Spell:
         return got
 
     def size(self, values: Any) -> bytes:
-        if len(values) == 2:  # (the common case, spelled out)
-            return self.size_cls + self.small(values[0]) + self.small(values[1]) + b"\x86\x85R"
-        return self.size_cls + _tuple([self.small(v) for v in values]) + b"\x85R"
+        values = tuple(values)
+        got = self.sizes.get(values)
+        if got is None:
+            got = self.sizes[values] = self.size_cls + _tuple([self.small(v) for v in values]) + b"\x85R"
+        return got
 
 
 class Slots:
