@@ -70,6 +70,19 @@ def write_tensor(out: IO[bytes], dtype: torch.dtype, shape: tuple[int, ...], com
     return start, out.tell() - start
 
 
+def write_small_tensor(out: IO[bytes], dtype: torch.dtype, shape: tuple[int, ...],
+                       data: Callable[[], Any]) -> tuple[int, int] | None:
+    """:func:`write_tensor` (uncompressed, with its CRC-32) of a tensor whose data ``data()`` returns
+    whole (its bytes, C order), from the template; None, neither reading nor writing anything, where
+    no template serves it."""
+    template = _template(dtype, shape)
+    if template is None:
+        return None
+    start = out.tell()
+    template.write_data(out, data())
+    return start, out.tell() - start
+
+
 class _Template:
     """A tensor record's bytes bar its data: ``head`` before the data, ``tail`` after it, and where
     in ``tail`` the data's CRC-32 goes."""
@@ -94,6 +107,15 @@ class _Template:
             return len(view)
 
         fill(write)
+        self._end(out, size, crc)
+
+    def write_data(self, out: IO[bytes], data: Any) -> None:
+        view = memoryview(data).cast("B")
+        out.write(self.head)
+        out.write(view)
+        self._end(out, len(view), crc32(view, 0))
+
+    def _end(self, out: IO[bytes], size: int, crc: int) -> None:
         if size != self.nbytes:  # a writer bug: the record would not hold its tensor
             raise RuntimeError(f"a tensor record got {size} bytes of data for {self.nbytes}")
         tail = bytearray(self.tail)

@@ -13,13 +13,14 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import IO, Any
 
+from ...buffers import tensor_buffer
 from ...index import dtype_size
 from ...layout import Box, Layout, SingleRank
 from ...storage import Location
 from ..base import ObjectSpec, ReadFn, Sink, TensorSpec, split, stream_tensor
 from .metadata import METADATA_FILE, data_file_name
 from . import metadata_pickle as mp
-from .records import Appending, write_object, write_tensor
+from .records import TEMPLATE_BYTES, Appending, write_object, write_small_tensor, write_tensor
 from .transforms import check_compress, transform_names
 
 
@@ -105,9 +106,9 @@ class DcpSink(Sink):
                         self._add_object(out[rank], records, spec)
                     self._objects = []
             for spec in tensors:
+                read, budget = reader_for(spec)
                 for rank in group:
                     for box in self.layout.boxes_of(rank, spec.key, spec.shape):
-                        read, budget = reader_for(spec)
                         self._add_chunk(out[rank], self._records[rank], spec, box, read, budget)
                         done(math.prod(box[1]) * dtype_size(spec.dtype), spec.key)
             files.close()
@@ -117,9 +118,14 @@ class DcpSink(Sink):
         records.append((spec.key, None, None, start, length))
 
     def _add_chunk(self, f: IO[bytes], records: list, spec: TensorSpec, box: Box, read: ReadFn, budget: int) -> None:
-        start, length = write_tensor(Appending(f), spec.dtype, box[1], self.compress,
-                                     lambda write: stream_tensor(write, spec, read, budget, box))
-        records.append((spec.key, tuple(box[0]), tuple(box[1]), start, length))
+        box = (tuple(box[0]), tuple(box[1]))  # (the box stream_slabs makes of it: the read-ahead's schedule)
+        nbytes = math.prod(box[1]) * dtype_size(spec.dtype)
+        got = None
+        if self.compress is None and nbytes <= min(budget, TEMPLATE_BYTES):  # one slab, from a template
+            got = write_small_tensor(f, spec.dtype, box[1], lambda: tensor_buffer(read(box).contiguous()))
+        start, length = got or write_tensor(Appending(f), spec.dtype, box[1], self.compress,
+                                            lambda write: stream_tensor(write, spec, read, budget, box))
+        records.append((spec.key, *box, start, length))
 
     def complete(self) -> None:
         # .metadata, the marker of a complete checkpoint, follows every data file (finished first)
