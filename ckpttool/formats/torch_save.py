@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
+from ..buffers import tensor_buffer
 from ..checksums import Piece, combine, cover, crc32, new_block, scan
 from ..errors import ChecksumError, CkptError, CorruptCheckpointError, FormatError, NotACheckpointError
 from ..index import Chunk, Index, ObjectEntry, TensorEntry, dtype_size, flatten, unflatten
@@ -320,6 +321,10 @@ class TorchSaveSink(ShardedOutput, Sink):
         i = self._shard_of[spec.key]
         if self._writer is None or self._open != i:
             self._start(i)  # shards are written in order: the previous one is complete
+        if spec.nbytes <= budget:  # one slab: its record in one step
+            self._flat[spec.key] = self._writer.put_tensor(spec.dtype, spec.shape,
+                                                           tensor_buffer(read(whole(spec.shape)).contiguous()))
+            return
         placeholder, stream = self._writer.new_tensor(spec.dtype, spec.shape)
         with stream:
             stream_tensor(stream.write, spec, read, budget)

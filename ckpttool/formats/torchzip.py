@@ -575,7 +575,20 @@ class ArchiveWriter:
             nbytes *= size
         return p, self._open_record(f"data/{key}", nbytes, crc, self._at)
 
+    def put_tensor(self, dtype: torch.dtype, shape: tuple[int, ...], data: Any) -> _Placeholder:
+        """:meth:`new_tensor` for data already in memory (``data``: its C-order bytes, all of them),
+        written in one step; the same bytes."""
+        key = str(self._next_key)
+        self._next_key += 1
+        self._zip.put(*self._record_info(f"data/{key}", len(memoryview(data).cast("B")), self._at), data)
+        return _Placeholder(key, dtype, shape)
+
     def _open_record(self, name: str, nbytes: int, crc: bool = True, at: int | None = None) -> IO[bytes]:
+        return self._zip.open(*self._record_info(name, nbytes, at), crc)
+
+    def _record_info(self, name: str, nbytes: int, at: int | None) -> tuple[zipfile.ZipInfo, bool]:
+        """A record's entry (its padding puts the data at ``ALIGN`` in the archive, or at ``PAGE`` in
+        the file when ``at`` is the archive's offset there) and whether it needs zip64 fields."""
         info = zipfile.ZipInfo(f"{self._name}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
         info.file_size = nbytes
         zip64 = nbytes * 1.05 > zipfile.ZIP64_LIMIT
@@ -583,7 +596,7 @@ class ArchiveWriter:
         header = 30 + len(info.filename.encode()) + (20 if zip64 else 0)
         pad = (-(pos + header + 4)) % ALIGN if at is None else (-(at + pos + header + 4)) % PAGE
         info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # 'FB': torch's own padding id
-        return self._zip.open(info, zip64, crc)
+        return info, zip64
 
     def write_bytes_record(self, name: str, data: bytes) -> None:
         with self._open_record(name, len(data)) as f:

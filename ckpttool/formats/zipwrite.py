@@ -50,6 +50,28 @@ class ZipOut:
         self.writing = True
         return _Entry(self, info, zip64, crc)
 
+    def put(self, info: zipfile.ZipInfo, zip64: bool, data: Any, crc: bool = True) -> None:
+        """A whole entry whose data is in memory: the bytes :meth:`open`, a write and a close give,
+        with the header written once, its CRC-32 and sizes known (no seek back to rewrite it)."""
+        view = memoryview(data).cast("B")
+        if not self.seekable:  # (the sizes and CRC go in a data descriptor after the data)
+            with self.open(info, zip64, crc) as entry:
+                entry.write(view)
+            return
+        if self.writing:
+            raise ValueError("an entry is still open")
+        if not zip64 and len(view) > LIMIT:
+            raise RuntimeError("an entry outgrew its header: more bytes than it was opened for")
+        info.compress_type = zipfile.ZIP_STORED
+        info.flag_bits = 0
+        info.external_attr = info.external_attr or 0o600 << 16
+        info.header_offset = self.out.tell()
+        info.CRC = crc32(view, 0) if crc else 0
+        info.file_size = info.compress_size = len(view)
+        self.out.write(info.FileHeader(zip64))
+        self.out.write(view)
+        self.entries.append(info)
+
     def close(self) -> None:
         """The central directory and the end records."""
         start = self.out.tell()

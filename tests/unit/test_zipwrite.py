@@ -40,24 +40,28 @@ def _by_zipfile(stream, entries) -> None:
                 f.write(memoryview(data)[10:])
 
 
-def _by_ckpttool(stream, entries) -> None:
+def _by_ckpttool(stream, entries, put: bool = False) -> None:
     z = ZipOut(stream)
     for i, (name, data, zip64) in enumerate(entries):
         info = _info(name, i % 7)
         info.file_size = len(data)
+        if put:  # the whole entry at once
+            z.put(info, zip64, data)
+            continue
         with z.open(info, zip64) as f:
             f.write(data[:10])
             f.write(memoryview(data)[10:])
     z.close()
 
 
+@pytest.mark.parametrize("put", [False, True], ids=["streamed", "put whole"])
 @pytest.mark.parametrize("seekable", [False, True], ids=["front to back", "seekable"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_bytes_are_zipfiles(seekable, seed):
+def test_the_bytes_are_zipfiles(seekable, seed, put):
     entries = _entries(seed)
     ours, theirs = (io.BytesIO(), io.BytesIO()) if seekable else (FrontToBack(), FrontToBack())
     _by_zipfile(theirs, entries)
-    _by_ckpttool(ours, entries)
+    _by_ckpttool(ours, entries, put)
     got, want = (ours.getvalue(), theirs.getvalue()) if seekable else (bytes(ours.buf), bytes(theirs.buf))
     assert got == want
     with zipfile.ZipFile(io.BytesIO(got)) as z:
