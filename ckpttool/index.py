@@ -67,7 +67,7 @@ class TensorEntry:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * dtype_size(self.element_type)
 
@@ -145,8 +145,7 @@ class Index:
         if entry.key in self._entries:
             raise CorruptCheckpointError(f"key {entry.key!r} appears twice", where=where)
         path = tuple(path) if path else (entry.key,)
-        if not all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and p >= 0) for p in path) \
-                or key_of(path) != entry.key:
+        if not _spells(path) or key_of(path) != entry.key:
             raise CorruptCheckpointError(f"the nesting recorded for key {entry.key!r} does not spell it: {path!r}",
                                          where=where, hint="the checkpoint's metadata is damaged")
         self._entries[entry.key] = entry
@@ -196,8 +195,17 @@ MAX_NUMEL = 1 << 58
 def plausible_shape(shape: Any) -> bool:
     """Non-negative int dims whose non-zero product stays far below int64's range (torch computes
     strides from it, and a zero dim elsewhere would hide a huge product from ``numel``)."""
-    return (isinstance(shape, (tuple, list)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-            and math.prod(d for d in shape if d) <= MAX_NUMEL)
+    if not isinstance(shape, (tuple, list)):
+        return False
+    numel = 1
+    for d in shape:  # (a loop, not generators: every key of a large step's index passes here, several times)
+        if not (type(d) is int or (isinstance(d, int) and not isinstance(d, bool))) or d < 0:
+            return False
+        if d:
+            numel *= d
+            if numel > MAX_NUMEL:
+                return False
+    return True
 
 
 # --- key flattening, mirroring DCP's traversal so our keys equal plain torch's -------------------
@@ -244,7 +252,15 @@ def iter_leaves(state: Mapping[str, Any], is_tensor=_is_tensor) -> Iterator[tupl
 
 
 def key_of(path: ObjPath) -> str:
-    return ".".join(str(p) for p in path)
+    return ".".join(map(str, path))
+
+
+def _spells(path: ObjPath) -> bool:
+    """Each component a str or a non-negative int (a loop: every key of an index passes here)."""
+    for p in path:
+        if not (type(p) is str or isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and p >= 0)):
+            return False
+    return True
 
 
 def flatten(state: Mapping[str, Any], is_tensor=_is_tensor) -> tuple[dict[str, Any], dict[str, ObjPath]]:

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from ..errors import CkptError, FormatError
@@ -43,7 +44,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
+    @cached_property  # (asked for at every step of a tensor's way: the schedule, the budget, each sink)
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtype_size(self.dtype)
 

@@ -68,3 +68,27 @@ def test_chunks_in_finds_exactly_the_chunks_a_box_touches():
             box = ((o0, o1), (r.randrange(1, n0 - o0 + 1), r.randrange(1, n1 - o1 + 1)))
             want = [(c, intersect((c.offsets, c.sizes), box)) for c in chunks if intersect((c.offsets, c.sizes), box)]
             assert sorted(map(repr, entry.chunks_in(box))) == sorted(map(repr, want)), (chunks, box)
+
+
+def test_a_plausible_shape_is_non_negative_ints_whose_non_zero_product_stays_under_the_bound():
+    from ckpttool.index import MAX_NUMEL, plausible_shape
+
+    assert plausible_shape([1 << 29, 1 << 29]) and plausible_shape((MAX_NUMEL,)) and plausible_shape([])
+    assert plausible_shape([0, MAX_NUMEL, 1])  # a zero dim is left out of the product ...
+    assert not plausible_shape([0, MAX_NUMEL, 2])  # ... and hides nothing
+    assert not plausible_shape([1 << 29, 1 << 30]) and not plausible_shape((MAX_NUMEL + 1,))
+    assert not plausible_shape([2, -1]) and not plausible_shape([True, 2]) and not plausible_shape([2.0])
+    assert not plausible_shape("12") and not plausible_shape(None)
+
+
+def test_an_index_refuses_a_path_that_does_not_spell_its_key():
+    import pytest
+
+    from ckpttool.errors import CorruptCheckpointError
+    from ckpttool.index import Index, ObjectEntry
+
+    index = Index()
+    index.add(ObjectEntry("a.0.b", None), ("a", 0, "b"))
+    for key, path in (("True", (True,)), ("a.-1", ("a", -1)), ("a.1.0", ("a", 1.0)), ("x.y", ("x", "z"))):
+        with pytest.raises(CorruptCheckpointError, match="does not spell it"):
+            index.add(ObjectEntry(key, None), path)
