@@ -84,6 +84,57 @@ def test_small_records_are_read_as_a_run_and_come_out_bitwise(tmp_path, monkeypa
             assert torch.equal(out.read_tensor(_key(step, i)), p.detach()), i
 
 
+def _two_rank_step(tmp_path) -> tuple[str, Many]:
+    """A DCP step of two ranks' files (what FSDP2 on two ranks writes): each tensor two chunks, its
+    first half of rows a record in rank 0's file, the other half in rank 1's."""
+    from ckpttool.offline.reshard import reshard
+
+    step, model = _dcp_step(tmp_path)
+    reshard(step, str(tmp_path / "two"), world_size=2)
+    with open_source(str(tmp_path / "two")) as source:
+        chunks = source.index()[_key(str(tmp_path / "two"), 0)].chunks
+        assert len(chunks) == 2 and chunks[0].location.relative_path != chunks[1].location.relative_path
+    return str(tmp_path / "two"), model
+
+
+def test_a_tensor_s_chunks_in_two_ranks_files_are_read_in_a_run_each_and_come_out_bitwise(tmp_path, monkeypatch):
+    step, model = _two_rank_step(tmp_path)
+    alone: list[str] = []
+    read_tensor = DcpSource.read_tensor
+
+    def one(self, key, box=None, out=None):
+        alone.append(key)
+        return read_tensor(self, key, box, out)
+
+    monkeypatch.setattr(DcpSource, "read_tensor", one)
+    convert(step, str(tmp_path / "out.safetensors"), to="safetensors")
+    assert alone == [], alone  # (the first record of its layout parsed from the run's span, then taken)
+    monkeypatch.undo()
+    with open_source(str(tmp_path / "out.safetensors")) as out:
+        for i, p in enumerate(model.p):
+            assert torch.equal(out.read_tensor(_key(step, i)), p.detach()), i
+
+
+@pytest.mark.parametrize("half", [0, 1])
+@pytest.mark.parametrize("which", [0, 20, N - 1])
+def test_a_damaged_chunk_of_a_two_rank_tensor_is_refused_by_name_and_nothing_is_written(tmp_path, which, half):
+    """One flipped byte in either rank's record of a tensor: whatever the other rank's record took,
+    the tensor is refused by name (its other half is never written with a hole)."""
+    step, _ = _two_rank_step(tmp_path)
+    key = _key(step, which)
+    with open_source(step) as source:
+        loc, start, end = source.data_spans(key)[half]
+    with open(loc.path, "r+b") as f:
+        f.seek(start + 3)
+        byte = f.read(1)
+        f.seek(start + 3)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ChecksumError) as err:
+        convert(step, str(tmp_path / "out.safetensors"), to="safetensors")
+    assert key in str(err.value), err.value
+    assert not os.path.exists(tmp_path / "out.safetensors")
+
+
 @pytest.mark.parametrize("make", [_ckpttool_step, _dcp_step], ids=["ckpttool", "dcp"])
 @pytest.mark.parametrize("which", [20, N - 1])
 def test_a_damaged_record_in_a_run_is_refused_by_name_and_nothing_is_written(tmp_path, make, which):
@@ -211,3 +262,40 @@ def test_verify_names_a_key_whose_metadata_points_at_another_key_s_record_as_ano
     report = verify_path(step)
     assert {p.key for p in report.problems} == {dst}, report.problems
     assert any(" holds torch.float32[256], .metadata says " in p.what for p in report.problems), report.problems
+
+
+def test_records_asked_for_out_of_their_file_order_are_read_apart_within_the_span_bound(tmp_path, monkeypatch):
+    """A run holds only records back to back in their file, up to LOCAL_SPAN: asked for last to
+    first, each record is a read of its own (no span reaches back, none reads the gaps between)."""
+    from ckpttool.formats.dcp.source import LOCAL_SPAN
+
+    step, model = _two_rank_step(tmp_path)
+    spans: list[int] = []
+    read_span = DcpSource.read_span
+
+    def counted(self, path, start, length):
+        spans.append(length)
+        return read_span(self, path, start, length)
+
+    monkeypatch.setattr(DcpSource, "read_span", counted)
+    with open_source(step) as source:
+        keys = [_key(step, i) for i in range(N)]
+        records = [c.location.length for k in keys for c in source.index()[k].chunks]
+        outs = [torch.empty(256) for _ in keys]
+        source.read_tensors(list(zip(keys, outs))[::-1])
+    assert all(0 < n <= LOCAL_SPAN for n in spans) and sum(spans) == sum(records), (spans, records)
+    for out, p in zip(outs, model.p):
+        assert torch.equal(out, p.detach())
+    spans.clear()
+    with open_source(step) as source:
+        source.read_tensors(list(zip(keys, outs)))
+    assert len(spans) == 2 and sum(spans) == sum(records), spans  # in file order: one span a rank's file
+    from ckpttool.formats.dcp import source as source_module
+
+    spans.clear()
+    monkeypatch.setattr(source_module, "LOCAL_SPAN", 3 * max(records))
+    with open_source(step) as source:
+        source.read_tensors(list(zip(keys, outs)))
+    assert len(spans) > 2 and all(n <= 3 * max(records) for n in spans) and sum(spans) == sum(records), spans
+    for out, p in zip(outs, model.p):
+        assert torch.equal(out, p.detach())

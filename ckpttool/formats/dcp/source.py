@@ -48,6 +48,22 @@ LOCAL_SPAN = 1 << 20
 LOCAL_HELD = 8
 
 
+def _extends(runs: dict[str, list[tuple[str, Any, Any, Any]]], pieces: list[tuple[Any, Any]], span_max: int, files: int) -> bool:
+    """Whether a tensor's records (``pieces``, in order) each follow the last record of its file's
+    run (or start one), each run within ``span_max`` bytes, the runs in at most ``files`` files."""
+    ends: dict[str, tuple[int, int]] = {}
+    for info, _ in pieces:
+        path = info.relative_path
+        got = ends.get(path)
+        if got is None:
+            run = runs.get(path)
+            got = (run[0][2].offset, run[-1][2].offset + run[-1][2].length) if run else None
+        if got is not None and (got[1] != info.offset or info.offset + info.length - got[0] > span_max):
+            return False
+        ends[path] = (got[0] if got is not None else info.offset, info.offset + info.length)
+    return len(runs) + sum(1 for path in ends if path not in runs) <= files
+
+
 class DcpSource(Source):
     """With ``verify`` (the default) every record is checked before its first use: torch's CRC-32
     and, for a ckpttool step, the manifest of its commit record (a damaged record refuses the
@@ -561,50 +577,112 @@ class DcpSource(Source):
         return out
 
     def read_tensors(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Whole tensors, each into its ``out``: the small records (:meth:`read_whole`) of one chunk
-        each that lie back to back in a file are read in one read (up to LOCAL_SPAN, REMOTE_SPAN on
-        an object store) and each is taken from those bytes when its parse is one made before
-        (``torchzip.known_record``) and it checks (:meth:`_from_record`); any other record by
-        :meth:`read_tensor`, which says what is wrong with one that does not check."""
+        """Whole tensors, each into its ``out``: where every chunk of a tensor is a small record
+        (:meth:`read_whole`) whose rows of ``out`` are contiguous (one chunk, or a chunk per rank's
+        rows, as FSDP2 lays a tensor out), the records that lie back to back in a file are read in
+        one read (up to LOCAL_SPAN, REMOTE_SPAN on an object store; one such run per file at a
+        time) and each is taken from those bytes when its parse is one made before
+        (``torchzip.known_record``) and it checks (:meth:`_from_record`). A tensor any of whose
+        records is not taken so is read by :meth:`read_tensor` (from the spans held: not read
+        again), which says what is wrong with one that does not check; so is any other tensor,
+        after the runs before it (each file is read in its records' order)."""
         span_max = REMOTE_SPAN if self.location.batch_reads else LOCAL_SPAN
-        run: list[tuple[str, TensorEntry, Any, torch.Tensor]] = []  # back to back in one file
+        files = self._run_files()
+        runs: dict[str, list[tuple[str, TensorEntry, Any, torch.Tensor]]] = {}  # file -> its records back to back
+        batch: list[tuple[str, torch.Tensor]] = []  # the tensors whose records the runs hold
         for key, out in items:
             entry = self.entry(key, TensorEntry, checked=True)  # (its records lie inside their files)
-            info = entry.chunks[0].location if len(entry.chunks) == 1 else None
-            if info is None or self.transformed(info) or not self.read_whole(info):
-                self._read_run(run)
-                run = []
+            pieces = self._pieces(entry, out)
+            if pieces is None:
+                self._read_runs(runs, batch)
                 self.read_tensor(key, None, out=out)
                 continue
-            if run and (run[-1][2].relative_path != info.relative_path or run[-1][2].offset + run[-1][2].length != info.offset
-                        or info.offset + info.length - run[0][2].offset > span_max):
-                self._read_run(run)
-                run = []
-            run.append((key, entry, info, out))
-        self._read_run(run)
+            if not _extends(runs, pieces, span_max, files):  # (all its records join the runs, or none)
+                self._read_runs(runs, batch)
+                if not _extends(runs, pieces, span_max, files):  # (its own records are not back to back)
+                    self.read_tensor(key, None, out=out)
+                    continue
+            for info, dst in pieces:
+                runs.setdefault(info.relative_path, []).append((key, entry, info, dst))
+            batch.append((key, out))
+        self._read_runs(runs, batch)
 
-    def _read_run(self, run: list[tuple[str, TensorEntry, Any, torch.Tensor]]) -> None:
+    def _pieces(self, entry: TensorEntry, out: torch.Tensor) -> list[tuple[Any, torch.Tensor]] | None:
+        """(record, the rows of ``out`` it holds) for each chunk of ``entry``, where each is a small
+        plain record and its rows a contiguous part of ``out`` (of the entry's dtype and shape, on
+        the CPU); else None."""
+        if (out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu"
+                or tuple(out.shape) != tuple(entry.shape)):
+            return None
+        chunks = entry.chunks
+        if len(chunks) == 1:
+            info = chunks[0].location
+            return [(info, out)] if not self.transformed(info) and self.read_whole(info) else None
+        if not entry.shape or len(chunks) > self._run_files():
+            return None
+        pieces = []
+        for chunk in chunks:
+            info = chunk.location
+            if self.transformed(info) or not self.read_whole(info) or any(chunk.offsets[1:]) \
+                    or tuple(chunk.sizes[1:]) != tuple(entry.shape[1:]):
+                return None
+            rows = out[chunk.offsets[0]:chunk.offsets[0] + chunk.sizes[0]]
+            if tuple(rows.shape) != tuple(chunk.sizes):
+                return None
+            pieces.append((info, rows))
+        return pieces
+
+    def _run_files(self) -> int:
+        """The files whose runs :meth:`read_tensors` holds at once: the spans held (:meth:`_holding_in`)."""
+        return 1 if self.location.batch_reads else LOCAL_HELD
+
+    def _read_runs(self, runs: dict[str, list[tuple[str, TensorEntry, Any, torch.Tensor]]],
+                   batch: list[tuple[str, torch.Tensor]]) -> None:
+        """Read each run (a span of a file) and take its records; then the tensors of ``batch``
+        with a record not taken, each on its own. Empties both."""
+        left: set[str] = set()
+        for run in runs.values():
+            left.update(self._read_run(run))
+        for key, out in batch:
+            if key in left:
+                self.read_tensor(key, None, out=out)
+        runs.clear()
+        batch.clear()
+
+    def _read_run(self, run: list[tuple[str, TensorEntry, Any, torch.Tensor]]) -> list[str]:
+        """The records of ``run`` (back to back in one file) from one read, each into its rows;
+        returns the keys of those not taken (nothing was put for them)."""
         if not run:
-            return
+            return []
         path, start, last = run[0][2].relative_path, run[0][2].offset, run[-1][2]
         span = self.read_span(path, start, last.offset + last.length - start)
         manifest = self.checks.manifest if self.checks is not None else None
         rows = manifest.rows_or_none_of(path) if manifest is not None else None
-        for key, entry, info, out in run:
-            if not self._from_record(entry, info, span[info.offset - start: info.offset - start + info.length], out, rows):
-                self.read_tensor(key, None, out=out)
+        left = []
+        for key, entry, info, dst in run:
+            record = span[info.offset - start: info.offset - start + info.length]
+            if self._from_record(entry, info, record, dst, rows):
+                continue
+            if known_record(record) is None:  # the first of its layout: parsed (from the span held), then taken
+                try:
+                    self.archive(info, key)
+                except CkptError:  # (said by read_tensor)
+                    left.append(key)
+                    continue
+                if self._from_record(entry, info, record, dst, rows):
+                    continue
+            left.append(key)
+        return left
 
     def _from_record(self, entry: TensorEntry, info: Any, record: memoryview, out: torch.Tensor,
                      rows: dict[int, tuple[int, str, Any]] | None) -> bool:
-        """Put a whole small record's tensor into ``out`` from its bytes, read, where ``out`` takes
-        them as they are and it checks as :meth:`RecordChecks.read_chunk` checks it (the manifest's
-        digest of the record, else its data's CRC-32): :meth:`small_record`; returns whether it
-        did (else nothing was put)."""
-        if out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu" or tuple(out.shape) != tuple(entry.shape):
-            return False
+        """Put a small record's chunk of ``entry`` into ``out`` (its rows: contiguous, of the
+        chunk's shape) from its bytes, read, where it checks as :meth:`RecordChecks.read_chunk`
+        checks it (the manifest's digest of the record, else its data's CRC-32):
+        :meth:`small_record`; returns whether it did (else nothing was put)."""
         checks = self.checks
         data = self.small_record(entry, info, record, rows, checks.block if checks is not None else 0,
-                                 checks is not None and rows is None)
+                                 checks is not None and rows is None, tuple(out.shape))
         if data is None:
             return False
         if checks is not None:
@@ -615,10 +693,10 @@ class DcpSource(Source):
 
     @staticmethod
     def small_record(entry: TensorEntry, info: Any, record: memoryview, rows: dict[int, tuple[int, str, Any]] | None,
-                     block: int, crc: bool) -> memoryview | None:
+                     block: int, crc: bool, shape: tuple[int, ...] | None = None) -> memoryview | None:
         """The tensor data of a whole small record (``record``: its bytes, read) where its parse is
-        the kept one of its length (``torchzip.known_record``), its tensor is ``entry``'s, in C
-        order from its data's start, and it checks: against its row of the manifest (``rows``: its
+        the kept one of its length (``torchzip.known_record``), its tensor is ``entry``'s (its
+        chunk of ``shape``, default the whole), in C order from its data's start, and it checks: against its row of the manifest (``rows``: its
         file's, by offset, ``block`` the manifest's; a record they do not hold does not check; None:
         no manifest) and, with ``crc`` where no row proves the data by its blocks, torch's CRC-32
         of the data; else None (nothing is said: the caller reads it on its own)."""
@@ -627,9 +705,10 @@ class DcpSource(Source):
             return None
         layout, stored = known
         ref = layout.obj
+        shape = tuple(entry.shape) if shape is None else shape
         if (type(ref) is not TensorRef or ref.storage.key != layout.key or ref.element_type != entry.element_type
-                or tuple(ref.shape) != tuple(entry.shape) or ref.storage_offset != 0 or not ref.is_contiguous()
-                or layout.nbytes != math.prod(entry.shape) * dtype_size(entry.element_type)
+                or tuple(ref.shape) != shape or ref.storage_offset != 0 or not ref.is_contiguous()
+                or layout.nbytes != math.prod(shape) * dtype_size(entry.element_type)
                 or layout.data + layout.nbytes > len(record)):
             return None
         data = record[layout.data: layout.data + layout.nbytes]
