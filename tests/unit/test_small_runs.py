@@ -299,3 +299,61 @@ def test_records_asked_for_out_of_their_file_order_are_read_apart_within_the_spa
     assert len(spans) > 2 and all(n <= 3 * max(records) for n in spans) and sum(spans) == sum(records), spans
     for out, p in zip(outs, model.p):
         assert torch.equal(out, p.detach())
+
+
+def test_verify_checks_a_two_rank_step_s_records_as_runs_and_names_a_damaged_chunk(tmp_path, monkeypatch):
+    from ckpttool.offline.verify import verify_path
+
+    step, _ = _two_rank_step(tmp_path)
+    alone: list[str] = []
+    archive = DcpSource.archive
+
+    def one(self, info, key, *args, **kwargs):  # (a record checked on its own is parsed)
+        alone.append(key)
+        return archive(self, info, key, *args, **kwargs)
+
+    monkeypatch.setattr(DcpSource, "archive", one)
+    report = verify_path(step)
+    assert report.ok, report.problems
+    assert len(alone) <= 4, alone  # the first record of its layout in each file on its own, the others in runs
+    monkeypatch.undo()
+    damaged = []
+    for which, half in ((20, 1), (N - 1, 0)):
+        key = _key(step, which)
+        with open_source(step) as source:
+            loc, start, _ = source.data_spans(key)[half]
+        with open(loc.path, "r+b") as f:
+            f.seek(start + 5)
+            byte = f.read(1)
+            f.seek(start + 5)
+            f.write(bytes([byte[0] ^ 0x04]))
+        damaged.append(key)
+    report = verify_path(step)
+    assert not report.ok
+    assert sorted({p.key for p in report.problems}) == sorted(damaged), report.problems
+
+
+def test_verify_names_a_chunk_whose_metadata_points_at_its_tensor_s_other_chunk_s_record(tmp_path):
+    """A damaged ``.metadata`` that gives a tensor's first chunk (128 rows) the record of its second
+    (127 rows): the record passes as the second chunk's, and the first chunk is still checked
+    against it on its own terms, and named."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from ckpttool.offline.reshard import reshard
+    from ckpttool.offline.verify import verify_path
+
+    # ("a" first: its records are parsed first, so w's are then of a known layout, checked in a run)
+    dcp.save({"a": torch.randn(255), "w": torch.randn(255)}, checkpoint_id=str(tmp_path / "one"), no_dist=True)
+    step = str(tmp_path / "two")
+    reshard(str(tmp_path / "one"), step, world_size=2)
+    with open(os.path.join(step, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # (the test's own file, written by reshard above)
+    md.storage_data[MetadataIndex("w", (0,))] = md.storage_data[MetadataIndex("w", (128,))]
+    with open(os.path.join(step, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    report = verify_path(step)
+    assert {p.key for p in report.problems} == {"w"}, report.problems
+    assert any("holds torch.float32[127], .metadata says torch.float32[128]" in p.what for p in report.problems), report.problems

@@ -206,8 +206,8 @@ def _check_object(source: DcpSource, key: str, info: Any, manifest: Manifest | N
 
 
 class _SmallRuns:
-    """The small records (a tensor's one chunk, read whole: ``DcpSource.read_whole``) of the keys
-    checked, checked a run at a time: the records that lie back to back in a file from the one the
+    """The small records (a chunk's, read whole: ``DcpSource.read_whole``) of the keys checked,
+    checked a run at a time: the records that lie back to back in a file from the one the
     walk meets, up to LOCAL_SPAN, in one read, each checked from those bytes where its parse is the
     kept one of its length (``DcpSource.small_record``: the manifest's digest, torch's CRC-32 where
     no digest of its blocks proves the data). A record that does not pass ends its run and is
@@ -216,26 +216,30 @@ class _SmallRuns:
 
     def __init__(self, source: DcpSource, manifest: Manifest | None, index: Any, keys: list[str]):
         self.source, self.manifest = source, manifest
-        self.small: dict[tuple[str, int], tuple[TensorEntry, Any]] = {}
+        self.small: dict[tuple[str, int], tuple[TensorEntry, Any]] = {}  # record -> (entry, chunk) it is examined as
         offsets: dict[str, list[int]] = {}
         for key in keys:
             entry = index[key]
-            if isinstance(entry, TensorEntry) and len(entry.chunks) == 1:
-                chunk = entry.chunks[0]
+            if not isinstance(entry, TensorEntry):
+                continue
+            for chunk in entry.chunks:
                 info = chunk.location
-                if (chunk.sizes == tuple(entry.shape) and not any(chunk.offsets) and not source.transformed(info)
-                        and source.read_whole(info)):
-                    self.small[(info.relative_path, info.offset)] = (entry, info)
-                    offsets.setdefault(info.relative_path, []).append(info.offset)
+                if not source.transformed(info) and source.read_whole(info):
+                    name = (info.relative_path, info.offset)
+                    if name not in self.small:
+                        offsets.setdefault(info.relative_path, []).append(info.offset)
+                    self.small[name] = (entry, chunk)
         self.offsets = {name: sorted(found) for name, found in offsets.items()}
         self.examined: set[tuple[str, int]] = set()
         self.ok: set[tuple[str, int]] = set()
 
     def checked(self, entry: TensorEntry, chunk: Any) -> bool:
-        """Whether ``chunk``'s record was checked here as ``entry``'s, and passed (a record that a
-        damaged ``.metadata`` gives two keys is this walk's for one of them only)."""
+        """Whether ``chunk``'s record was checked here as that chunk of ``entry``'s, and passed (a
+        record that a damaged ``.metadata`` gives two keys, or two chunks, is this walk's for one of
+        them only)."""
         name = (chunk.location.relative_path, chunk.location.offset)
-        if self.small.get(name, (None,))[0] is not entry:
+        got = self.small.get(name)
+        if got is None or got[0] is not entry or (got[1].offsets, got[1].sizes) != (chunk.offsets, chunk.sizes):
             return False
         if name not in self.examined:
             try:
@@ -248,11 +252,12 @@ class _SmallRuns:
         offsets, reader = self.offsets[path], self.source.reader(path)
         size, end, run = reader.size(), start, []
         for at in offsets[bisect.bisect_left(offsets, start):]:
-            entry, info = self.small[(path, at)]
+            entry, chunk = self.small[(path, at)]
+            info = chunk.location
             if (at != end or (path, at) in self.examined or at + info.length > size
                     or at + info.length - start > LOCAL_SPAN):
                 break
-            run.append((entry, info))
+            run.append((entry, chunk))
             end = at + info.length
         if not run:
             self.examined.add((path, start))
@@ -260,11 +265,12 @@ class _SmallRuns:
         span = self.source.read_span(path, start, end - start)
         manifest = self.manifest
         rows, block = (manifest.rows_or_none_of(path), manifest.block) if manifest is not None else (None, 0)
-        for entry, info in run:
+        for entry, chunk in run:
+            info = chunk.location
             name = (path, info.offset)
             self.examined.add(name)
             record = span[info.offset - start: info.offset - start + info.length]
-            if self.source.small_record(entry, info, record, rows, block, True) is None:
+            if self.source.small_record(entry, info, record, rows, block, True, tuple(chunk.sizes)) is None:
                 return  # (checked on its own when the walk meets it; the next one starts a run)
             self.ok.add(name)
 
