@@ -6,7 +6,8 @@ spends most of its time in; this writer takes :func:`ckpttool.checksums.crc32` (
 installed, several times faster: docs/benchmarks.md) and writes the
 bytes ``zipfile`` writes for the same entries: the local header (``ZipInfo.FileHeader``, zipfile's
 public encoder), the data, then the sizes and CRC in a data descriptor when the stream cannot seek
-back (or, when it can, in the header rewritten in place), and at the end the central directory and
+back (or, when it can, in the header rewritten in place; an entry whose data is in memory whole,
+:meth:`ZipOut.put`, gets its header once, its CRC-32 known), and at the end the central directory and
 the end records (zip64 ones where an offset, size or count needs them). ``tests/unit/test_zipwrite.py``
 compares the bytes with ``zipfile``'s.
 """

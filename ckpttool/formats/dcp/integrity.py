@@ -21,7 +21,7 @@ from ..base import Progress
 from .manifest import Finding, Manifest, check_crc
 from .load_index import INDEX_FILE
 from .metadata import METADATA_FILE
-from .source import LOCAL_SPAN, DcpSource
+from .source import LOCAL_HELD, LOCAL_SPAN, DcpSource
 
 def check_integrity(source: DcpSource, report: Report, only: str | None, progress: Progress | None,
                     share: tuple[int, int] | None = None) -> list[tuple[int, Report]] | None:
@@ -220,7 +220,9 @@ class _SmallRuns:
         offsets: dict[str, list[int]] = {}
         for key in keys:
             entry = index[key]
-            if not isinstance(entry, TensorEntry):
+            # (a tensor of a few ranks' chunks: one a rank of a large job's is checked on its own, and
+            # its chunks are not held here, so many as the job has ranks)
+            if not isinstance(entry, TensorEntry) or len(entry.chunks) > LOCAL_HELD:
                 continue
             for chunk in entry.chunks:
                 info = chunk.location
