@@ -47,10 +47,12 @@ def _key(step: str, i: int) -> str:
         return next(k for k in source.index() if k.endswith(f"p.{i}"))
 
 
-def _flip_data(step: str, key: str, at: int = 100) -> None:
-    """Flip one byte of ``key``'s tensor data, in its record."""
+def _flip_data(step: str, key: str, at: int = 100, chunk: int | None = None) -> None:
+    """Flip one byte of ``key``'s tensor data, in its record (of its chunk ``chunk``, where it has several)."""
     with open_source(step) as source:
-        (loc, start, end), = source.data_spans(key)
+        spans = source.data_spans(key)
+    assert chunk is not None or len(spans) == 1
+    loc, start, _ = spans[chunk or 0]
     with open(loc.path, "r+b") as f:
         f.seek(start + at)
         byte = f.read(1)
@@ -58,22 +60,44 @@ def _flip_data(step: str, key: str, at: int = 100) -> None:
         f.write(bytes([byte[0] ^ 0x10]))
 
 
-@pytest.mark.parametrize("make", [_ckpttool_step, _dcp_step], ids=["ckpttool", "dcp"])
-def test_small_records_are_read_as_a_run_and_come_out_bitwise(tmp_path, monkeypatch, make):
-    step, model = make(tmp_path)
+def _count_reads_alone(monkeypatch) -> list[str]:
+    """The keys read on their own (``DcpSource.read_tensor``) from now on."""
     alone: list[str] = []
-    runs: list[int] = []
-    read_tensor, read_tensors = DcpSource.read_tensor, DcpSource.read_tensors
+    read_tensor = DcpSource.read_tensor
 
     def one(self, key, box=None, out=None):
         alone.append(key)
         return read_tensor(self, key, box, out)
 
+    monkeypatch.setattr(DcpSource, "read_tensor", one)
+    return alone
+
+
+def _count_parses(monkeypatch) -> list[str]:
+    """The keys of the records parsed on their own (``DcpSource.archive``) from now on (verify's
+    check of a record on its own parses it)."""
+    alone: list[str] = []
+    archive = DcpSource.archive
+
+    def one(self, info, key, *args, **kwargs):
+        alone.append(key)
+        return archive(self, info, key, *args, **kwargs)
+
+    monkeypatch.setattr(DcpSource, "archive", one)
+    return alone
+
+
+@pytest.mark.parametrize("make", [_ckpttool_step, _dcp_step], ids=["ckpttool", "dcp"])
+def test_small_records_are_read_as_a_run_and_come_out_bitwise(tmp_path, monkeypatch, make):
+    step, model = make(tmp_path)
+    alone = _count_reads_alone(monkeypatch)
+    runs: list[int] = []
+    read_tensors = DcpSource.read_tensors
+
     def many(self, items):
         runs.append(len(items))
         return read_tensors(self, items)
 
-    monkeypatch.setattr(DcpSource, "read_tensor", one)
     monkeypatch.setattr(DcpSource, "read_tensors", many)
     convert(step, str(tmp_path / "out.safetensors"), to="safetensors")
     assert sum(runs) == N and len(runs) == 1, runs  # all of them asked for at once (40 KiB: one batch)
@@ -99,14 +123,7 @@ def _two_rank_step(tmp_path) -> tuple[str, Many]:
 
 def test_a_tensor_s_chunks_in_two_ranks_files_are_read_in_a_run_each_and_come_out_bitwise(tmp_path, monkeypatch):
     step, model = _two_rank_step(tmp_path)
-    alone: list[str] = []
-    read_tensor = DcpSource.read_tensor
-
-    def one(self, key, box=None, out=None):
-        alone.append(key)
-        return read_tensor(self, key, box, out)
-
-    monkeypatch.setattr(DcpSource, "read_tensor", one)
+    alone = _count_reads_alone(monkeypatch)
     convert(step, str(tmp_path / "out.safetensors"), to="safetensors")
     assert alone == [], alone  # (the first record of its layout parsed from the run's span, then taken)
     monkeypatch.undo()
@@ -122,13 +139,7 @@ def test_a_damaged_chunk_of_a_two_rank_tensor_is_refused_by_name_and_nothing_is_
     the tensor is refused by name (its other half is never written with a hole)."""
     step, _ = _two_rank_step(tmp_path)
     key = _key(step, which)
-    with open_source(step) as source:
-        loc, start, end = source.data_spans(key)[half]
-    with open(loc.path, "r+b") as f:
-        f.seek(start + 3)
-        byte = f.read(1)
-        f.seek(start + 3)
-        f.write(bytes([byte[0] ^ 0x10]))
+    _flip_data(step, key, 3, half)
     with pytest.raises(ChecksumError) as err:
         convert(step, str(tmp_path / "out.safetensors"), to="safetensors")
     assert key in str(err.value), err.value
@@ -172,19 +183,13 @@ def test_a_load_reads_the_small_tensors_as_a_run_and_refuses_a_damaged_one(tmp_p
     from ckpttool import load
 
     step, model = _ckpttool_step(tmp_path)
-    alone: list[str] = []
-    read_tensor = DcpSource.read_tensor
-
-    def one(self, key, box=None, out=None):
-        alone.append(key)
-        return read_tensor(self, key, box, out)
+    alone = _count_reads_alone(monkeypatch)
 
     def checked_alone(self, key, *args, **kwargs):
         alone.append(key)
         return read_chunk(self, key, *args, **kwargs)
 
     read_chunk = RecordChecks.read_chunk
-    monkeypatch.setattr(DcpSource, "read_tensor", one)
     monkeypatch.setattr(RecordChecks, "read_chunk", checked_alone)  # (a load's own read of one record)
     fresh = Many()
     with torch.no_grad():
@@ -207,14 +212,7 @@ def test_verify_checks_the_small_records_as_a_run_and_names_a_damaged_one(tmp_pa
     from ckpttool.offline.verify import verify_path
 
     step, _ = make(tmp_path)
-    alone: list[str] = []
-    archive = DcpSource.archive
-
-    def one(self, info, key, *args, **kwargs):  # (a record checked on its own is parsed)
-        alone.append(key)
-        return archive(self, info, key, *args, **kwargs)
-
-    monkeypatch.setattr(DcpSource, "archive", one)
+    alone = _count_parses(monkeypatch)
     report = verify_path(step)
     assert report.ok, report.problems
     assert len(alone) <= 2, alone  # the first record of its layout on its own, the others in a run
@@ -305,29 +303,15 @@ def test_verify_checks_a_two_rank_step_s_records_as_runs_and_names_a_damaged_chu
     from ckpttool.offline.verify import verify_path
 
     step, _ = _two_rank_step(tmp_path)
-    alone: list[str] = []
-    archive = DcpSource.archive
-
-    def one(self, info, key, *args, **kwargs):  # (a record checked on its own is parsed)
-        alone.append(key)
-        return archive(self, info, key, *args, **kwargs)
-
-    monkeypatch.setattr(DcpSource, "archive", one)
+    alone = _count_parses(monkeypatch)
     report = verify_path(step)
     assert report.ok, report.problems
     assert len(alone) <= 4, alone  # the first record of its layout in each file on its own, the others in runs
     monkeypatch.undo()
     damaged = []
     for which, half in ((20, 1), (N - 1, 0)):
-        key = _key(step, which)
-        with open_source(step) as source:
-            loc, start, _ = source.data_spans(key)[half]
-        with open(loc.path, "r+b") as f:
-            f.seek(start + 5)
-            byte = f.read(1)
-            f.seek(start + 5)
-            f.write(bytes([byte[0] ^ 0x04]))
-        damaged.append(key)
+        damaged.append(_key(step, which))
+        _flip_data(step, damaged[-1], 5, half)
     report = verify_path(step)
     assert not report.ok
     assert sorted({p.key for p in report.problems}) == sorted(damaged), report.problems
