@@ -506,12 +506,14 @@ def part_bytes(part: dict[str, Any], tail: bytes = b"") -> bytes:
 
 
 def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
-                roll: Roll | None = None, step: int | None = None) -> list[dict[str, Any]]:
+                roll: Roll | None = None, step: int | None = None, read: bool = True) -> list[dict[str, Any]]:
     """Rank 0: every rank's part of the step, once all are in storage, in rank order. A part that
     says its rank failed ends the wait at once with a :class:`RankFailedError` naming it (``doing``:
     what the ranks were doing); with ``roll``, a rank whose beat stopped ends it with a
     :class:`RankDeadError`, and ranks that trail the rest are logged; ranks whose part is not there
-    after ``timeout`` seconds end it with a :class:`RendezvousError` naming them."""
+    after ``timeout`` seconds end it with a :class:`RendezvousError` naming them. ``read=False``:
+    wait for the parts' names alone and return none (the writer process reads them: a failed rank's
+    part is named there, or at once by ``roll``)."""
     from .errors import RendezvousError
 
     names = [part_name(r) for r in range(world_size)]
@@ -522,7 +524,7 @@ def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
         with no_gc():  # (parts: JSON, no cycle; the collector would walk every part read so far, again and again)
             for r, name in enumerate(names):
                 if r not in parts and name in present:
-                    parts[r] = _read_part(step_dir.child(name))
+                    parts[r] = _read_part(step_dir.child(name)) if read else {}
                     _raise_failed(r, parts[r], doing, step_dir.url)
         return len(parts) == world_size
 
@@ -537,7 +539,7 @@ def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
     if watch is not None:
         watch.where = step_dir.url
     liveness.wait_until(done, watch, missing, timeout, too_late)
-    return [parts[r] for r in range(world_size)]
+    return [parts[r] for r in range(world_size)] if read else []
 
 
 #: the bytes of a part read when it appears: its JSON (a few KB, rank 0's its keys' paths too) and

@@ -228,7 +228,7 @@ class Saves:
                 self._write_own(staged, tmp, rank, final, step, phases, world_size, staged=True)
             if rank == 0:
                 with self.timing("commit", step, phases):
-                    self._commit_own(step, tmp, final, world_size)
+                    self._commit_own(step, tmp, final, world_size, staged=True)
         except BaseException as exc:
             if rank == 0:  # the other ranks wait for the commit: tell them why it will not come
                 rendezvous.refuse_step(tmp, exc, self.roll)
@@ -292,13 +292,17 @@ class Saves:
         if check is not None:
             self._last_digests = (step, final, check.tally.digests)
 
-    def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int) -> None:
+    def _commit_own(self, step: int, tmp: Location, final: Location, world_size: int, staged: bool = False) -> None:
         """Rank 0: wait for every rank's index in storage, write .metadata, then the commit record
-        (last), publish the step and apply retention."""
-        indexes = step_writer.read_rank_indexes(tmp, world_size, self.o.commit_timeout, step, self.roll)
-        started = time.perf_counter()  # (the commit's own time: the wait for the others is theirs)
-        manifest = step_writer.commit_metadata(tmp, indexes)
-        record = step_writer.commit_fields(tmp, indexes, manifest, time.perf_counter() - started)
+        (last), publish the step and apply retention (``staged``: an async save's; its indexes read
+        and merged in the writer process where there is one, this thread watching the beats while
+        it waits for them)."""
+        timeout = self.o.commit_timeout
+        if staged and self.process is not None:
+            rendezvous.await_parts(tmp, world_size, timeout, f"writing its part of step {step}", self.roll, step, read=False)
+            record = self.process.commit(tmp, world_size, timeout, step)
+        else:
+            record = step_writer.commit_step(tmp, world_size, timeout, step, self.roll)
         if "health" in record:
             self._judge_health(step, record["health"])
         self._publish(step, tmp, final, world_size, record)

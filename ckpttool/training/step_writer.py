@@ -744,9 +744,20 @@ def step_bytes(indexes: list[RankIndex]) -> dict[str, int]:
     return {"bytes_written": sum(i.written for i in indexes), "bytes_shared": sum(i.shared for i in indexes)}
 
 
+def commit_step(step_dir: Location, world_size: int, timeout: float, step: int, roll: Any = None) -> dict[str, Any]:
+    """Rank 0: every rank's index (:func:`read_rank_indexes`), merged into ``.metadata``; returns
+    the commit record's fields. Run by rank 0's writer process where it has one (the training
+    process has waited for the indexes' names by then, with the beats)."""
+    indexes = read_rank_indexes(step_dir, world_size, timeout, step, roll)
+    started = time.perf_counter()  # (the commit's own time: the wait for the others is theirs)
+    manifest = commit_metadata(step_dir, indexes)
+    return commit_fields(step_dir, indexes, manifest, time.perf_counter() - started)
+
+
 def commit_metadata(step_dir: Location, indexes: list[RankIndex]) -> dict[str, Any]:
     """Merge the ranks' indexes into ``.metadata`` (after checking that every tensor's chunks tile
     it), remove the indexes, and return the step's manifest."""
+    rendezvous.pause_point("before-metadata")  # (rank 0, in its writer process or its own)
     with no_gc():  # (a chunk or more per rank and tensor: millions of objects at scale)
         return _commit_metadata(step_dir, indexes)
 

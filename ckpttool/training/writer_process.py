@@ -9,7 +9,9 @@ once (again when the stager allocates a new block); per save it is sent the stat
 with each staged tensor as (offset, dtype, shape) in that block, and runs
 :func:`step_writer.write_rank` on it: the block digests, the writes and the rank's index. The
 training process's background thread waits for its answer (relaying its progress to the rank's
-beat) and does what follows (rank 0: the commit) as before.
+beat). Rank 0's then waits, watching the beats, for every rank's index to be in storage and sends
+the commit (:func:`step_writer.commit_step`: the indexes read and merged into ``.metadata``); it
+writes the commit record from the answer and publishes the step as before.
 
 The writer process is started as ``python -c`` (not multiprocessing's spawn, which runs the
 training script's ``__main__`` again), over a socket pair; messages are plain pickles (a
@@ -17,7 +19,8 @@ tensor outside the block goes by value: torch's sharing reductions, once registe
 DataLoader, would need multiprocessing's own processes). A writer process that dies is a failed
 save, named (:class:`WriterProcessError`), never a wait: the socket ends, and the next save starts
 a new process. It exits when the training process goes (its socket ends) and at
-``Checkpointer.close()``. Linux (``memfd_create``); CPU tensors: a CUDA tensor's pinned buffer is
+``Checkpointer.close()``. It follows the training process's ``CKPTTOOL_*`` variables as they are at
+each save (the fault points tests set). Linux (``memfd_create``); CPU tensors: a CUDA tensor's pinned buffer is
 its own, not in the block, and is sent by value.
 """
 
@@ -133,40 +136,57 @@ class WriterProcess:
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._block: SharedBlock | None = None  # the block the process has mapped
+        self._settings: dict[str, str] = {}  # the CKPTTOOL_* variables of its environment
         self._lock = threading.Lock()
 
     def write(self, block: SharedBlock | None, step_dir: Any, rank: int, staged: dict[str, Any], step: int,
               progress: Callable[[int], None] | None, health: Any, **kwargs: Any) -> Written | None:
         """:func:`step_writer.write_rank` of the staged state, in the writer process; ``health``'s
         tally comes back filled as the write filled it there."""
+        def send() -> None:
+            if block is not self._block and block is not None:
+                self._send(("block", block.nbytes))
+                send_handle(self._conn, block.fd, self._proc.pid)
+                self._block = block
+            self._send(("write", (step_dir, rank, _encode(staged, block), health, progress is not None, kwargs)))
+
+        written, tally = self._ask(send, progress, f"the writer process of rank {rank} ended while writing step {step}", step_dir)
+        if health is not None:
+            health.tally = tally
+        return written
+
+    def commit(self, step_dir: Any, world_size: int, timeout: float, step: int) -> dict[str, Any]:
+        """Rank 0: :func:`step_writer.commit_step` in the writer process (every rank's index is in
+        storage by now); returns the commit record's fields."""
+        return self._ask(lambda: self._send(("commit", (step_dir, world_size, timeout, step))), None,
+                         f"the writer process of rank 0 ended while committing step {step}", step_dir)
+
+    def _ask(self, send: Callable[[], None], progress: Callable[[int], None] | None, ended: str, step_dir: Any) -> Any:
+        """Send one piece of work, relay its progress, return its answer; its own error raised."""
         with self._lock:
             self._running()
             try:
-                if block is not self._block and block is not None:
-                    self._send(("block", block.nbytes))
-                    send_handle(self._conn, block.fd, self._proc.pid)
-                    self._block = block
-                self._send(("write", (step_dir, rank, _encode(staged, block), health, progress is not None, kwargs)))
+                settings = {k: v for k, v in os.environ.items() if k.startswith("CKPTTOOL_")}
+                if settings != self._settings:  # (a test's fault points, set after the process started)
+                    self._send(("settings", settings))
+                    self._settings = settings
+                send()
                 while True:
                     kind, payload = pickle.loads(self._conn.recv_bytes())
                     if kind == "progress":
                         if progress is not None:
                             progress(payload)
                     elif kind == "done":
-                        written, tally = payload
-                        if health is not None:
-                            health.tally = tally
-                        return written
+                        return payload
                     else:
-                        failure = payload  # the write's own error (a full disk): raised below, the process lives on
+                        failure = payload  # the work's own error (a full disk): raised below, the process lives on
                         break
             except (EOFError, OSError) as exc:
                 code = self._stop()
-                raise WriterProcessError(f"the writer process of rank {rank} ended while writing step {step} "
-                                         f"({_ended(code, exc)})", where=str(getattr(step_dir, "url", step_dir)),
+                raise WriterProcessError(f"{ended} ({_ended(code, exc)})", where=str(getattr(step_dir, "url", step_dir)),
                                          hint="the step is not committed; the next save starts a new writer process") from None
             except BaseException:
-                self._stop()  # (out of step with it, or still writing: the next save starts another)
+                self._stop()  # (out of step with it, or still working: the next save starts another)
                 raise
         raise failure
 
@@ -205,7 +225,7 @@ class WriterProcess:
                                      hint="the step is not committed; the next save tries again (or use writer='thread')") from None
         finally:
             theirs.close()
-        self._conn, self._block = Connection(ours.detach()), None
+        self._conn, self._block, self._settings = Connection(ours.detach()), None, {k: v for k, v in env.items() if k.startswith("CKPTTOOL_")}
         self._send(("path", sys.path))  # (the modules of the state's values import there as here: the script's folder)
 
     def _stop(self) -> int | None:
@@ -255,11 +275,29 @@ def _settle(nice: int | None, parent: int) -> bool:
     return True
 
 
+def _failed(exc: BaseException, step_dir: Any) -> tuple[str, Any]:
+    """The answer for work that raised ``exc``: ("error", the error as the training process raises it)."""
+    from ..storage import save_error
+
+    error = exc if isinstance(exc, CkptError) else save_error(exc, step_dir) if isinstance(exc, Exception) else None
+    return "error", error or CkptError(f"the work stopped: {type(exc).__name__}: {exc}", where=step_dir.url)
+
+
+def _commit(payload: Any) -> tuple[str, Any]:
+    """Rank 0's commit of a step: ("done", the commit record's fields) or ("error", the error)."""
+    from . import step_writer
+
+    step_dir, world_size, timeout, step = payload
+    try:
+        return "done", step_writer.commit_step(step_dir, world_size, timeout, step)
+    except BaseException as exc:  # noqa: BLE001 - handed to the training process, which raises it
+        return _failed(exc, step_dir)
+
+
 def _write(payload: Any, block: torch.Tensor | None, progress: Any) -> tuple[str, Any]:
     """One rank's write of a save, as the answer the training process gets: ("done", (what was
     written, the health tally)) or ("error", the error)."""
     from .. import rendezvous
-    from ..storage import save_error
     from . import step_writer
 
     step_dir, rank, encoded, health, beats, kwargs = payload
@@ -269,8 +307,7 @@ def _write(payload: Any, block: torch.Tensor | None, progress: Any) -> tuple[str
                                          progress=progress if beats else None, **kwargs)
         return "done", (written, health.tally if health is not None else None)
     except BaseException as exc:  # noqa: BLE001 - handed to the training process, which raises it
-        error = exc if isinstance(exc, CkptError) else save_error(exc, step_dir) if isinstance(exc, Exception) else None
-        return "error", error or CkptError(f"the write stopped: {type(exc).__name__}: {exc}", where=step_dir.url)
+        return _failed(exc, step_dir)
 
 
 def serve(fd: int, nice: int | None, parent: int) -> None:
@@ -306,6 +343,11 @@ def serve(fd: int, nice: int | None, parent: int) -> None:
         if kind == "path":
             sys.path[:] = payload
             continue
+        if kind == "settings":  # the training process's CKPTTOOL_* variables as they are now
+            for name in [k for k in os.environ if k.startswith("CKPTTOOL_") and k not in payload]:
+                del os.environ[name]
+            os.environ.update(payload)
+            continue
         if kind == "block":
             handle = recv_handle(conn)
             try:
@@ -313,7 +355,7 @@ def serve(fd: int, nice: int | None, parent: int) -> None:
             finally:
                 os.close(handle)
             continue
-        answer = _write(payload, block, progress)
+        answer = _commit(payload) if kind == "commit" else _write(payload, block, progress)
         try:
             try:
                 send(answer)

@@ -11,7 +11,7 @@ from .workloads import _train_steps, fresh_model, full_state, keep_warnings
 
 
 def failing_saves(root: str, async_save: bool, tolerate: int, fails: int, victim: int, point: str = "after-write",
-                  steps: tuple[int, ...] = (4, 6, 8)) -> dict:
+                  steps: tuple[int, ...] = (4, 6, 8), writer: str = "thread") -> dict:
     """Save step 2; then on ``victim`` the storage fails at ``point`` for the next ``fails`` saves
     (an ENOSPC raised inside the real write); train and save ``steps``. Returns what each save
     returned, what was raised (and at which step's call), the lines logged, and the full state at
@@ -20,7 +20,7 @@ def failing_saves(root: str, async_save: bool, tolerate: int, fails: int, victim
 
     lines, handler = keep_warnings()
     model, optimizer = fresh_model(seed=0)
-    ckpt = Checkpointer(root, async_save=async_save, tolerate_failures=tolerate)
+    ckpt = Checkpointer(root, async_save=async_save, tolerate_failures=tolerate, writer=writer)
     _train_steps(model, optimizer, 0, 1)
     ckpt.save(2, model, optimizer, extra={"step": 2})
     ckpt.wait()

@@ -14,14 +14,15 @@ from .test_async_and_crash import _full_state_on_a_laptop
 from .workloads import assert_same
 
 
-@pytest.mark.parametrize("async_save,point", [
-    (False, "after-write"),
-    (True, "after-write"),   # its index says it failed
-    (True, "before-index"),  # no index at all (as where storage refuses it): its beat says it failed
+@pytest.mark.parametrize("async_save,point,writer", [
+    (False, "after-write", "thread"),
+    (True, "after-write", "thread"),   # its index says it failed
+    (True, "before-index", "thread"),  # no index at all (as where storage refuses it): its beat says it failed
+    (True, "after-write", "process"),  # in rank 1's writer process; rank 0's waits for the indexes, then commits there
 ])
-def test_two_failed_saves_cost_two_saves_and_training_goes_on(tmp_path, async_save, point):
+def test_two_failed_saves_cost_two_saves_and_training_goes_on(tmp_path, async_save, point, writer):
     root = str(tmp_path / "run")
-    results = run_ranks(failing_saves, 2, root, async_save, 2, 2, 1, point)
+    results = run_ranks(failing_saves, 2, root, async_save, 2, 2, 1, point, writer=writer)
     for rank, res in enumerate(results):
         assert res["raised"] is None, (rank, res["raised"])
         if not async_save:  # a sync save says at once that it failed

@@ -5,6 +5,7 @@ save starts another, and the training script is never run again to start it."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -224,3 +225,48 @@ def test_a_writer_process_that_cannot_start_fails_that_save_by_name_and_the_next
         ckpt.save(2, model, optimizer)
         ckpt.wait()
         assert ckpt.steps() == [2]
+
+
+def test_rank_0s_commit_runs_in_the_writer_process_and_one_killed_there_fails_that_save_by_name(tmp_path):
+    """The step's indexes are merged into .metadata by the writer process (it stops at the pause
+    point before .metadata: its pid, not the training process's, is in the marker); killed there,
+    that save fails naming the commit, nothing is committed, and the next save commits. (A script of
+    its own: were the commit in the training process, the pause would hold it, not this test.)"""
+    marker = tmp_path / "paused"
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, torch\n"
+        "from ckpttool import Checkpointer\n"
+        "from ckpttool.errors import CkptError\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        f"c = Checkpointer({str(tmp_path / 'run')!r}, async_save=True, writer='process')\n"
+        "c.save(1, m)\n"
+        "try:\n"
+        "    c.wait()\n"
+        "except CkptError as exc:\n"
+        "    print('FAILED:', exc, flush=True)\n"
+        "del os.environ['CKPTTOOL_PAUSE_AT']  # (the next writer process would stop there again)\n"
+        "c.save(2, m)\n"
+        "c.wait()\n"
+        "print('STEPS:', c.steps(), flush=True)\n"
+        "c.close()\n")
+    env = dict(os.environ, CKPTTOOL_PAUSE_AT="before-metadata:1", CKPTTOOL_PAUSE_FILE=str(marker))
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            for _ in range(600):
+                if os.path.exists(f"{marker}.0") and os.path.getsize(f"{marker}.0"):
+                    break
+                time.sleep(0.1)
+            pid = int(open(f"{marker}.0").read())
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert b"writer_process import serve" in f.read(), "the commit ran outside the writer process"
+            assert not (tmp_path / "run" / "step-1").exists()
+            os.kill(pid, signal.SIGKILL)
+            assert proc.wait(timeout=120) == 0, (tmp_path / "log").read_text()
+        finally:
+            proc.kill()
+            proc.wait()
+    out = (tmp_path / "log").read_text()
+    assert re.search(r"FAILED: .*: the writer process of rank 0 ended while committing step 1 \(killed by signal 9\)", out), out
+    assert "not committed" in out and "STEPS: [2]" in out, out
