@@ -80,3 +80,12 @@ def test_both_unpicklers_give_the_same_value():
     data = pickle.dumps(_TRICKY, protocol=2)
     assert len(data) >= C_SCAN_MIN and c_unpickler_may_read(data)
     assert same_value(load_torch_pickle(data, "x"), _TRICKY)
+
+
+@pytest.mark.parametrize("index,may", [(65_535, True), (80_010, True), (80_011, False), (131_072, False), (1 << 24, False)])
+def test_a_memo_index_is_read_by_the_c_unpickler_only_below_the_pickle_s_length(index, may):
+    """A LONG_BINPUT whose index's high bytes are zero below the length is matched by the scan's
+    regex, one above 65,535 is checked on its own: either way, below the length (80,011) and no further."""
+    data = b"\x80\x02]r" + index.to_bytes(4, "little") + b"(" + b"K\x01" * 40_000 + b"e."
+    assert len(data) == 80_011
+    assert c_unpickler_may_read(data) is may
