@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 # The other legs of the torch matrix: the oldest release pyproject.toml declares and the newest released
 MATRIX ?= 2.7.1 2.15.0
 
-.PHONY: setup demo test test-pinned test-matrix test-all clean-demo
+.PHONY: setup demo test test-pinned test-slow test-matrix test-all clean-demo
 
 setup: $(VENV)/.installed
 
@@ -35,11 +35,15 @@ demo: setup
 	$(CKPT) inspect $(DEMO)/model.safetensors | head -8
 	@echo "demo finished: see $(DEMO)/"
 
-# A newcomer's test command: the pinned torch's suite (minutes). CI (.ci/run) runs it, then test-matrix.
+# A newcomer's test command: the pinned torch's suite (minutes). CI (.ci/run) runs it, then test-slow and test-matrix.
 test: setup
 	$(PY) -m pytest -q
 
 test-pinned: test
+
+# The tests marked slow (more kill points, longer waits, 20 resumes under load), on the pinned torch: CI runs them after make test.
+test-slow: setup
+	$(PY) -m pytest -q -m slow
 
 # The same suite on each other torch release of the matrix (each in a venv of its own; downloads torch).
 

@@ -113,11 +113,12 @@ def assert_step_4_not_committed_and_2_loads(root: str, size: str) -> None:
     (3, "async", "after-stage", 1, "tiny", "stage of step 4"),      # staged, its writer not started
     (2, "async", "mid-write", 1, "small", "write of step 4"),       # its data file half written
     (2, "sync", "mid-write", 1, "small", "write of step 4"),
-    (2, "async", "mid-write", 0, "small", "write of step 4"),       # rank 0, which hosts the job's store
-    (3, "sync", "before-index", 2, "tiny", "write of step 4"),      # its data written, its index not published
-    (3, "async", "before-index", 1, "tiny", "write of step 4"),
+    # (the rest are marked slow: make test-slow, which CI runs, keeps them; make test stays minutes)
+    pytest.param(2, "async", "mid-write", 0, "small", "write of step 4", marks=pytest.mark.slow),  # rank 0, which hosts the job's store
+    pytest.param(3, "sync", "before-index", 2, "tiny", "write of step 4", marks=pytest.mark.slow),  # its data written, its index not published
+    pytest.param(3, "async", "before-index", 1, "tiny", "write of step 4", marks=pytest.mark.slow),
     (3, "async", "before-commit", 0, "tiny", "commit of step 4"),   # rank 0, before the commit record
-    (3, "sync", "before-commit", 0, "tiny", "commit of step 4"),
+    pytest.param(3, "sync", "before-commit", 0, "tiny", "commit of step 4", marks=pytest.mark.slow),
 ])
 def test_a_rank_killed_mid_save_is_named_on_every_live_rank(tmp_path, world, mode, point, victim, size, phase):
     seen, killed, exited = run_and_kill(tmp_path, world, mode, point, victim, size)
@@ -125,6 +126,7 @@ def test_a_rank_killed_mid_save_is_named_on_every_live_rank(tmp_path, world, mod
     assert_step_4_not_committed_and_2_loads(str(tmp_path / "run"), size)
 
 
+@pytest.mark.slow
 def test_with_the_default_settings_a_dead_rank_is_named_within_30_seconds(tmp_path):
     """commit_timeout stays 1,800 s; the default dead_after names the rank well inside 30 s."""
     seen, killed, exited = run_and_kill(tmp_path, 2, "async", "mid-write", 1, "small", dead_after=None)

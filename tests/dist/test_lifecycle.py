@@ -87,7 +87,7 @@ def run_example(tmp_path: Path, example: str, env: dict[str, str]) -> subprocess
     )
 
 
-@pytest.mark.parametrize("form", ["with", "no close, group destroyed mid-save"])
+@pytest.mark.parametrize("form", ["with", pytest.param("no close, group destroyed mid-save", marks=pytest.mark.slow)])
 def test_the_readme_example_commits_its_last_step(tmp_path, form):
     example = readme_example()
     assert "with Checkpointer(" in example and "async_save=True" in example and "close()" not in example
@@ -185,6 +185,7 @@ def soak(tmp_path: Path, kills: int, seed: int) -> list[tuple[str, float, int]]:
     return log
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_never_loses_a_committed_step(tmp_path):
     log = soak(tmp_path, kills=2, seed=1)
     assert [mode for mode, _, _ in log] == ["sync", "async"]

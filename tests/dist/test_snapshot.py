@@ -11,7 +11,7 @@ from .snapshot_workloads import EDITS, foreign_thread_write, saves_with_edits
 from .workloads import assert_same
 
 
-@pytest.mark.parametrize("two", [False, True], ids=["one optimizer", "two optimizers"])
+@pytest.mark.parametrize("two", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["one optimizer", "two optimizers"])
 def test_every_async_save_holds_the_state_of_its_call_whatever_comes_next(tmp_path, two):
     # the copy thread starts 0.3 s late, so every edit comes before it has copied anything: only
     # the guards (every optimizer's step, the write guard on the saving thread) keep the steps exact

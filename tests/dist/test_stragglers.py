@@ -16,7 +16,7 @@ from .failure_workloads import straggling_save
 from .harness import run_ranks
 
 
-@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("async_save", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_straggler_is_named_at_growing_intervals_and_inspect_shows_the_slowest_rank(tmp_path, async_save):
     root = tmp_path / "run"
     lines = run_ranks(straggling_save, 2, str(root), async_save, 6.5, 1.5)

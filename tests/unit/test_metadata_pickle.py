@@ -132,6 +132,7 @@ def _described(rng, n_keys: int, n_chunks: int) -> "mp.Described":
     return d
 
 
+@pytest.mark.slow
 def test_the_opcode_writer_gives_what_the_object_graph_pickles_to_and_fewer_bytes():
     """metadata_emit writes .metadata opcode by opcode: plain pickle (torch's classes) and the
     allow-listed reader both get from it exactly what they get from the object graph's pickle
