@@ -30,6 +30,7 @@ from .dtypes import DType, dtype_of, named
 from .errors import CorruptCheckpointError, UnsafePickleError
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_PLAIN_INT = frozenset((int,))
 
 
 class Size(tuple):
@@ -38,9 +39,13 @@ class Size(tuple):
     __slots__ = ()
 
     def __new__(cls, items: Any = ()) -> Size:
-        if type(items) is tuple and all(type(v) is int for v in items) and (
-                not items or (_INT64[0] <= min(items) and max(items) <= _INT64[1])):
-            return super().__new__(cls, items)  # (what a pickle holds: a tuple of plain ints, checked at C speed)
+        # (what a pickle holds: a tuple of plain ints, checked at C speed; one item, the most common, more directly)
+        if type(items) is tuple:
+            if len(items) == 1:
+                if type(items[0]) is int and _INT64[0] <= items[0] <= _INT64[1]:
+                    return tuple.__new__(cls, items)
+            elif not items or (_PLAIN_INT.issuperset(map(type, items)) and _INT64[0] <= min(items) and max(items) <= _INT64[1]):
+                return tuple.__new__(cls, items)
         values = []
         for i, item in enumerate(items):
             try:

@@ -143,7 +143,8 @@ def test_the_new_value_types_give_a_hostile_pickle_nothing_to_expand_or_call():
 
 
 @pytest.mark.parametrize("items", [(1, 1 << 63), (-(1 << 63) - 1,), (1, 2.0), (1, "2"), (1, None), (1 << 64,), (True, 2),
-                                   (), (0, (1 << 63) - 1), (-(1 << 63), 5)])
+                                   (), (0, (1 << 63) - 1), (-(1 << 63), 5), (1 << 63,), (True,), (2.0,), ("2",), (None,),
+                                   ((1 << 63) - 1,), (-(1 << 63),), (1024,), (3, 4, True), (3, 4, 5)])
 def test_a_size_in_a_pickle_is_checked_the_same_on_its_fast_path(items):
     """safe_torch.Size is what a .metadata's torch.Size unpickles to: a tuple of plain ints takes a
     C-speed path; it accepts and refuses exactly what the item-by-item check does (ints of int64's
