@@ -512,8 +512,9 @@ def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
     what the ranks were doing); with ``roll``, a rank whose beat stopped ends it with a
     :class:`RankDeadError`, and ranks that trail the rest are logged; ranks whose part is not there
     after ``timeout`` seconds end it with a :class:`RendezvousError` naming them. ``read=False``:
-    wait for the parts' names alone and return none (the writer process reads them: a failed rank's
-    part is named there, or at once by ``roll``)."""
+    return none, and read only the parts of at most :data:`PART_HEAD` bytes, where a failed rank's
+    part is (its error's text is cut to :data:`FAILED_TEXT` characters): a failure is named as
+    promptly, and the others are read by whoever commits (the writer process)."""
     from .errors import RendezvousError
 
     names = [part_name(r) for r in range(world_size)]
@@ -524,7 +525,8 @@ def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
         with no_gc():  # (parts: JSON, no cycle; the collector would walk every part read so far, again and again)
             for r, name in enumerate(names):
                 if r not in parts and name in present:
-                    parts[r] = _read_part(step_dir.child(name)) if read else {}
+                    loc = step_dir.child(name)
+                    parts[r] = _read_part(loc) if read or loc.size() <= PART_HEAD else {}
                     _raise_failed(r, parts[r], doing, step_dir.url)
         return len(parts) == world_size
 
@@ -541,6 +543,10 @@ def await_parts(step_dir: Location, world_size: int, timeout: float, doing: str,
     liveness.wait_until(done, watch, missing, timeout, too_late)
     return [parts[r] for r in range(world_size)] if read else []
 
+
+#: the most characters of a failed rank's error its part says: a failed rank's part stays under
+#: PART_HEAD bytes (JSON spells a character in 12 at most), read when it appears whoever reads the others
+FAILED_TEXT = 1000
 
 #: the bytes of a part read when it appears: its JSON (a few KB, rank 0's its keys' paths too) and
 #: the start of its tail; the rest of the tail is read by range when asked (:class:`Tail`)

@@ -545,7 +545,8 @@ def _unchanged(parts: list[tuple[str, tuple, torch.Tensor, Box]], previous: Writ
 def publish_failure(step_dir: Location, rank: int, error: BaseException) -> None:
     """A rank that failed before it wrote anything: an index that carries only the error."""
     error_type, text = rendezvous.described(error)
-    publish_index(step_dir, RankIndex(rank, data_file_name(rank), error=text, error_type=error_type))
+    publish_index(step_dir, RankIndex(rank, data_file_name(rank), error=text[:rendezvous.FAILED_TEXT],
+                                      error_type=error_type[:200]))
 
 
 def finish_index(step_dir: Location, index: RankIndex, world_size: int | None) -> None:

@@ -166,7 +166,7 @@ class WriterProcess:
         with self._lock:
             self._running()
             try:
-                settings = {k: v for k, v in os.environ.items() if k.startswith("CKPTTOOL_")}
+                settings = {k: v for k in list(os.environ) if k.startswith("CKPTTOOL_") and (v := os.environ.get(k)) is not None}
                 if settings != self._settings:  # (a test's fault points, set after the process started)
                     self._send(("settings", settings))
                     self._settings = settings
@@ -290,7 +290,11 @@ def _commit(payload: Any) -> tuple[str, Any]:
     step_dir, world_size, timeout, step = payload
     try:
         return "done", step_writer.commit_step(step_dir, world_size, timeout, step)
-    except BaseException as exc:  # noqa: BLE001 - handed to the training process, which raises it
+    except Exception as exc:  # noqa: BLE001 - handed to the training process, which raises it
+        # (as it is, as the commit in the training process raises it: an error that is no CkptError,
+        # a bug in the merge, is never a failed save that tolerate_failures lets pass)
+        return "error", exc
+    except BaseException as exc:  # noqa: BLE001
         return _failed(exc, step_dir)
 
 

@@ -76,25 +76,49 @@ def straggling_save(root: str, async_save: bool, delay: float, straggler_after: 
     return [line for line in lines if "still at work" in line]
 
 
-def one_rank_fails_before_its_write(root: str, async_save: bool) -> dict:
+def one_rank_fails_before_its_write(root: str, async_save: bool, writer: str = "thread", slow: int | None = None,
+                                    delay: float = 0.0) -> dict:
     """Save step 2; at step 4 rank 1 alone passes ``extra`` that is no dict (its save fails before
-    it writes anything, a caller's mistake: never tolerated); train and save step 6. Returns what
-    was raised on this rank and at which call."""
+    it writes anything, a caller's mistake: never tolerated), and rank ``slow`` (if any) is held
+    ``delay`` seconds after its data is written; train and save step 6. Returns what was raised on
+    this rank, at which call, and the seconds from step 4's save() to its background save's
+    failure (logged as it happens)."""
+    import logging
+    import time
+
     from ckpttool import Checkpointer
 
+    failed_at: list[float] = []
+
+    class When(logging.Handler):
+        def emit(self, record):
+            if "background save of step 4 failed" in record.getMessage():
+                failed_at.append(time.monotonic())
+
+    handler = When(level=logging.ERROR)
+    logging.getLogger("ckpttool").addHandler(handler)
+
     model, optimizer = fresh_model(seed=0)
-    ckpt = Checkpointer(root, async_save=async_save, tolerate_failures=2)
+    ckpt = Checkpointer(root, async_save=async_save, tolerate_failures=2, writer=writer)
     _train_steps(model, optimizer, 0, 1)
     ckpt.save(2, model, optimizer, extra={"step": 2})
     ckpt.wait()
-    at = None
+    at, start = None, time.monotonic()
     try:
         for step in (4, 6):
             at = step
             extra = ["not", "a", "dict"] if step == 4 and dist.get_rank() == 1 else {"step": step}
+            if step == 4 and dist.get_rank() == slow:
+                os.environ["CKPTTOOL_DELAY_AT"] = f"after-write:{delay}"
             ckpt.save(step, model, optimizer, extra=extra)
+            if "CKPTTOOL_DELAY_AT" in os.environ:  # (once its writer has read it: it is at the point by then)
+                time.sleep(2)
+                os.environ.pop("CKPTTOOL_DELAY_AT")
         at = "wait"
         ckpt.wait()
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"raised": (type(exc).__name__, str(exc), at), "steps": ckpt.steps()}
+        return {"raised": (type(exc).__name__, str(exc), at), "steps": ckpt.steps(),
+                "seconds": failed_at[0] - start if failed_at else None}
+    finally:
+        logging_off(handler)
     return {"raised": None, "steps": ckpt.steps()}

@@ -79,3 +79,18 @@ def test_one_rank_failing_before_its_write_fails_the_save_on_every_rank_and_nobo
     assert results[0]["raised"][0] == "RankFailedError" and results[0]["raised"][2] == at, results[0]
     assert "rank 1 failed: UsageError: extra must be a dict" in results[0]["raised"][1], results[0]
     assert results[0]["steps"] == [2]
+
+
+@pytest.mark.slow
+def test_with_a_writer_process_a_failed_rank_is_named_at_once_while_another_is_still_writing(tmp_path):
+    """Rank 1's async save of step 4 fails before its write while rank 2 is held 20 s after
+    writing its data: rank 0's save of step 4 (its commit sent to its writer process once every
+    part is in) fails naming rank 1 within seconds, not once rank 2 is done. (Every rank raises it
+    at step 6's save, which they all reach once rank 2 is.)"""
+    from .failure_workloads import one_rank_fails_before_its_write
+
+    results = run_ranks(one_rank_fails_before_its_write, 3, str(tmp_path / "run"), True, "process", 2, 20.0, timeout=180)
+    assert results[0]["raised"][0] == "RankFailedError" and results[0]["raised"][2] == 6, results[0]
+    assert "rank 1 failed: UsageError: extra must be a dict" in results[0]["raised"][1], results[0]
+    assert results[0]["seconds"] is not None and results[0]["seconds"] < 12, results[0]
+    assert results[0]["steps"] == [2]

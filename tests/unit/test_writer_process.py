@@ -270,3 +270,20 @@ def test_rank_0s_commit_runs_in_the_writer_process_and_one_killed_there_fails_th
     out = (tmp_path / "log").read_text()
     assert re.search(r"FAILED: .*: the writer process of rank 0 ended while committing step 1 \(killed by signal 9\)", out), out
     assert "not committed" in out and "STEPS: [2]" in out, out
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_an_error_in_rank_0s_commit_is_raised_as_the_commit_raised_it_whichever_writer(tmp_path, monkeypatch, writer):
+    """The commit's own error comes back as it was raised (here the OSError of a full disk at the
+    point before .metadata), not as a storage error of the writer process's making: a save that
+    tolerate_failures lets pass is the same save with either writer."""
+    monkeypatch.setenv("CKPTTOOL_FAIL_AT", "before-metadata:1")
+    model, optimizer = _model()
+    with Checkpointer(str(tmp_path / "run"), async_save=True, writer=writer, tolerate_failures=1) as ckpt:
+        ckpt.save(1, model, optimizer)
+        with pytest.raises(OSError, match="(?i)no space left on device") as failed:
+            ckpt.wait()
+        assert not isinstance(failed.value, CkptError)
+        ckpt.save(2, model, optimizer)
+        ckpt.wait()
+        assert ckpt.steps() == [2]
