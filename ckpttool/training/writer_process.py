@@ -19,9 +19,9 @@ tensor outside the block goes by value: torch's sharing reductions, once registe
 DataLoader, would need multiprocessing's own processes). A writer process that dies is a failed
 save, named (:class:`WriterProcessError`), never a wait: the socket ends, and the next save starts
 a new process. It exits when the training process goes (its socket ends) and at
-``Checkpointer.close()``. It follows the training process's ``CKPTTOOL_*`` variables as they are at
-each save (the fault points tests set). Linux (``memfd_create``); CPU tensors: a CUDA tensor's pinned buffer is
-its own, not in the block, and is sent by value.
+``Checkpointer.close()``. It follows the training process's ``CKPTTOOL_*`` variables as they are
+at each save (the fault points tests set). Linux (``memfd_create``); CPU tensors: a CUDA tensor's
+pinned buffer is its own, not in the block, and is sent by value.
 """
 
 from __future__ import annotations
@@ -225,7 +225,8 @@ class WriterProcess:
                                      hint="the step is not committed; the next save tries again (or use writer='thread')") from None
         finally:
             theirs.close()
-        self._conn, self._block, self._settings = Connection(ours.detach()), None, {k: v for k, v in env.items() if k.startswith("CKPTTOOL_")}
+        self._conn, self._block = Connection(ours.detach()), None
+        self._settings = {k: v for k, v in env.items() if k.startswith("CKPTTOOL_")}  # (what it started with)
         self._send(("path", sys.path))  # (the modules of the state's values import there as here: the script's folder)
 
     def _stop(self) -> int | None:

@@ -114,8 +114,10 @@ def assert_step_4_not_committed_and_2_loads(root: str, size: str) -> None:
     (2, "async", "mid-write", 1, "small", "write of step 4"),       # its data file half written
     (2, "sync", "mid-write", 1, "small", "write of step 4"),
     # (the rest are marked slow: make test-slow, which CI runs, keeps them; make test stays minutes)
-    pytest.param(2, "async", "mid-write", 0, "small", "write of step 4", marks=pytest.mark.slow),  # rank 0, which hosts the job's store
-    pytest.param(3, "sync", "before-index", 2, "tiny", "write of step 4", marks=pytest.mark.slow),  # its data written, its index not published
+    # rank 0, which hosts the job's store
+    pytest.param(2, "async", "mid-write", 0, "small", "write of step 4", marks=pytest.mark.slow),
+    # its data written, its index not published
+    pytest.param(3, "sync", "before-index", 2, "tiny", "write of step 4", marks=pytest.mark.slow),
     pytest.param(3, "async", "before-index", 1, "tiny", "write of step 4", marks=pytest.mark.slow),
     (3, "async", "before-commit", 0, "tiny", "commit of step 4"),   # rank 0, before the commit record
     pytest.param(3, "sync", "before-commit", 0, "tiny", "commit of step 4", marks=pytest.mark.slow),
